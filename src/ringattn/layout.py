@@ -1,0 +1,166 @@
+r"""Layouts: which global token each rank holds, and which attention blocks a rank computes.
+
+A layout is a permutation of the S global tokens into W equal shards. Within a shard, tokens are
+kept in increasing global order, so "causal over local indices" and "causal over global positions"
+agree whenever queries and keys are the same shard.
+
+    contiguous  rank r holds chunk r of W                      (causal work unbalanced)
+    zigzag      rank r holds chunks r and 2W-1-r of 2W         (causal work balanced)
+    striped     rank r holds tokens r, r+W, r+2W, ...          (causal work balanced)
+
+Zigzag, W = 2, causal: rows are rank r's queries, columns the key chunks 0..3 (# = visible).
+
+    rank 0 holds chunks 0, 3       rank 1 holds chunks 1, 2
+             k0 k1 k2 k3                    k0 k1 k2 k3
+       q0    \.  .  .  .             q1     ## \.  .  .
+       q3    ## ## ## \.             q2     ## ## \.  .
+
+The block schedule is a pure function: for rank r and the K/V shard of rank `src` it lists the
+(query rows, key rows, mask) blocks to compute. Every visible (query, key) pair appears in exactly
+one block of exactly one (r, src) schedule; invisible pairs appear in none (tested without processes).
+A strategy iterates the schedule and never branches on a layout's name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Block:
+    """One attention call: local query rows [q_start, q_stop) against the source's key rows
+    [kv_start, kv_stop), either full or causal.
+
+    A causal block is square and top-left aligned: key j of the block is visible to query i of the
+    block iff j <= i. Masks shifted by one (striped, key shard from a higher rank: key j visible iff
+    j < i) are expressed as a causal block that drops the first query row and the last key row, so
+    every kernel only ever needs "full" or "causal". Blocks are never empty.
+    """
+
+    q_start: int
+    q_stop: int
+    kv_start: int
+    kv_stop: int
+    causal: bool = False
+
+
+class Layout:
+    """Base class: subclasses define `name`, `chunks_per_rank`, `global_indices` and `schedule`."""
+
+    name: str = ""
+    #: the global length must be divisible by world_size * chunks_per_rank
+    chunks_per_rank: int = 1
+
+    def check_seq_len(self, seq_len: int, world_size: int) -> None:
+        """Raise ValueError unless a global length of `seq_len` splits evenly for this layout."""
+        multiple = world_size * self.chunks_per_rank
+        if seq_len % multiple:
+            padded = -(-seq_len // multiple) * multiple
+            rule = (
+                f"{self.chunks_per_rank}*world_size={multiple}"
+                if self.chunks_per_rank > 1
+                else f"world_size={multiple}"
+            )
+            raise ValueError(
+                f"sequence length {seq_len} is not divisible by {rule} ({self.name} layout); "
+                f"pad the sequence to {padded} tokens"
+            )
+
+    def check_local_len(self, local_len: int) -> None:
+        """Raise ValueError unless a shard of `local_len` tokens is valid for this layout."""
+        if local_len % self.chunks_per_rank:
+            raise ValueError(
+                f"local sequence length {local_len} must be a multiple of {self.chunks_per_rank} "
+                f"for the {self.name} layout (rank r holds {self.chunks_per_rank} equal chunks); "
+                f"pad the global sequence to a multiple of {self.chunks_per_rank}*world_size"
+            )
+
+    def global_indices(self, seq_len: int, world_size: int, rank: int) -> torch.Tensor:
+        """Increasing global token indices held by `rank`, a LongTensor of seq_len/world_size."""
+        raise NotImplementedError
+
+    def schedule(
+        self, rank: int, src: int, world_size: int, local_len: int, causal: bool
+    ) -> list[Block]:
+        """Blocks that rank `rank`'s queries compute against the K/V shard of rank `src`."""
+        raise NotImplementedError
+
+    def permutation(self, seq_len: int, world_size: int) -> torch.Tensor:
+        """Global indices of all ranks' shards laid end to end (rank 0's first)."""
+        return torch.cat([self.global_indices(seq_len, world_size, r) for r in range(world_size)])
+
+
+class Contiguous(Layout):
+    name = "contiguous"
+    chunks_per_rank = 1
+
+    def global_indices(self, seq_len: int, world_size: int, rank: int) -> torch.Tensor:
+        n = seq_len // world_size
+        return torch.arange(rank * n, (rank + 1) * n)
+
+    def schedule(
+        self, rank: int, src: int, world_size: int, local_len: int, causal: bool
+    ) -> list[Block]:
+        n = local_len
+        if not causal or src < rank:
+            return [Block(0, n, 0, n)]
+        if src == rank:
+            return [Block(0, n, 0, n, causal=True)]
+        return []  # a later chunk is wholly in the future
+
+
+class Zigzag(Layout):
+    name = "zigzag"
+    chunks_per_rank = 2
+
+    def global_indices(self, seq_len: int, world_size: int, rank: int) -> torch.Tensor:
+        c = seq_len // (2 * world_size)
+        late = 2 * world_size - 1 - rank
+        return torch.cat([torch.arange(rank * c, (rank + 1) * c), torch.arange(late * c, (late + 1) * c)])
+
+    def schedule(
+        self, rank: int, src: int, world_size: int, local_len: int, causal: bool
+    ) -> list[Block]:
+        n, half = local_len, local_len // 2
+        if not causal:
+            return [Block(0, n, 0, n)]
+        if src == rank:
+            # both halves are in increasing global order, so causal over local indices is exact
+            return [Block(0, n, 0, n, causal=True)]
+        if src < rank:
+            # chunk src precedes both of ours; chunk 2W-1-src follows both
+            return [Block(0, n, 0, half)]
+        # chunk 2W-1-r (our late half) follows both of src's chunks; our early half sees neither
+        return [Block(half, n, 0, n)]
+
+
+class Striped(Layout):
+    name = "striped"
+    chunks_per_rank = 1
+
+    def global_indices(self, seq_len: int, world_size: int, rank: int) -> torch.Tensor:
+        return torch.arange(rank, seq_len, world_size)
+
+    def schedule(
+        self, rank: int, src: int, world_size: int, local_len: int, causal: bool
+    ) -> list[Block]:
+        n = local_len
+        if not causal:
+            return [Block(0, n, 0, n)]
+        # query i holds token r + W*i, key j holds token src + W*j: visible iff j <= i + (r-src)/W,
+        # i.e. j <= i when src <= r and j < i when src > r (query i' = i-1 against keys [0, n-1))
+        if src <= rank:
+            return [Block(0, n, 0, n, causal=True)]
+        return [Block(1, n, 0, n - 1, causal=True)] if n > 1 else []
+
+
+LAYOUTS: dict[str, Layout] = {layout.name: layout for layout in (Contiguous(), Zigzag(), Striped())}
+
+
+def get_layout(name: str) -> Layout:
+    """The layout registered under `name`; ValueError listing the choices otherwise."""
+    if not isinstance(name, str) or name not in LAYOUTS:
+        raise ValueError(f"unknown layout {name!r}; choose one of {sorted(LAYOUTS)}")
+    return LAYOUTS[name]

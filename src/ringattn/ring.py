@@ -1,0 +1,157 @@
+"""Ring strategy: K/V shards travel around the ring while each rank keeps its queries.
+
+Forward, rank r, world size W. At step t the rank holds the K/V shard of src = (r - t) mod W:
+
+    step t:  post  send kv -> r+1, recv kv' <- r-1      (double buffer, not waited on yet)
+             for each block of layout.schedule(r, src):  kernel forward, merge into (out, lse)
+             wait, swap kv and kv'
+
+That is W-1 K/V transfers, each hidden behind one step of compute. `out` and `lse` accumulate in
+float32 (float64 for float64 input) and `out` is cast once at the end.
+
+Backward. The gradient of the K/V shard of src is the sum of contributions from every rank's
+queries, so a float32 dK/dV accumulator travels with the K/V shard, one hop behind it:
+
+    step t:  post  kv exchange (as forward)
+             block gradients against src, using the global out and lse; dq += block dq
+             wait for the dK/dV partial of src from r-1 (step 0: start from zero), add ours
+             post  send that partial -> r+1, recv the next one <- r-1
+             wait kv exchange, swap
+
+After the last step the partial that arrives from r-1 holds every rank's contribution to our own
+K/V: W dK/dV transfers in all, and W-1 K/V transfers. Only the local q, k, v, out and lse are saved
+for backward; no received K/V block is kept.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .comm import GroupInfo, RingComm, wait
+from .kernels import Kernel
+from .layout import Block, Layout
+from .merge import accumulator_dtype, merge_
+
+KV_TAG, DKV_TAG = 0, 1
+
+
+@dataclass(frozen=True)
+class Call:
+    """Everything a strategy needs besides the tensors, resolved and validated by the API."""
+
+    info: GroupInfo
+    layout: Layout
+    kernel: Kernel
+    causal: bool
+    scale: float
+
+
+def _rows(x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """View of sequence rows [start, stop) of a (..., S, D) or (B, H, S) tensor along dim 2."""
+    return x.narrow(2, start, stop - start)
+
+
+class RingStrategy:
+    name = "ring"
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: Call
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        rank, world_size = call.info.rank, call.info.world_size
+        b, hq, s, d = q.shape
+        acc = accumulator_dtype(q.dtype)
+        out = torch.zeros(b, hq, s, d, dtype=acc, device=q.device)
+        lse = torch.full((b, hq, s), float("-inf"), dtype=acc, device=q.device)
+        ring = RingComm(call.info) if world_size > 1 else None
+        kv = torch.stack([k, v]) if ring else None  # (2, B, Hkv, S, D): one message per step
+        kv_next = torch.empty_like(kv) if ring else None
+        for step in range(world_size):
+            src = (rank - step) % world_size
+            works = ring.exchange([(kv, kv_next)], KV_TAG) if ring and step + 1 < world_size else []
+            keys, values = (kv[0], kv[1]) if ring else (k, v)
+            for block in call.layout.schedule(rank, src, world_size, s, call.causal):
+                self._forward_block(q, keys, values, block, call, out, lse)
+            if works:
+                wait(works)
+                kv, kv_next = kv_next, kv
+        return out.to(q.dtype), lse
+
+    @staticmethod
+    def _forward_block(q, k, v, block: Block, call: Call, out, lse) -> None:
+        block_out, block_lse = call.kernel.forward(
+            _rows(q, block.q_start, block.q_stop),
+            _rows(k, block.kv_start, block.kv_stop),
+            _rows(v, block.kv_start, block.kv_stop),
+            block.causal,
+            call.scale,
+        )
+        merge_(
+            _rows(out, block.q_start, block.q_stop),
+            _rows(lse, block.q_start, block.q_stop),
+            block_out,
+            block_lse,
+        )
+
+    def backward(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        call: Call,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        rank, world_size = call.info.rank, call.info.world_size
+        s = q.shape[2]
+        acc = accumulator_dtype(q.dtype)
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        ring = RingComm(call.info) if world_size > 1 else None
+        kv = torch.stack([k, v]) if ring else None
+        kv_next = torch.empty_like(kv) if ring else None
+        # dkv: the travelling dK/dV partial sum; dkv_other: the buffer the next one arrives in
+        dkv = torch.zeros((2, *k.shape), dtype=acc, device=k.device)
+        dkv_other = torch.empty_like(dkv) if ring else None
+        dkv_works: list = []
+        for step in range(world_size):
+            src = (rank - step) % world_size
+            kv_works = ring.exchange([(kv, kv_next)], KV_TAG) if ring and step + 1 < world_size else []
+            keys, values = (kv[0], kv[1]) if ring else (k, v)
+            grads = [
+                (block, self._backward_block(dout, q, keys, values, out, lse, block, call))
+                for block in call.layout.schedule(rank, src, world_size, s, call.causal)
+            ]
+            for block, (block_dq, _, _) in grads:
+                _rows(dq, block.q_start, block.q_stop).add_(block_dq)
+            if dkv_works:
+                wait(dkv_works)  # the partial for src has arrived in dkv_other
+                dkv, dkv_other = dkv_other, dkv
+            for block, (_, block_dk, block_dv) in grads:
+                _rows(dkv[0], block.kv_start, block.kv_stop).add_(block_dk)
+                _rows(dkv[1], block.kv_start, block.kv_stop).add_(block_dv)
+            if ring:
+                dkv_works = ring.exchange([(dkv, dkv_other)], DKV_TAG)
+            if kv_works:
+                wait(kv_works)
+                kv, kv_next = kv_next, kv
+        if dkv_works:
+            wait(dkv_works)  # every rank's contribution to our own K/V
+            dkv = dkv_other
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+
+    @staticmethod
+    def _backward_block(dout, q, k, v, out, lse, block: Block, call: Call):
+        q_rows = (block.q_start, block.q_stop)
+        kv_rows = (block.kv_start, block.kv_stop)
+        return call.kernel.backward(
+            _rows(dout, *q_rows),
+            _rows(q, *q_rows),
+            _rows(k, *kv_rows),
+            _rows(v, *kv_rows),
+            _rows(out, *q_rows),
+            _rows(lse, *q_rows),
+            block.causal,
+            call.scale,
+        )
