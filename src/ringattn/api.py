@@ -118,7 +118,9 @@ def _check_dim(x: object, dim: int) -> int:
     return dim % x.dim()
 
 
-def shard(x: torch.Tensor, dim: int, *, group: object = None, layout: str = "zigzag") -> torch.Tensor:
+def shard(
+    x: torch.Tensor, dim: int, *, group: object = None, layout: str = "zigzag"
+) -> torch.Tensor:
     """This rank's part of the full tensor `x` along `dim` (the sequence dim), in `layout` order.
 
     Differentiable: the gradient flows back to the matching positions of `x`.

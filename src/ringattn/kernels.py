@@ -151,7 +151,10 @@ KERNELS: dict[str, Kernel] = _registry()
 BACKENDS = ("auto", *KERNELS)
 
 # `auto` tries these in order and takes the first that supports the case and passes its probe
-AUTO_ORDER = {"cpu": ("cpu_flash", "reference"), "cuda": ("cudnn", "flash", "efficient", "reference")}
+AUTO_ORDER = {
+    "cpu": ("cpu_flash", "reference"),
+    "cuda": ("cudnn", "flash", "efficient", "reference"),
+}
 
 
 def check_backend_name(backend: str) -> None:
@@ -172,7 +175,9 @@ def select_kernel(backend: str, q: torch.Tensor, k: torch.Tensor) -> Kernel:
         kernel = KERNELS[backend]
         reason = kernel.supports(q, k)
         if reason is not None:
-            raise ValueError(f"backend {backend!r} cannot run this case: {reason}; use backend='auto'")
+            raise ValueError(
+                f"backend {backend!r} cannot run this case: {reason}; use backend='auto'"
+            )
         return kernel
     from .probe import kernel_works
 

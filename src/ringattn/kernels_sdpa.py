@@ -43,8 +43,18 @@ def _lse_3d(lse: torch.Tensor, q_len: int) -> torch.Tensor:
     return lse[..., :q_len].float()
 
 
+def _upcast_half(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    return [x.float() if x.dtype in _HALF else x for x in tensors]
+
+
 class CpuFlashKernel(Kernel):
-    """PyTorch's fused CPU flash attention; GQA without expanding K/V."""
+    """PyTorch's fused CPU flash attention; GQA without expanding K/V.
+
+    Half-precision blocks run in float32 and return float32 partials. In bf16 the op would round
+    every partial output and every block gradient before the float32 merge adds them up, which
+    roughly doubles the worst-case error against single-device attention; most CPUs have no bf16
+    matmul units, so the float32 path costs little.
+    """
 
     name = "cpu_flash"
 
@@ -54,15 +64,13 @@ class CpuFlashKernel(Kernel):
         return None
 
     def forward(self, q, k, v, causal, scale):
-        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, causal, scale=scale
-        )
-        return out, lse
+        q, k, v = _upcast_half(q, k, v)
+        return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
 
     def backward(self, dout, q, k, v, out, lse, causal, scale):
+        dout, q, k, v, out = _upcast_half(dout, q, k, v, out)
         return aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q, k, v, out, lse.to(out.dtype if out.dtype == torch.float64 else torch.float32),
-            0.0, causal, scale=scale,
+            dout, q, k, v, out, lse.to(q.dtype), 0.0, causal, scale=scale
         )
 
 
@@ -113,7 +121,9 @@ class CudnnKernel(_CudaKernel):
     max_head_dim = 128
 
     def _forward(self, q, k, v, causal, scale):
-        result = aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False, scale=scale)
+        result = aten._scaled_dot_product_cudnn_attention(
+            q, k, v, None, True, 0.0, causal, False, scale=scale
+        )
         self._lse_trailing_one = result[1].dim() == 4  # remembered for the backward's lse shape
         return result[0], result[1]
 
@@ -123,7 +133,21 @@ class CudnnKernel(_CudaKernel):
         seed, offset = _no_rng(q.device)
         s_q, s_k = q.shape[2], k.shape[2]
         return aten._scaled_dot_product_cudnn_attention_backward(
-            dout, q, k, v, out, lse, seed, offset, None, None, None, s_q, s_k, 0.0, causal,
+            dout,
+            q,
+            k,
+            v,
+            out,
+            lse,
+            seed,
+            offset,
+            None,
+            None,
+            None,
+            s_q,
+            s_k,
+            0.0,
+            causal,
             scale=scale,
         )
 
@@ -149,7 +173,9 @@ class EfficientKernel(_CudaKernel):
     dtypes = (torch.float32, *_HALF)
 
     def _forward(self, q, k, v, causal, scale):
-        result = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal, scale=scale)
+        result = aten._scaled_dot_product_efficient_attention(
+            q, k, v, None, True, 0.0, causal, scale=scale
+        )
         return result[0], result[1]
 
     def _backward(self, dout, q, k, v, out, lse, causal, scale):
@@ -158,7 +184,18 @@ class EfficientKernel(_CudaKernel):
         lse = torch.nn.functional.pad(lse, (0, pad)).contiguous()
         seed, offset = _no_rng(q.device)
         dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
-            dout, q, k, v, None, out, lse, seed, offset, 0.0, [True, True, True, False], causal,
+            dout,
+            q,
+            k,
+            v,
+            None,
+            out,
+            lse,
+            seed,
+            offset,
+            0.0,
+            [True, True, True, False],
+            causal,
             scale=scale,
         )
         return dq, dk, dv

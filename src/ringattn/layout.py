@@ -17,7 +17,8 @@ Zigzag, W = 2, causal: rows are rank r's queries, columns the key chunks 0..3 (#
 
 The block schedule is a pure function: for rank r and the K/V shard of rank `src` it lists the
 (query rows, key rows, mask) blocks to compute. Every visible (query, key) pair appears in exactly
-one block of exactly one (r, src) schedule; invisible pairs appear in none (tested without processes).
+one block of exactly one (r, src) schedule; invisible pairs appear in none (tested without
+processes).
 A strategy iterates the schedule and never branches on a layout's name.
 """
 
@@ -118,7 +119,9 @@ class Zigzag(Layout):
     def global_indices(self, seq_len: int, world_size: int, rank: int) -> torch.Tensor:
         c = seq_len // (2 * world_size)
         late = 2 * world_size - 1 - rank
-        return torch.cat([torch.arange(rank * c, (rank + 1) * c), torch.arange(late * c, (late + 1) * c)])
+        return torch.cat(
+            [torch.arange(rank * c, (rank + 1) * c), torch.arange(late * c, (late + 1) * c)]
+        )
 
     def schedule(
         self, rank: int, src: int, world_size: int, local_len: int, causal: bool

@@ -9,7 +9,8 @@ Two partials combine exactly:
 
 A row that sees no key of a block has lse = -inf. The formula above must then return the other
 partial unchanged, and (0, -inf) when both are empty. `exp(-inf - -inf)` is NaN, so the weights are
-taken against a "safe" lse that is 0 where the merged lse is -inf: both weights are then exp(-inf) = 0.
+taken against a "safe" lse that is 0 where the merged lse is -inf: both weights are then
+exp(-inf) = 0.
 (The sigmoid/logsigmoid rewrite that many ring implementations use returns NaN in both cases.)
 
 Accumulators are float32 (float64 for float64 inputs) and are updated in place.

@@ -117,7 +117,9 @@ class RingStrategy:
         dkv_works: list = []
         for step in range(world_size):
             src = (rank - step) % world_size
-            kv_works = ring.exchange([(kv, kv_next)], KV_TAG) if ring and step + 1 < world_size else []
+            kv_works = (
+                ring.exchange([(kv, kv_next)], KV_TAG) if ring and step + 1 < world_size else []
+            )
             keys, values = (kv[0], kv[1]) if ring else (k, v)
             grads = [
                 (block, self._backward_block(dout, q, keys, values, out, lse, block, call))

@@ -36,7 +36,9 @@ def check_qkv(q: object, k: object, v: object, scale: float | None) -> None:
                 f"F.scaled_dot_product_attention, got shape {tuple(x.shape)}"
             )
         if x.dtype not in FLOAT_DTYPES:
-            raise TypeError(f"{name} has dtype {x.dtype}; use one of {[str(d) for d in FLOAT_DTYPES]}")
+            raise TypeError(
+                f"{name} has dtype {x.dtype}; use one of {[str(d) for d in FLOAT_DTYPES]}"
+            )
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(
             f"q, k, v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}; cast them"
@@ -46,7 +48,9 @@ def check_qkv(q: object, k: object, v: object, scale: float | None) -> None:
             f"q, k, v must be on one device, got q {q.device}, k {k.device}, v {v.device}"
         )
     if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+        raise ValueError(
+            f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}"
+        )
     bq, hq, sq, dq = q.shape
     bk, hkv, sk, dk = k.shape
     if bq != bk:
@@ -96,7 +100,8 @@ def check_agreement(signature: tuple, info: GroupInfo, device: torch.device) -> 
     codes = [_code(value) for _, value in signature]
     gathered = all_gather_ints(codes, info, device)
     differing = [
-        (name, index) for index, (name, _) in enumerate(signature)
+        (name, index)
+        for index, (name, _) in enumerate(signature)
         if len({row[index] for row in gathered}) > 1
     ]
     if differing:
