@@ -1,0 +1,72 @@
+"""Shared fixtures: worker pools for multi-rank tests (see harness.py for the conventions).
+
+    def test_sum(pools):
+        assert pools(2).run(my_worker_fn, 3.0) == [...]
+
+    @pytest.mark.parametrize("pool", [1, 2, 3], indirect=True)
+    def test_every_world_size(pool):
+        pool.run("workers:attention_case", causal=True, ...)
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections import OrderedDict
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+# pytest's default "prepend" import mode already puts tests/ (no __init__.py) on sys.path; doing it
+# here too keeps `from harness import ...` working under --import-mode=importlib.
+_TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+if _TESTS_DIR not in sys.path:
+    sys.path.insert(0, _TESTS_DIR)
+
+from harness import WorkerPool
+
+
+class PoolCache:
+    """Pools by world size, at most `max_pools` alive at once; the least recently used is evicted.
+
+    A pool that was shut down (deadline, dead rank) is replaced by a fresh one on the next call.
+    """
+
+    def __init__(self, max_pools: int = 2, **pool_kwargs: Any) -> None:
+        self.max_pools = max_pools
+        self._pool_kwargs = pool_kwargs
+        self._pools: OrderedDict[int, WorkerPool] = OrderedDict()
+
+    def __call__(self, world_size: int) -> WorkerPool:
+        pool = self._pools.pop(world_size, None)
+        if pool is None or pool.closed:
+            while len(self._pools) >= self.max_pools:  # evict first: fewer processes at peak
+                self._pools.popitem(last=False)[1].shutdown()
+            pool = WorkerPool(world_size, **self._pool_kwargs)
+        self._pools[world_size] = pool  # most recently used last
+        return pool
+
+    def close(self) -> None:
+        while self._pools:
+            self._pools.popitem()[1].shutdown()
+
+
+@pytest.fixture(scope="session")
+def pools() -> Iterator[PoolCache]:
+    """`pools(W)` returns a cached WorkerPool of W ranks; at most 5 pools live at once."""
+    cache = PoolCache(max_pools=5)  # one per world size used: each spawned once
+    yield cache
+    cache.close()
+
+
+@pytest.fixture
+def pool(request: pytest.FixtureRequest, pools: PoolCache) -> WorkerPool:
+    """The pool for the world size given indirectly: parametrize("pool", [2, 4], indirect=True)."""
+    world_size = getattr(request, "param", None)
+    if not isinstance(world_size, int):
+        raise TypeError(
+            f"the `pool` fixture needs an int world size, got {world_size!r}; use "
+            '@pytest.mark.parametrize("pool", [1, 2, ...], indirect=True) or the `pools` fixture'
+        )
+    return pools(world_size)
