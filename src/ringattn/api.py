@@ -18,7 +18,8 @@ import torch
 from .comm import GroupInfo, all_gather_cat, resolve_group
 from .kernels import select_kernel
 from .layout import Layout, get_layout
-from .ring import Call, RingStrategy
+from .plan import Call
+from .ring import RingStrategy
 from .validate import call_signature, check_agreement, check_names, check_qkv
 
 

@@ -25,32 +25,13 @@ for backward; no received K/V block is kept.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from .comm import GroupInfo, RingComm, wait
-from .kernels import Kernel
-from .layout import Block, Layout
-from .merge import accumulator_dtype, merge_
+from .comm import RingComm, wait
+from .merge import accumulator_dtype
+from .plan import Call, block_backward, block_forward_merge, rows
 
 KV_TAG, DKV_TAG = 0, 1
-
-
-@dataclass(frozen=True)
-class Call:
-    """Everything a strategy needs besides the tensors, resolved and validated by the API."""
-
-    info: GroupInfo
-    layout: Layout
-    kernel: Kernel
-    causal: bool
-    scale: float
-
-
-def _rows(x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
-    """View of sequence rows [start, stop) of a (..., S, D) or (B, H, S) tensor along dim 2."""
-    return x.narrow(2, start, stop - start)
 
 
 class RingStrategy:
@@ -71,28 +52,12 @@ class RingStrategy:
             src = (rank - step) % world_size
             works = ring.exchange([(kv, kv_next)], KV_TAG) if ring and step + 1 < world_size else []
             keys, values = (kv[0], kv[1]) if ring else (k, v)
-            for block in call.layout.schedule(rank, src, world_size, s, call.causal):
-                self._forward_block(q, keys, values, block, call, out, lse)
+            for block in call.blocks(rank, src, s):
+                block_forward_merge(call, q, keys, values, block, out, lse)
             if works:
                 wait(works)
                 kv, kv_next = kv_next, kv
         return out.to(q.dtype), lse
-
-    @staticmethod
-    def _forward_block(q, k, v, block: Block, call: Call, out, lse) -> None:
-        block_out, block_lse = call.kernel.forward(
-            _rows(q, block.q_start, block.q_stop),
-            _rows(k, block.kv_start, block.kv_stop),
-            _rows(v, block.kv_start, block.kv_stop),
-            block.causal,
-            call.scale,
-        )
-        merge_(
-            _rows(out, block.q_start, block.q_stop),
-            _rows(lse, block.q_start, block.q_stop),
-            block_out,
-            block_lse,
-        )
 
     def backward(
         self,
@@ -122,17 +87,17 @@ class RingStrategy:
             )
             keys, values = (kv[0], kv[1]) if ring else (k, v)
             grads = [
-                (block, self._backward_block(dout, q, keys, values, out, lse, block, call))
-                for block in call.layout.schedule(rank, src, world_size, s, call.causal)
+                (block, block_backward(call, dout, q, keys, values, out, lse, block))
+                for block in call.blocks(rank, src, s)
             ]
             for block, (block_dq, _, _) in grads:
-                _rows(dq, block.q_start, block.q_stop).add_(block_dq)
+                rows(dq, block.q_start, block.q_stop).add_(block_dq)
             if dkv_works:
                 wait(dkv_works)  # the partial for src has arrived in dkv_other
                 dkv, dkv_other = dkv_other, dkv
             for block, (_, block_dk, block_dv) in grads:
-                _rows(dkv[0], block.kv_start, block.kv_stop).add_(block_dk)
-                _rows(dkv[1], block.kv_start, block.kv_stop).add_(block_dv)
+                rows(dkv[0], block.kv_start, block.kv_stop).add_(block_dk)
+                rows(dkv[1], block.kv_start, block.kv_stop).add_(block_dv)
             if ring:
                 dkv_works = ring.exchange([(dkv, dkv_other)], DKV_TAG)
             if kv_works:
@@ -142,18 +107,3 @@ class RingStrategy:
             wait(dkv_works)  # every rank's contribution to our own K/V
             dkv = dkv_other
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
-
-    @staticmethod
-    def _backward_block(dout, q, k, v, out, lse, block: Block, call: Call):
-        q_rows = (block.q_start, block.q_stop)
-        kv_rows = (block.kv_start, block.kv_stop)
-        return call.kernel.backward(
-            _rows(dout, *q_rows),
-            _rows(q, *q_rows),
-            _rows(k, *kv_rows),
-            _rows(v, *kv_rows),
-            _rows(out, *q_rows),
-            _rows(lse, *q_rows),
-            block.causal,
-            call.scale,
-        )

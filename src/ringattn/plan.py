@@ -1,0 +1,96 @@
+"""The plan of one attention call, shared by every strategy.
+
+`Call` holds what the API resolved and validated (group, layout, kernel, mask options). A strategy
+asks it which blocks rank `rank`'s queries compute against the keys of rank `src`
+(`call.blocks(rank, src, local_len)`), and runs each block with `block_forward` /
+`block_backward`, which slice the local rows and call the kernel. Strategies therefore never look
+at a layout's name or a mask's shape: a new layout or mask changes the schedule, not the loops.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .comm import GroupInfo
+from .kernels import Kernel
+from .layout import Block, Layout
+from .merge import merge_
+
+
+@dataclass(frozen=True)
+class Call:
+    """Everything a strategy needs besides the tensors, resolved and validated by the API."""
+
+    info: GroupInfo
+    layout: Layout
+    kernel: Kernel
+    causal: bool
+    scale: float
+
+    def blocks(self, rank: int, src: int, local_len: int) -> list[Block]:
+        """Blocks of rank `rank`'s queries against rank `src`'s keys (ranks of this group)."""
+        return self.layout.schedule(rank, src, self.info.world_size, local_len, self.causal)
+
+
+def rows(x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """View of sequence rows [start, stop) along dim 2 of a (B, H, S, D) or (B, H, S) tensor."""
+    return x.narrow(2, start, stop - start)
+
+
+def block_forward(
+    call: Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: Block
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of one block: the block's query rows of q against its key rows of k, v."""
+    return call.kernel.forward(
+        rows(q, block.q_start, block.q_stop),
+        rows(k, block.kv_start, block.kv_stop),
+        rows(v, block.kv_start, block.kv_stop),
+        block.causal,
+        call.scale,
+    )
+
+
+def block_forward_merge(
+    call: Call,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block: Block,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+) -> None:
+    """Compute one block and merge it into the accumulators' rows of that block, in place."""
+    block_out, block_lse = block_forward(call, q, k, v, block)
+    merge_(
+        rows(out, block.q_start, block.q_stop),
+        rows(lse, block.q_start, block.q_stop),
+        block_out,
+        block_lse,
+    )
+
+
+def block_backward(
+    call: Call,
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    block: Block,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of one block, for its query rows and key rows, from the global out and lse."""
+    q_rows = (block.q_start, block.q_stop)
+    kv_rows = (block.kv_start, block.kv_stop)
+    return call.kernel.backward(
+        rows(dout, *q_rows),
+        rows(q, *q_rows),
+        rows(k, *kv_rows),
+        rows(v, *kv_rows),
+        rows(out, *q_rows),
+        rows(lse, *q_rows),
+        block.causal,
+        call.scale,
+    )
