@@ -15,11 +15,13 @@ import math
 
 import torch
 
-from .comm import GroupInfo, all_gather_cat, resolve_group
+from .comm import GroupInfo, resolve_group
 from .kernels import select_kernel
-from .layout import Layout, get_layout
+from .layout import get_layout
+from .packing import check_window
 from .plan import Call
 from .ring import RingStrategy
+from .sharding import local_placement, positions, shard, unshard
 from .validate import call_signature, check_agreement, check_names, check_qkv
 
 
@@ -68,6 +70,8 @@ def attention(
     strategy: str = "ring",
     backend: str = "auto",
     return_lse: bool = False,
+    cu_seqlens: object = None,
+    window: tuple[int, int] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact attention over a sequence sharded across the ranks of `group`.
 
@@ -77,12 +81,28 @@ def attention(
     scores, float32 (float64 for float64 inputs), without gradient. `scale` defaults to 1/sqrt(D).
     `group` is a ProcessGroup, a 1-D DeviceMesh, or None for the default group (a single process
     when torch.distributed is not initialised). `backend` is "auto" or a kernel name.
+
+    `cu_seqlens` ([0, e1, ..., S], the same on every rank) packs documents along the sequence
+    (B = 1): attention is block-diagonal by document, causal inside each when `causal`. Any
+    lengths work; local tensors come from `shard(..., cu_seqlens=...)` and include padding rows,
+    whose out and lse are 0. `window = (left, right)` limits each query to keys at most `left`
+    before and `right` after it (-1: unbounded), as flash-attn's `window_size`.
     """
     layout_obj = get_layout(layout)
     check_names(strategy, STRATEGIES, backend)
     check_qkv(q, k, v, scale)
+    window = check_window(window)
     info = resolve_group(group)
-    layout_obj.check_local_len(q.shape[2])
+    placement = None
+    if cu_seqlens is not None or window is not None:
+        if cu_seqlens is not None and q.shape[0] != 1:
+            raise ValueError(
+                f"cu_seqlens packs documents along the sequence of a single batch row, but q has "
+                f"batch size {q.shape[0]}; concatenate the batch along the sequence"
+            )
+        placement = local_placement(layout_obj, info, q.shape[2], cu_seqlens)
+    else:
+        layout_obj.check_local_len(q.shape[2])
     _check_device(info, q)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     strategy_obj = STRATEGIES[strategy]
@@ -92,9 +112,13 @@ def attention(
         )
     kernel = select_kernel(backend, q, k)
     signature = call_signature(q, k, causal, scale, layout_obj, strategy, backend)
+    bounds = None if placement is None else placement.bounds
+    signature += (("window", window), ("cu_seqlens", bounds))
     check_agreement(signature, info, q.device)
-    call = Call(info, layout_obj, kernel, bool(causal), scale)
+    call = Call(info, layout_obj, kernel, bool(causal), scale, placement, window)
     out, lse = _Attention.apply(q, k, v, strategy_obj, call)
+    if placement is not None and placement.has_padding:
+        lse = lse.masked_fill(torch.isneginf(lse), 0.0)  # padding rows see no key
     return (out, lse) if return_lse else out
 
 
@@ -111,85 +135,4 @@ def _check_device(info: GroupInfo, q: torch.Tensor) -> None:
         )
 
 
-def _check_dim(x: object, dim: int) -> int:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"expected a torch.Tensor, got {type(x).__name__}")
-    if not isinstance(dim, int) or not -x.dim() <= dim < x.dim():
-        raise ValueError(f"dim {dim!r} is out of range for a tensor of shape {tuple(x.shape)}")
-    return dim % x.dim()
-
-
-def shard(
-    x: torch.Tensor, dim: int, *, group: object = None, layout: str = "zigzag"
-) -> torch.Tensor:
-    """This rank's part of the full tensor `x` along `dim` (the sequence dim), in `layout` order.
-
-    Differentiable: the gradient flows back to the matching positions of `x`.
-    """
-    layout_obj = get_layout(layout)
-    dim = _check_dim(x, dim)
-    info = resolve_group(group)
-    layout_obj.check_seq_len(x.shape[dim], info.world_size)
-    index = layout_obj.global_indices(x.shape[dim], info.world_size, info.rank)
-    return x.index_select(dim, index.to(x.device))
-
-
-class _Unshard(torch.autograd.Function):
-    """All-gather + inverse permutation; backward takes this rank's rows of the gradient."""
-
-    @staticmethod
-    def forward(ctx, x_local, dim, info, layout_obj):
-        world_size = info.world_size
-        seq_len = x_local.shape[dim] * world_size
-        gathered = all_gather_cat(x_local, dim, info)  # shards end to end, rank 0 first
-        inverse = torch.argsort(layout_obj.permutation(seq_len, world_size)).to(x_local.device)
-        ctx.dim, ctx.info, ctx.layout = dim, info, layout_obj
-        return gathered.index_select(dim, inverse)
-
-    @staticmethod
-    def backward(ctx, grad):
-        seq_len = grad.shape[ctx.dim]
-        index = ctx.layout.global_indices(seq_len, ctx.info.world_size, ctx.info.rank)
-        return grad.index_select(ctx.dim, index.to(grad.device)), None, None, None
-
-
-def unshard(
-    x_local: torch.Tensor, dim: int, *, group: object = None, layout: str = "zigzag"
-) -> torch.Tensor:
-    """The full tensor, in original token order, from every rank's `x_local` along `dim`.
-
-    Every rank gets the whole tensor. Backward treats the result as replicated: each rank's
-    gradient is the rows of its own shard (as for a DTensor going from Replicate to Shard).
-    """
-    layout_obj = get_layout(layout)
-    dim = _check_dim(x_local, dim)
-    info = resolve_group(group)
-    layout_obj.check_local_len(x_local.shape[dim])
-    signature = (
-        ("op", "unshard"),
-        ("shape", tuple(x_local.shape)),
-        ("dtype", str(x_local.dtype)),
-        ("dim", dim),
-        ("layout", layout_obj.name),
-    )
-    check_agreement(signature, info, x_local.device)
-    return _Unshard.apply(x_local, dim, info, layout_obj)
-
-
-def positions(
-    seq_len: int,
-    *,
-    group: object = None,
-    layout: str = "zigzag",
-    device: torch.device | str | None = None,
-) -> torch.Tensor:
-    """Global token indices (int64, increasing) that this rank holds: for RoPE and labels."""
-    layout_obj = get_layout(layout)
-    if not isinstance(seq_len, int) or seq_len <= 0:
-        raise ValueError(f"seq_len must be a positive int, got {seq_len!r}")
-    info = resolve_group(group)
-    layout_obj.check_seq_len(seq_len, info.world_size)
-    return layout_obj.global_indices(seq_len, info.world_size, info.rank).to(device)
-
-
-__all__ = ["STRATEGIES", "Layout", "attention", "positions", "shard", "unshard"]
+__all__ = ["STRATEGIES", "attention", "positions", "shard", "unshard"]

@@ -77,23 +77,30 @@ class RingComm:
     def __init__(self, info: GroupInfo):
         assert info.world_size > 1, "a ring of one rank has nothing to exchange"
         self.group = info.group
+        self.rank, self.world_size = info.rank, info.world_size
         self.next = dist.get_global_rank(info.group, (info.rank + 1) % info.world_size)
         self.prev = dist.get_global_rank(info.group, (info.rank - 1) % info.world_size)
 
     def exchange(
-        self, pairs: list[tuple[torch.Tensor, torch.Tensor]], tag: int = 0
+        self, pairs: list[tuple[torch.Tensor, torch.Tensor]], tag: int = 0, hop: int = 1
     ) -> list[dist.Work]:
         """Post, for each (send, recv) pair, send to the next rank and receive from the previous.
 
         Returns the pending works; call `wait(works)` before reading any recv buffer or writing
         any send buffer. Every rank posts the same pairs in the same order, which is what lets the
         transport match them; `tag` keeps two streams of messages (K/V and dK/dV) apart on
-        transports that honour tags (gloo; NCCL matches by order, which is the same).
+        transports that honour tags (gloo; NCCL matches by order, which is the same). `hop`
+        sends to rank + hop and receives from rank - hop instead (a ring cut short returns its
+        last dK/dV partial straight to the owner).
         """
+        send_to, recv_from = self.next, self.prev
+        if hop != 1:
+            send_to = dist.get_global_rank(self.group, (self.rank + hop) % self.world_size)
+            recv_from = dist.get_global_rank(self.group, (self.rank - hop) % self.world_size)
         ops = []
         for send, recv in pairs:
-            ops.append(dist.P2POp(dist.isend, send, self.next, self.group, tag))
-            ops.append(dist.P2POp(dist.irecv, recv, self.prev, self.group, tag))
+            ops.append(dist.P2POp(dist.isend, send, send_to, self.group, tag))
+            ops.append(dist.P2POp(dist.irecv, recv, recv_from, self.group, tag))
         return dist.batch_isend_irecv(ops)
 
 

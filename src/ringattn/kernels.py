@@ -27,9 +27,14 @@ from .merge import accumulator_dtype
 
 
 class Kernel:
-    """Interface of a block kernel; `supports` says why a case cannot run (None when it can)."""
+    """Interface of a block kernel; `supports` says why a case cannot run (None when it can).
+
+    Kernels with `supports_band` also run banded blocks (sliding windows): `forward_band` and
+    `backward_band` take `band = (lo, hi)`, key j visible to query i iff lo <= j - i <= hi.
+    """
 
     name: str = ""
+    supports_band: bool = False
 
     def supports(self, q: torch.Tensor, k: torch.Tensor) -> str | None:
         raise NotImplementedError
@@ -58,6 +63,14 @@ def causal_mask(q_len: int, k_len: int, device: torch.device) -> torch.Tensor:
     rows = torch.arange(q_len, device=device).unsqueeze(1)
     cols = torch.arange(k_len, device=device).unsqueeze(0)
     return cols <= rows
+
+
+def band_mask(q_len: int, k_len: int, band: tuple[int, int], device: torch.device) -> torch.Tensor:
+    """(q_len, k_len) bool mask, True where band[0] <= j - i <= band[1]."""
+    offset = torch.arange(k_len, device=device).unsqueeze(0) - torch.arange(
+        q_len, device=device
+    ).unsqueeze(1)
+    return (offset >= band[0]) & (offset <= band[1])
 
 
 def _grouped(q: torch.Tensor, hkv: int) -> torch.Tensor:
@@ -127,9 +140,17 @@ class ReferenceKernel(Kernel):
     """Explicit-mask attention in plain PyTorch: every dtype and device, O(Sq*Sk) memory."""
 
     name = "reference"
+    supports_band = True
 
     def supports(self, q: torch.Tensor, k: torch.Tensor) -> str | None:
         return None
+
+    def forward_band(self, q, k, v, band, scale):
+        return reference_forward(q, k, v, band_mask(q.shape[2], k.shape[2], band, q.device), scale)
+
+    def backward_band(self, dout, q, k, v, out, lse, band, scale):
+        mask = band_mask(q.shape[2], k.shape[2], band, q.device)
+        return reference_backward(dout, q, k, v, out, lse, mask, scale)
 
     def forward(self, q, k, v, causal, scale):
         mask = causal_mask(q.shape[2], k.shape[2], q.device) if causal else None

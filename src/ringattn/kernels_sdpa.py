@@ -15,9 +15,11 @@ offset the backward ops ask for are never read.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from .kernels import Kernel
+from .kernels import Kernel, band_mask
 
 aten = torch.ops.aten
 _HALF = (torch.float16, torch.bfloat16)
@@ -57,11 +59,32 @@ class CpuFlashKernel(Kernel):
     """
 
     name = "cpu_flash"
+    supports_band = True
 
     def supports(self, q, k):
         if q.device.type != "cpu":
             return f"needs CPU tensors, got {q.device}"
         return None
+
+    @staticmethod
+    def _bias(q, k, band):
+        """Additive mask in q's dtype (the op's rule); every row of a band block sees a key."""
+        visible = band_mask(q.shape[2], k.shape[2], band, q.device)
+        return torch.zeros(visible.shape, dtype=q.dtype).masked_fill(~visible, -math.inf)
+
+    def forward_band(self, q, k, v, band, scale):
+        q, k, v = _upcast_half(q, k, v)
+        bias = self._bias(q, k, band)
+        return aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, False, attn_mask=bias, scale=scale
+        )
+
+    def backward_band(self, dout, q, k, v, out, lse, band, scale):
+        dout, q, k, v, out = _upcast_half(dout, q, k, v, out)
+        bias = self._bias(q, k, band)
+        return aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse.to(q.dtype), 0.0, False, attn_mask=bias, scale=scale
+        )
 
     def forward(self, q, k, v, causal, scale):
         q, k, v = _upcast_half(q, k, v)

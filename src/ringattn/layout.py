@@ -38,6 +38,9 @@ class Block:
     block iff j <= i. Masks shifted by one (striped, key shard from a higher rank: key j visible iff
     j < i) are expressed as a causal block that drops the first query row and the last key row, so
     every kernel only ever needs "full" or "causal". Blocks are never empty.
+
+    `band = (lo, hi)` marks a banded block (sliding windows): key j is visible to query i iff
+    lo <= j - i <= hi, block-local, and every query row of the block sees at least one key.
     """
 
     q_start: int
@@ -45,14 +48,36 @@ class Block:
     kv_start: int
     kv_stop: int
     causal: bool = False
+    band: tuple[int, int] | None = None
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Part of a segment on one rank: `count` real tokens at local offset `local_offset`, holding
+    segment tokens global_offset, global_offset + stride, ... (the rest of the piece is padding)."""
+
+    local_offset: int
+    global_offset: int
+    count: int
+    stride: int
 
 
 class Layout:
-    """Base class: subclasses define `name`, `chunks_per_rank`, `global_indices` and `schedule`."""
+    """Base class: subclasses define `name`, `chunks_per_rank`, `split` and `schedule`."""
 
     name: str = ""
     #: the global length must be divisible by world_size * chunks_per_rank
     chunks_per_rank: int = 1
+    #: with packed documents, split each document on its own (True) or the whole sequence (False)
+    per_document: bool = True
+
+    def split(self, length: int, world_size: int) -> tuple[int, list[list[Piece]]]:
+        """Split a segment of `length` tokens: (tokens per rank, padding included; pieces per rank).
+
+        Padding goes at the end of the segment, so on every rank the real tokens of a segment are
+        a prefix of each piece.
+        """
+        raise NotImplementedError
 
     def check_seq_len(self, seq_len: int, world_size: int) -> None:
         """Raise ValueError unless a global length of `seq_len` splits evenly for this layout."""
@@ -80,7 +105,13 @@ class Layout:
 
     def global_indices(self, seq_len: int, world_size: int, rank: int) -> torch.Tensor:
         """Increasing global token indices held by `rank`, a LongTensor of seq_len/world_size."""
-        raise NotImplementedError
+        _, pieces = self.split(seq_len, world_size)
+        return torch.cat(
+            [
+                torch.arange(p.count) * p.stride + p.global_offset
+                for p in sorted(pieces[rank], key=lambda p: p.local_offset)
+            ]
+        )
 
     def schedule(
         self, rank: int, src: int, world_size: int, local_len: int, causal: bool
@@ -93,13 +124,19 @@ class Layout:
         return torch.cat([self.global_indices(seq_len, world_size, r) for r in range(world_size)])
 
 
+def _real(capacity: int, global_offset: int, length: int) -> int:
+    """Real tokens in a chunk of `capacity` starting at `global_offset` of a `length` segment."""
+    return max(0, min(capacity, length - global_offset))
+
+
 class Contiguous(Layout):
     name = "contiguous"
     chunks_per_rank = 1
+    per_document = False  # documents fall where they fall; a short one lies on a single rank
 
-    def global_indices(self, seq_len: int, world_size: int, rank: int) -> torch.Tensor:
-        n = seq_len // world_size
-        return torch.arange(rank * n, (rank + 1) * n)
+    def split(self, length, world_size):
+        n = -(-length // world_size)
+        return n, [[Piece(0, r * n, _real(n, r * n, length), 1)] for r in range(world_size)]
 
     def schedule(
         self, rank: int, src: int, world_size: int, local_len: int, causal: bool
@@ -116,12 +153,14 @@ class Zigzag(Layout):
     name = "zigzag"
     chunks_per_rank = 2
 
-    def global_indices(self, seq_len: int, world_size: int, rank: int) -> torch.Tensor:
-        c = seq_len // (2 * world_size)
-        late = 2 * world_size - 1 - rank
-        return torch.cat(
-            [torch.arange(rank * c, (rank + 1) * c), torch.arange(late * c, (late + 1) * c)]
-        )
+    def split(self, length, world_size):
+        c = -(-length // (2 * world_size))
+        pieces = []
+        for r in range(world_size):
+            late = 2 * world_size - 1 - r
+            early_piece = Piece(0, r * c, _real(c, r * c, length), 1)
+            pieces.append([early_piece, Piece(c, late * c, _real(c, late * c, length), 1)])
+        return 2 * c, pieces
 
     def schedule(
         self, rank: int, src: int, world_size: int, local_len: int, causal: bool
@@ -143,8 +182,12 @@ class Striped(Layout):
     name = "striped"
     chunks_per_rank = 1
 
-    def global_indices(self, seq_len: int, world_size: int, rank: int) -> torch.Tensor:
-        return torch.arange(rank, seq_len, world_size)
+    def split(self, length, world_size):
+        n = -(-length // world_size)
+        return n, [
+            [Piece(0, r, max(0, -(-(length - r) // world_size)), world_size)]
+            for r in range(world_size)
+        ]
 
     def schedule(
         self, rank: int, src: int, world_size: int, local_len: int, causal: bool

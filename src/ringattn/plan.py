@@ -14,24 +14,53 @@ from dataclasses import dataclass
 import torch
 
 from .comm import GroupInfo
-from .kernels import Kernel
+from .kernels import KERNELS, Kernel
 from .layout import Block, Layout
 from .merge import merge_
+from .packing import Placement, placement_blocks
 
 
 @dataclass(frozen=True)
 class Call:
-    """Everything a strategy needs besides the tensors, resolved and validated by the API."""
+    """Everything a strategy needs besides the tensors, resolved and validated by the API.
+
+    `placement` is None for a dense sequence without a window: the layout's closed-form schedule
+    applies. Otherwise (packed documents, padding, sliding window) blocks come from the placement's
+    runs (packing.py).
+    """
 
     info: GroupInfo
     layout: Layout
     kernel: Kernel
     causal: bool
     scale: float
+    placement: Placement | None = None
+    window: tuple[int, int] | None = None
 
-    def blocks(self, rank: int, src: int, local_len: int) -> list[Block]:
+    def blocks(self, rank: int, src: int, local_len: int) -> list[Block] | tuple[Block, ...]:
         """Blocks of rank `rank`'s queries against rank `src`'s keys (ranks of this group)."""
-        return self.layout.schedule(rank, src, self.info.world_size, local_len, self.causal)
+        if self.placement is None:
+            return self.layout.schedule(rank, src, self.info.world_size, local_len, self.causal)
+        return placement_blocks(self.placement, rank, src, self.causal, self.window)
+
+    def ring_steps(self, local_len: int) -> int:
+        """Ring steps that carry any work: 1 + the farthest src distance any rank needs.
+
+        Steps past it would only move K/V that no rank attends to (a window shorter than the
+        distance between shards), so the ring stops there and sends nothing more.
+        """
+        world_size = self.info.world_size
+        if self.placement is None:
+            return world_size
+        return 1 + max(
+            (
+                step
+                for rank in range(world_size)
+                for step in range(world_size)
+                if self.blocks(rank, (rank - step) % world_size, local_len)
+            ),
+            default=0,
+        )
 
 
 def rows(x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
@@ -43,13 +72,17 @@ def block_forward(
     call: Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: Block
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of one block: the block's query rows of q against its key rows of k, v."""
-    return call.kernel.forward(
-        rows(q, block.q_start, block.q_stop),
-        rows(k, block.kv_start, block.kv_stop),
-        rows(v, block.kv_start, block.kv_stop),
-        block.causal,
-        call.scale,
-    )
+    q_rows = rows(q, block.q_start, block.q_stop)
+    k_rows = rows(k, block.kv_start, block.kv_stop)
+    v_rows = rows(v, block.kv_start, block.kv_stop)
+    if block.band is not None:
+        return _band_kernel(call).forward_band(q_rows, k_rows, v_rows, block.band, call.scale)
+    return call.kernel.forward(q_rows, k_rows, v_rows, block.causal, call.scale)
+
+
+def _band_kernel(call: Call) -> Kernel:
+    """The call's kernel if it takes banded masks, else the reference kernel (any mask)."""
+    return call.kernel if call.kernel.supports_band else KERNELS["reference"]
 
 
 def block_forward_merge(
@@ -84,13 +117,14 @@ def block_backward(
     """(dq, dk, dv) of one block, for its query rows and key rows, from the global out and lse."""
     q_rows = (block.q_start, block.q_stop)
     kv_rows = (block.kv_start, block.kv_stop)
-    return call.kernel.backward(
+    tensors = (
         rows(dout, *q_rows),
         rows(q, *q_rows),
         rows(k, *kv_rows),
         rows(v, *kv_rows),
         rows(out, *q_rows),
         rows(lse, *q_rows),
-        block.causal,
-        call.scale,
     )
+    if block.band is not None:
+        return _band_kernel(call).backward_band(*tensors, block.band, call.scale)
+    return call.kernel.backward(*tensors, block.causal, call.scale)

@@ -6,7 +6,9 @@ Forward, rank r, world size W. At step t the rank holds the K/V shard of src = (
              for each block of layout.schedule(r, src):  kernel forward, merge into (out, lse)
              wait, swap kv and kv'
 
-That is W-1 K/V transfers, each hidden behind one step of compute. `out` and `lse` accumulate in
+That is W-1 K/V transfers, each hidden behind one step of compute. When a sliding window makes
+every later step empty on every rank (a pure function of the schedule, so all ranks agree), the
+ring stops early and moves nothing more (`Call.ring_steps`). `out` and `lse` accumulate in
 float32 (float64 for float64 input) and `out` is cast once at the end.
 
 Backward. The gradient of the K/V shard of src is the sum of contributions from every rank's
@@ -45,12 +47,13 @@ class RingStrategy:
         acc = accumulator_dtype(q.dtype)
         out = torch.zeros(b, hq, s, d, dtype=acc, device=q.device)
         lse = torch.full((b, hq, s), float("-inf"), dtype=acc, device=q.device)
-        ring = RingComm(call.info) if world_size > 1 else None
+        steps = call.ring_steps(s)
+        ring = RingComm(call.info) if steps > 1 else None
         kv = torch.stack([k, v]) if ring else None  # (2, B, Hkv, S, D): one message per step
         kv_next = torch.empty_like(kv) if ring else None
-        for step in range(world_size):
+        for step in range(steps):
             src = (rank - step) % world_size
-            works = ring.exchange([(kv, kv_next)], KV_TAG) if ring and step + 1 < world_size else []
+            works = ring.exchange([(kv, kv_next)], KV_TAG) if ring and step + 1 < steps else []
             keys, values = (kv[0], kv[1]) if ring else (k, v)
             for block in call.blocks(rank, src, s):
                 block_forward_merge(call, q, keys, values, block, out, lse)
@@ -73,18 +76,17 @@ class RingStrategy:
         s = q.shape[2]
         acc = accumulator_dtype(q.dtype)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        ring = RingComm(call.info) if world_size > 1 else None
+        steps = call.ring_steps(s)
+        ring = RingComm(call.info) if steps > 1 else None
         kv = torch.stack([k, v]) if ring else None
         kv_next = torch.empty_like(kv) if ring else None
         # dkv: the travelling dK/dV partial sum; dkv_other: the buffer the next one arrives in
         dkv = torch.zeros((2, *k.shape), dtype=acc, device=k.device)
         dkv_other = torch.empty_like(dkv) if ring else None
         dkv_works: list = []
-        for step in range(world_size):
+        for step in range(steps):
             src = (rank - step) % world_size
-            kv_works = (
-                ring.exchange([(kv, kv_next)], KV_TAG) if ring and step + 1 < world_size else []
-            )
+            kv_works = ring.exchange([(kv, kv_next)], KV_TAG) if ring and step + 1 < steps else []
             keys, values = (kv[0], kv[1]) if ring else (k, v)
             grads = [
                 (block, block_backward(call, dout, q, keys, values, out, lse, block))
@@ -99,7 +101,9 @@ class RingStrategy:
                 rows(dkv[0], block.kv_start, block.kv_stop).add_(block_dk)
                 rows(dkv[1], block.kv_start, block.kv_stop).add_(block_dv)
             if ring:
-                dkv_works = ring.exchange([(dkv, dkv_other)], DKV_TAG)
+                # the last partial goes straight back to its owner, steps - 1 ranks behind
+                hop = 1 if step + 1 < steps else world_size - steps + 1
+                dkv_works = ring.exchange([(dkv, dkv_other)], DKV_TAG, hop)
             if kv_works:
                 wait(kv_works)
                 kv, kv_next = kv_next, kv

@@ -1,0 +1,221 @@
+"""Packed documents, sliding windows and any sequence length: placement and block masks.
+
+Placement. Documents of any length (0 and 1 included) are packed along one sequence, bounded by
+`cu_seqlens = [0, e1, e2, ..., S]`. The layout splits each document on its own (zigzag, striped:
+that keeps causal work balanced for any mix of lengths) or the whole sequence (contiguous), padding
+each split up to a multiple of what the layout needs. Padding sits at the end of every split, so on
+each rank a document's real tokens form the prefix of each of its pieces. What a rank holds is then
+a list of runs: local rows [local_start, local_start + length) hold the global tokens
+global_start, global_start + stride, ... of one document. Local rows outside every run are padding.
+
+    zigzag, W = 2, documents of 5 and 3 tokens (a0..a4, b0..b2), p = padding:
+        doc a, chunks of 2:  [a0 a1][a2 a3][a4 p ][p  p ]
+        doc b, chunks of 1:  [b0][b1][b2][p]
+        rank 0 holds  a0 a1 p  p  | b0 p        rank 1 holds  a2 a3 a4 p | b1 b2
+
+Masks. For a query run and a key run of the same document and stride s, global offsets satisfy
+j_g - i_g = (k_start - q_start) + s * (j - i). Causality (j_g <= i_g) and a window
+(-left <= j_g - i_g <= right) therefore become a band lo <= j - i <= hi in local indices. A block is
+cut to the rows and keys the band touches, then classified: full, causal (square, top-left) or a
+general band. Runs of different documents never meet, and padding is in no run, so it is never
+attended to, never attends, and gets out = 0 and zero gradients.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+from .layout import Block, Layout
+
+
+@dataclass(frozen=True)
+class Run:
+    """Real tokens of one document on one rank (see module docstring)."""
+
+    local_start: int
+    length: int
+    global_start: int
+    stride: int
+    doc: int
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where every global token of a packed sequence lives, for one layout and world size."""
+
+    bounds: tuple[int, ...]  # cu_seqlens
+    world_size: int
+    local_len: int
+    runs: tuple[tuple[Run, ...], ...]  # per rank
+
+    @property
+    def seq_len(self) -> int:
+        return self.bounds[-1]
+
+    def global_indices(self, rank: int) -> torch.Tensor:
+        """(local_len,) int64: each local row's global token index, -1 for padding."""
+        index = torch.full((self.local_len,), -1, dtype=torch.int64)
+        for run in self.runs[rank]:
+            rows = slice(run.local_start, run.local_start + run.length)
+            index[rows] = torch.arange(run.length) * run.stride + run.global_start
+        return index
+
+    @property
+    def has_padding(self) -> bool:
+        return (
+            sum(run.length for runs in self.runs for run in runs) < self.world_size * self.local_len
+        )
+
+
+def check_cu_seqlens(cu_seqlens: object) -> tuple[int, ...]:
+    """Validate document boundaries; return them as a tuple of ints."""
+    if isinstance(cu_seqlens, torch.Tensor):
+        if cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point() or cu_seqlens.is_complex():
+            raise ValueError(
+                f"cu_seqlens must be a 1-D integer tensor, got dtype {cu_seqlens.dtype} and shape "
+                f"{tuple(cu_seqlens.shape)}"
+            )
+        bounds = tuple(int(x) for x in cu_seqlens.tolist())
+    elif isinstance(cu_seqlens, (list, tuple)) and all(isinstance(x, int) for x in cu_seqlens):
+        bounds = tuple(cu_seqlens)
+    else:
+        raise TypeError(
+            f"cu_seqlens must be a 1-D integer tensor or a list of ints, got {type(cu_seqlens)}"
+        )
+    if len(bounds) < 2 or bounds[0] != 0:
+        raise ValueError(f"cu_seqlens must start at 0 and hold at least [0, S], got {list(bounds)}")
+    steps = [(i, a, b) for i, (a, b) in enumerate(itertools.pairwise(bounds)) if b < a]
+    if steps:
+        i, a, b = steps[0]
+        raise ValueError(
+            f"cu_seqlens must be non-decreasing, but entry {i + 1} ({b}) is below entry {i} ({a})"
+        )
+    if bounds[-1] == 0:
+        raise ValueError("cu_seqlens describes an empty sequence (it ends at 0)")
+    return bounds
+
+
+def check_window(window: object) -> tuple[int, int] | None:
+    """Validate `window = (left, right)`; -1 means unbounded on that side."""
+    if window is None:
+        return None
+    if (
+        not isinstance(window, (tuple, list))
+        or len(window) != 2
+        or not all(isinstance(w, int) and w >= -1 for w in window)
+    ):
+        raise ValueError(
+            f"window must be (left, right) with ints >= -1 (-1 = unbounded), got {window!r}"
+        )
+    return (int(window[0]), int(window[1]))
+
+
+@lru_cache(maxsize=64)
+def place(layout: Layout, world_size: int, bounds: tuple[int, ...]) -> Placement:
+    """The placement of the packed sequence `bounds` (cu_seqlens) for `layout` on `world_size`."""
+    seq_len = bounds[-1]
+    segments = list(itertools.pairwise(bounds)) if layout.per_document else [(0, seq_len)]
+    runs: list[list[Run]] = [[] for _ in range(world_size)]
+    offset = 0  # local offset of the current segment, the same on every rank
+    for seg_start, seg_stop in segments:
+        if seg_stop == seg_start:
+            continue
+        n, pieces = layout.split(seg_stop - seg_start, world_size)
+        for rank, rank_pieces in enumerate(pieces):
+            for piece in rank_pieces:
+                if piece.count:
+                    first = seg_start + piece.global_offset
+                    runs[rank].extend(
+                        _cut_at_documents(
+                            offset + piece.local_offset, first, piece.count, piece.stride, bounds
+                        )
+                    )
+        offset += n
+    return Placement(bounds, world_size, offset, tuple(tuple(r) for r in runs))
+
+
+def _cut_at_documents(local_start, global_start, count, stride, bounds) -> list[Run]:
+    """Split a run of consecutive tokens where documents end (stride-1 runs only cross them)."""
+    result = []
+    while count:
+        doc = _doc_of(global_start, bounds)
+        last = global_start + (count - 1) * stride
+        take = count if last < bounds[doc + 1] else -(-(bounds[doc + 1] - global_start) // stride)
+        result.append(Run(local_start, take, global_start, stride, doc))
+        local_start, global_start, count = (
+            local_start + take,
+            global_start + take * stride,
+            count - take,
+        )
+    return result
+
+
+def _doc_of(token: int, bounds: tuple[int, ...]) -> int:
+    """Index of the document holding global token `token` (documents of length 0 hold none)."""
+    lo, hi = 0, len(bounds) - 2
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if bounds[mid] <= token:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _floordiv(a: float, b: int) -> float:
+    return a if a in (float("inf"), float("-inf")) else a // b
+
+
+def _ceildiv(a: float, b: int) -> float:
+    return a if a in (float("inf"), float("-inf")) else -(-a // b)
+
+
+def run_pair_blocks(
+    q_run: Run, k_run: Run, causal: bool, window: tuple[int, int] | None
+) -> list[Block]:
+    """Blocks of query run `q_run` against key run `k_run` (see module docstring)."""
+    if q_run.doc != k_run.doc or q_run.stride != k_run.stride:
+        return []
+    inf = float("inf")
+    lo_g, hi_g = -inf, inf
+    if window is not None:
+        lo_g = -inf if window[0] < 0 else -window[0]
+        hi_g = inf if window[1] < 0 else window[1]
+    if causal:
+        hi_g = min(hi_g, 0)
+    shift, stride = k_run.global_start - q_run.global_start, q_run.stride
+    lo = _ceildiv(lo_g - shift, stride)  # band on local indices: lo <= j - i <= hi
+    hi = _floordiv(hi_g - shift, stride)
+    m, n = q_run.length, k_run.length
+    i0, i1 = int(max(0, -hi)), int(min(m - 1, n - 1 - lo))  # rows that see some key
+    j0, j1 = int(max(0, lo)), int(min(n - 1, m - 1 + hi))  # keys that some row sees
+    if i0 > i1 or j0 > j1:
+        return []
+    rows, cols = i1 - i0 + 1, j1 - j0 + 1
+    lo, hi = lo - (j0 - i0), hi - (j0 - i0)  # band after trimming
+    q0, k0 = q_run.local_start + i0, k_run.local_start + j0
+    if lo <= -(rows - 1) and hi >= cols - 1:
+        return [Block(q0, q0 + rows, k0, k0 + cols)]
+    if hi == 0 and lo <= -(rows - 1):
+        # top-left causal; trimming made cols <= rows: a square causal part, then full rows
+        blocks = [Block(q0, q0 + cols, k0, k0 + cols, causal=True)]
+        if rows > cols:
+            blocks.append(Block(q0 + cols, q0 + rows, k0, k0 + cols))
+        return blocks
+    return [Block(q0, q0 + rows, k0, k0 + cols, band=(int(max(lo, -rows)), int(min(hi, cols))))]
+
+
+@lru_cache(maxsize=4096)
+def placement_blocks(
+    placement: Placement, rank: int, src: int, causal: bool, window: tuple[int, int] | None
+) -> tuple[Block, ...]:
+    """All blocks of rank `rank`'s queries against rank `src`'s keys."""
+    blocks: list[Block] = []
+    for q_run in placement.runs[rank]:
+        for k_run in placement.runs[src]:
+            blocks.extend(run_pair_blocks(q_run, k_run, causal, window))
+    return tuple(blocks)
