@@ -91,7 +91,8 @@ class Layout:
             )
             raise ValueError(
                 f"sequence length {seq_len} is not divisible by {rule} ({self.name} layout); "
-                f"pad the sequence to {padded} tokens"
+                f"pad the sequence to {padded} tokens, or pass cu_seqlens=[0, {seq_len}] and "
+                f"ringattn pads internally"
             )
 
     def check_local_len(self, local_len: int) -> None:

@@ -3,15 +3,17 @@
 Placement. Documents of any length (0 and 1 included) are packed along one sequence, bounded by
 `cu_seqlens = [0, e1, e2, ..., S]`. The layout splits each document on its own (zigzag, striped:
 that keeps causal work balanced for any mix of lengths) or the whole sequence (contiguous), padding
-each split up to a multiple of what the layout needs. Padding sits at the end of every split, so on
-each rank a document's real tokens form the prefix of each of its pieces. What a rank holds is then
+each split up to a multiple of what the layout needs; document d's split is rotated by d ranks so
+that short documents, which fill only the first chunks, spread over the ranks instead of piling
+onto rank 0. Padding sits at the end of every split, so on each rank a document's real tokens
+form the prefix of each of its pieces. What a rank holds is then
 a list of runs: local rows [local_start, local_start + length) hold the global tokens
 global_start, global_start + stride, ... of one document. Local rows outside every run are padding.
 
     zigzag, W = 2, documents of 5 and 3 tokens (a0..a4, b0..b2), p = padding:
         doc a, chunks of 2:  [a0 a1][a2 a3][a4 p ][p  p ]
-        doc b, chunks of 1:  [b0][b1][b2][p]
-        rank 0 holds  a0 a1 p  p  | b0 p        rank 1 holds  a2 a3 a4 p | b1 b2
+        doc b, chunks of 1:  [b0][b1][b2][p]        (rotated by one rank: document 1)
+        rank 0 holds  a0 a1 p  p  | b1 b2       rank 1 holds  a2 a3 a4 p | b0 p
 
 Masks. For a query run and a key run of the same document and stride s, global offsets satisfy
 j_g - i_g = (k_start - q_start) + s * (j - i). Causality (j_g <= i_g) and a window
@@ -121,11 +123,14 @@ def place(layout: Layout, world_size: int, bounds: tuple[int, ...]) -> Placement
     segments = list(itertools.pairwise(bounds)) if layout.per_document else [(0, seq_len)]
     runs: list[list[Run]] = [[] for _ in range(world_size)]
     offset = 0  # local offset of the current segment, the same on every rank
-    for seg_start, seg_stop in segments:
+    for index, (seg_start, seg_stop) in enumerate(segments):
         if seg_stop == seg_start:
             continue
         n, pieces = layout.split(seg_stop - seg_start, world_size)
-        for rank, rank_pieces in enumerate(pieces):
+        for part, rank_pieces in enumerate(pieces):
+            # rotate by document: the early (often the only real) pieces of short documents
+            # land on different ranks instead of always on rank 0
+            rank = (part + index) % world_size
             for piece in rank_pieces:
                 if piece.count:
                     first = seg_start + piece.global_offset
@@ -190,6 +195,8 @@ def run_pair_blocks(
     shift, stride = k_run.global_start - q_run.global_start, q_run.stride
     lo = _ceildiv(lo_g - shift, stride)  # band on local indices: lo <= j - i <= hi
     hi = _floordiv(hi_g - shift, stride)
+    if lo > hi:  # the window falls between two keys of this stride
+        return []
     m, n = q_run.length, k_run.length
     i0, i1 = int(max(0, -hi)), int(min(m - 1, n - 1 - lo))  # rows that see some key
     j0, j1 = int(max(0, lo)), int(min(n - 1, m - 1 + hi))  # keys that some row sees
@@ -219,3 +226,29 @@ def placement_blocks(
         for k_run in placement.runs[src]:
             blocks.extend(run_pair_blocks(q_run, k_run, causal, window))
     return tuple(blocks)
+
+
+def block_pairs(block: Block) -> int:
+    """Visible (query, key) pairs in one block: the attention work it does."""
+    rows, cols = block.q_stop - block.q_start, block.kv_stop - block.kv_start
+    if block.causal:
+        return rows * (rows + 1) // 2
+    if block.band is None:
+        return rows * cols
+    lo, hi = block.band
+    return sum(max(0, min(cols - 1, i + hi) - max(0, i + lo) + 1) for i in range(rows))
+
+
+def work_per_rank(
+    placement: Placement, causal: bool, window: tuple[int, int] | None
+) -> list[int]:
+    """Visible (query, key) pairs each rank's queries compute, over all sources."""
+    world_size = placement.world_size
+    return [
+        sum(
+            block_pairs(block)
+            for src in range(world_size)
+            for block in placement_blocks(placement, rank, src, causal, window)
+        )
+        for rank in range(world_size)
+    ]
