@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Idempotent set-up: a .venv with the pinned CPU torch and ringattn installed in editable mode.
+#
+#   bash scripts/setup.sh          # from the repository root or anywhere else
+#
+# Fast when already done: a stamp file records the hash of pyproject.toml that was installed.
+set -euo pipefail
+
+TORCH_PIN="torch==2.13.0"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="$ROOT/.venv"
+PY="$VENV/bin/python"
+STAMP="$VENV/.ringattn-setup-stamp"
+
+cd "$ROOT"
+
+if [[ ! -x "$PY" ]]; then
+    echo "[setup] creating virtual environment in .venv"
+    python3 -m venv "$VENV"
+fi
+
+# The editable install must point at *this* checkout's src/ (a copied .venv may point elsewhere).
+# Prints the torch version when all is well.
+installed_here() {
+    "$PY" - "$ROOT/src" <<'PY' 2>/dev/null
+import importlib.util, os, sys
+import torch  # a broken torch install means: set up again
+spec = importlib.util.find_spec("ringattn")
+assert spec is not None and os.path.realpath(spec.origin).startswith(os.path.realpath(sys.argv[1]))
+print("torch", torch.__version__)
+PY
+}
+
+# pip, quiet, minus the warnings about this machine's empty local index folders.
+pip_install() {
+    "$PY" -m pip install --quiet "$@" 2> >(grep -v "is ignored: it is neither a file nor a" >&2)
+}
+
+want="$(sha256sum pyproject.toml | cut -d' ' -f1)"
+if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$want" ]] && version="$(installed_here)"; then
+    echo "[setup] already set up ($version)"
+    exit 0
+fi
+
+if "$PY" -c "import torch" >/dev/null 2>&1; then
+    echo "[setup] torch present: $("$PY" -c 'import torch; print(torch.__version__)'), keeping it"
+else
+    # Torch goes in first, pinned, so that the package's loose `torch>=2.4` is already satisfied
+    # and pip never resolves it to another (CUDA) build.
+    echo "[setup] installing $TORCH_PIN (a few minutes on a fresh machine)"
+    pip_install "$TORCH_PIN"
+fi
+
+echo "[setup] installing ringattn (editable) with dev extras"
+pip_install -e ".[dev]"
+
+version="$(installed_here)" || {
+    echo "[setup] ringattn is not importable from $ROOT/src after install" >&2
+    exit 1
+}
+echo "$want" > "$STAMP"
+echo "[setup] done ($version, ringattn from src/)"

@@ -1,0 +1,149 @@
+"""The `ringattn` command (also `python -m ringattn`): parses flags and dispatches.
+
+    ringattn demo     one long sequence on W local processes: time, memory, error vs 1 process
+    ringattn check    the correctness matrix against a float64 reference
+
+The work lives in `demo.py` and `check.py`; this module only turns flags into their config
+dataclasses (whose defaults are the flags' defaults). Either command also runs under `torchrun`: it
+then uses that world instead of launching its own processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .launch import LaunchError
+
+_LAYOUTS = ("contiguous", "zigzag", "striped")
+_STRATEGIES = ("ring", "allgather", "ulysses", "hybrid")
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None
+
+
+def _name_list(choices: tuple[str, ...]):
+    def parse(text: str) -> list[str]:
+        return list(choices) if text == "all" else [p.strip() for p in text.split(",") if p.strip()]
+
+    return parse
+
+
+def _demo_parser(sub) -> None:
+    from .demo import DemoConfig
+
+    d = DemoConfig()
+    p = sub.add_parser(
+        "demo",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        help="attention over one long sequence on W local processes, checked against 1 process",
+        description="Shard one long sequence over W local processes (gloo on CPU, NCCL with >= W "
+        "GPUs), run ringattn.attention forward and backward, print per-rank time and memory, and "
+        "compare outputs and gradients with single-process SDPA. Exits 1 when they disagree.",
+    )
+    p.add_argument("--nproc", type=int, default=d.nproc, help="number of local processes (ranks)")
+    p.add_argument("--seq-len", type=int, default=d.seq_len, help="total tokens in the sequence")
+    p.add_argument("--heads", type=int, default=d.heads, help="query heads")
+    p.add_argument("--kv-heads", type=int, default=d.kv_heads, help="key/value heads (GQA/MQA)")
+    p.add_argument("--head-dim", type=int, default=d.head_dim, help="dimension per head")
+    p.add_argument(
+        "--dtype",
+        default=d.dtype,
+        choices=("float64", "float32", "bfloat16", "float16"),
+        help="dtype of q, k, v",
+    )
+    p.add_argument("--layout", default=d.layout, choices=_LAYOUTS, help="token-to-rank layout")
+    p.add_argument("--strategy", default=d.strategy, choices=_STRATEGIES, help="CP strategy")
+    p.add_argument(
+        "--causal",
+        action=argparse.BooleanOptionalAction,
+        default=d.causal,
+        help="causal mask (--no-causal for full attention)",
+    )
+    p.add_argument("--backend", default=d.backend, help="kernel backend: auto or a kernel name")
+    p.add_argument("--seed", type=int, default=d.seed, help="seed for q, k, v and dout")
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
+
+
+def _check_parser(sub) -> None:
+    from .check import CheckConfig
+
+    c = CheckConfig()
+    p = sub.add_parser(
+        "check",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        help="correctness matrix vs a float64 reference (exit 1 on any failure)",
+        description="For each world size, layout, strategy, causal flag, head shape (MHA, GQA, "
+        "MQA) and dtype, compare out, lse, dq, dk, dv with float64 attention on the full tensors. "
+        "Under torchrun the current world is used and --world-sizes is ignored.",
+    )
+    p.add_argument(
+        "--nproc", type=int, default=None, help="run only this world size (same as --world-sizes N)"
+    )
+    p.add_argument(
+        "--world-sizes",
+        type=_int_list,
+        default=c.world_sizes,
+        help="comma-separated world sizes to launch, e.g. 1,2,3,4",
+    )
+    p.add_argument(
+        "--dtypes",
+        type=_name_list(("float64", "float32", "bfloat16", "float16")),
+        default=c.dtypes,
+        help="comma-separated dtypes, or all (float64,float32,bfloat16,float16)",
+    )
+    p.add_argument(
+        "--layouts",
+        type=_name_list(_LAYOUTS),
+        default=c.layouts,
+        help="comma-separated layouts, or all",
+    )
+    p.add_argument(
+        "--strategies",
+        type=_name_list(_STRATEGIES),
+        default=c.strategies,
+        help="comma-separated strategies, or all (cases a strategy refuses are listed as N/A)",
+    )
+    p.add_argument("--seq-local", type=int, default=c.seq_local, help="tokens per rank")
+    p.add_argument("--head-dim", type=int, default=c.head_dim, help="dimension per head")
+    p.add_argument("--backend", default=c.backend, help="kernel backend: auto or a kernel name")
+    p.add_argument("--seed", type=int, default=c.seed, help="seed for the inputs")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ringattn", description="Exact context-parallel (ring) attention for PyTorch."
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,check}")
+    _demo_parser(sub)
+    _check_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "demo":
+            from .demo import DemoConfig, run_demo
+
+            options = {k: v for k, v in vars(args).items() if k not in ("command", "json")}
+            return run_demo(DemoConfig(**options), json_path=args.json)
+        from .check import CheckConfig, run_check
+
+        options = {k: v for k, v in vars(args).items() if k not in ("command", "nproc")}
+        if args.nproc is not None:
+            options["world_sizes"] = [args.nproc]
+        return run_check(CheckConfig(**options))
+    except ValueError as err:  # a bad flag value, found before any process started
+        parser.exit(2, f"ringattn {args.command}: error: {err}\n")
+    except LaunchError as err:  # a rank failed; the message names it and quotes its error
+        parser.exit(1, f"ringattn {args.command}: FAIL: {err}\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

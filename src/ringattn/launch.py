@@ -1,0 +1,187 @@
+"""Run a function on W local processes, one per rank, through torch's elastic agent.
+
+This is what `ringattn demo` and `ringattn check` use to get a process group on one machine without
+asking the user to type `torchrun`. It is `torchrun --standalone` as a library call:
+
+    parent (this process)                 children (spawned, one per rank)
+    ---------------------                 --------------------------------
+    launch(fn, W, *args)  --elastic-->    env RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT
+        waits, collects                   fn(*args): init_distributed(); ...; return value
+    {rank: return value}  <--pickle--     (an exception becomes an error file for the parent)
+
+`fn` must be importable by name (a module-level function), since children are spawned, not forked.
+A rank that raises or dies makes the whole launch fail with `LaunchError`, whose message names each
+failed rank, its exit code and the first lines of its error; the elastic agent tears down the rest.
+
+Inside `fn`, call `init_distributed()` to join the process group (gloo on CPU, NCCL when there is
+a GPU per rank). Under a real `torchrun`, `running_under_torchrun()` is true and callers should use
+the world they are in instead of launching a new one.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import socket
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["LaunchError", "init_distributed", "launch", "running_under_torchrun"]
+
+# Set in every child we launch, so a child can tell it was started by us and not by torchrun.
+_CHILD_ENV = "RINGATTN_LAUNCHED"
+_ERROR_LINES = 12
+
+
+class LaunchError(RuntimeError):
+    """One or more ranks of a local launch failed; the message says which and why."""
+
+
+def running_under_torchrun() -> bool:
+    """True when this process is a rank started by an external launcher such as `torchrun`.
+
+    That is: RANK, WORLD_SIZE and LOCAL_RANK are set, and we are not one of `launch`'s children.
+    """
+    have_env = all(name in os.environ for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+    return have_env and os.environ.get(_CHILD_ENV) != "1"
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _quiet_elastic_logs() -> None:
+    # The agent logs its whole config and each rendezvous at INFO/WARNING; keep only real problems.
+    # A failed rank is reported once, by LaunchError, not again as the agent's ERROR log and the
+    # SIGTERM warnings for its peers.
+    for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+    logging.getLogger("torch.multiprocessing").setLevel(logging.ERROR)
+
+
+def _user_frames(traceback_text: str, drop: str) -> list[str]:
+    """Traceback lines without the header, the elastic agent's own frames and the final `drop`."""
+    lines: list[str] = []
+    in_agent_frame = False
+    for line in traceback_text.splitlines():
+        if not line.strip() or line.startswith("Traceback (most recent call last)"):
+            continue
+        if line.startswith("  File "):
+            in_agent_frame = "torch/distributed/elastic" in line
+        elif not line.startswith(" "):
+            in_agent_frame = False
+        caret_only = not line.strip(" ^~")  # Python 3.11's underline of the failing expression
+        if not in_agent_frame and not caret_only and line.strip() != drop:
+            lines.append(line)
+    return lines
+
+
+def _failure_text(failure: Any) -> str:
+    """The first lines of a failed rank's error: the exception, then the end of its traceback."""
+    data = getattr(failure, "error_file_data", None) or {}
+    message = data.get("message") if isinstance(data, dict) else None
+    if isinstance(message, dict):
+        headline = str(message.get("message", "")).strip()
+        stack = str(message.get("extraInfo", {}).get("py_callstack", ""))
+        tail = _user_frames(stack, drop=headline)[-_ERROR_LINES:]
+        return "\n".join([headline] + [f"  | {line}" for line in tail])
+    if isinstance(message, str) and message.strip() not in ("", "<NONE>"):
+        return message.strip()
+    exitcode = getattr(failure, "exitcode", None)
+    if exitcode is not None and exitcode < 0:
+        return f"killed by signal {-exitcode} ({failure.signal_name()}), no Python traceback"
+    return "exited without a Python traceback (see that rank's output above)"
+
+
+def _launch_error(err: Exception, nproc: int, name: str) -> LaunchError:
+    failures = getattr(err, "failures", {}) or {}
+    parts = [f"{name}: {len(failures)} of {nproc} ranks failed"]
+    for rank in sorted(failures):
+        failure = failures[rank]
+        parts.append(f"rank {rank} (exit code {failure.exitcode}): {_failure_text(failure)}")
+    return LaunchError("\n".join(parts))
+
+
+def _child_env(nproc: int) -> None:
+    """Environment the children inherit (spawned children copy the parent's os.environ)."""
+    os.environ[_CHILD_ENV] = "1"
+    # Each rank gets its share of the cores; W ranks x all cores each would oversubscribe.
+    threads = max(1, (os.cpu_count() or 1) // nproc)
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+
+
+def launch(fn: Callable[..., Any], nproc: int, *args: Any) -> dict[int, Any]:
+    """Run `fn(*args)` on `nproc` local processes and return `{rank: fn's return value}`.
+
+    `fn` must be a module-level function (children are spawned), and it should call
+    `init_distributed()` before any collective. Arguments and return values are pickled.
+    Raises `LaunchError` naming the failed ranks when any rank raises or dies.
+    """
+    if not isinstance(nproc, int) or nproc < 1:
+        raise ValueError(f"nproc must be a positive int, got {nproc!r}")
+    # Imported here: the launcher package pulls in the elastic agent, which `import ringattn` and
+    # the ranks themselves do not need.
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    _quiet_elastic_logs()
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=f"ringattn-{uuid.uuid4().hex[:12]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint=f"127.0.0.1:{_free_port()}",
+        rdzv_configs={"timeout": 60},
+        max_restarts=0,
+        monitor_interval=0.1,
+        start_method="spawn",
+    )
+    saved = {name: os.environ.get(name) for name in (_CHILD_ENV, "OMP_NUM_THREADS")}
+    _child_env(nproc)
+    name = getattr(fn, "__qualname__", repr(fn))
+    try:
+        results = elastic_launch(config, fn)(*args)
+    except ChildFailedError as err:
+        raise _launch_error(err, nproc, name) from None
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    return dict(sorted(results.items()))
+
+
+def init_distributed(backend: str | None = None, timeout_s: float = 300.0) -> torch.device:
+    """Join the default process group from the env set by `launch` or `torchrun`; return the device.
+
+    `backend=None` picks NCCL when CUDA is available with at least one GPU per local rank (and
+    sets this rank's device to LOCAL_RANK), gloo otherwise. `timeout_s` bounds every collective,
+    so a dead peer turns into an error instead of a hang. Calling it twice is harmless.
+    """
+    world_size = int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
+    use_cuda = torch.cuda.is_available() and torch.cuda.device_count() >= local_world
+    if backend is None:
+        backend = "nccl" if use_cuda else "gloo"
+    device = torch.device("cpu")
+    if backend == "nccl":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        kwargs: dict[str, Any] = {}
+        if backend == "nccl":
+            kwargs["device_id"] = device  # lets NCCL bind eagerly and fail fast on a bad setup
+        dist.init_process_group(
+            backend=backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs
+        )
+    return device
