@@ -270,3 +270,35 @@ def test_bad_cu_seqlens_and_window_errors():
         ringattn.attention(q, q, q, cu_seqlens=[0, 10])
     with pytest.raises(ValueError, match=r"or pass cu_seqlens=\[0, 7\]"):
         ringattn.shard(torch.randn(1, 1, 7, 2), 2, layout="zigzag")
+
+
+def test_layout_command_prints_per_rank_tokens_and_work(capsys, tmp_path):
+    from ringattn.cli import main
+
+    out_json = tmp_path / "layout.json"
+    assert (
+        main(
+            [
+                "layout",
+                "--world-size",
+                "4",
+                "--cu-seqlens",
+                "0,120,1248,4231",
+                "--json",
+                str(out_json),
+            ]
+        )
+        == 0
+    )
+    text = capsys.readouterr().out
+    assert "layout zigzag, W=4, 3 document(s), S=4231, causal" in text
+    assert "max/mean attention work: 1.0" in text
+    import json
+
+    report = json.loads(out_json.read_text())
+    assert sum(r["tokens"] for r in report["ranks"]) == 4231
+    assert [r["rank"] for r in report["ranks"]] == [0, 1, 2, 3]
+    assert main(["layout", "--world-size", "4", "--seq-len", "4096", "--layout", "contiguous"]) == 0
+    assert "max/mean attention work: 1.750" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["layout", "--world-size", "4"])  # neither --seq-len nor --cu-seqlens

@@ -2,10 +2,12 @@
 
     ringattn demo     one long sequence on W local processes: time, memory, error vs 1 process
     ringattn check    the correctness matrix against a float64 reference
+    ringattn layout   per-rank tokens and attention work for a layout, documents and window
 
-The work lives in `demo.py` and `check.py`; this module only turns flags into their config
-dataclasses (whose defaults are the flags' defaults). Either command also runs under `torchrun`: it
-then uses that world instead of launching its own processes.
+The work lives in `demo.py`, `check.py`, `layout_report.py`, ...; this module only turns flags
+into their config dataclasses (whose defaults are the flags' defaults). Each subcommand's parser
+sets `run`, the function main() calls with the parsed flags. The commands that start processes
+also run under `torchrun`: they then use that world instead of launching their own.
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ def _demo_parser(sub) -> None:
     p.add_argument("--backend", default=d.backend, help="kernel backend: auto or a kernel name")
     p.add_argument("--seed", type=int, default=d.seed, help="seed for q, k, v and dout")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
+    p.set_defaults(run=_run_demo)
 
 
 def _check_parser(sub) -> None:
@@ -112,15 +115,74 @@ def _check_parser(sub) -> None:
     p.add_argument("--head-dim", type=int, default=c.head_dim, help="dimension per head")
     p.add_argument("--backend", default=c.backend, help="kernel backend: auto or a kernel name")
     p.add_argument("--seed", type=int, default=c.seed, help="seed for the inputs")
+    p.set_defaults(run=_run_check)
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    from .demo import DemoConfig, run_demo
+
+    options = {k: v for k, v in vars(args).items() if k not in ("command", "json", "run")}
+    return run_demo(DemoConfig(**options), json_path=args.json)
+
+
+def _run_check(args: argparse.Namespace) -> int:
+    from .check import CheckConfig, run_check
+
+    options = {k: v for k, v in vars(args).items() if k not in ("command", "nproc", "run")}
+    if args.nproc is not None:
+        options["world_sizes"] = [args.nproc]
+    return run_check(CheckConfig(**options))
+
+
+def _layout_parser(sub) -> None:
+    p = sub.add_parser(
+        "layout",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        help="per-rank tokens and attention work for a layout, documents and window",
+        description="Print, for W ranks, each rank's token count (real and padding) and "
+        "attention work (visible query-key pairs) with max/mean, for a layout, optional packed "
+        "documents (--cu-seqlens) and sliding window. No processes are started.",
+    )
+    p.add_argument("--world-size", type=int, default=4, help="number of ranks W")
+    p.add_argument("--seq-len", type=int, default=None, help="total tokens (dense sequence)")
+    p.add_argument(
+        "--cu-seqlens",
+        type=_int_list,
+        default=None,
+        help="document boundaries 0,e1,...,S (replaces --seq-len)",
+    )
+    p.add_argument("--layout", default="zigzag", choices=_LAYOUTS, help="token-to-rank layout")
+    p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True,
+                   help="causal mask")
+    p.add_argument("--window", type=_int_list, default=None,
+                   help="sliding window LEFT,RIGHT (-1 = unbounded)")
+    p.add_argument("--json", metavar="PATH", default=None, help="also write the table as JSON")
+    p.set_defaults(run=_run_layout)
+
+
+def _run_layout(args: argparse.Namespace) -> int:
+    from .layout_report import layout_report
+
+    return layout_report(
+        world_size=args.world_size,
+        seq_len=args.seq_len,
+        cu_seqlens=args.cu_seqlens,
+        layout=args.layout,
+        causal=args.causal,
+        window=args.window,
+        json_path=args.json,
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ringattn", description="Exact context-parallel (ring) attention for PyTorch."
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,check}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    # each subcommand's parser sets `run`, the function that takes the parsed args
     _demo_parser(sub)
     _check_parser(sub)
+    _layout_parser(sub)
     return parser
 
 
@@ -128,17 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        if args.command == "demo":
-            from .demo import DemoConfig, run_demo
-
-            options = {k: v for k, v in vars(args).items() if k not in ("command", "json")}
-            return run_demo(DemoConfig(**options), json_path=args.json)
-        from .check import CheckConfig, run_check
-
-        options = {k: v for k, v in vars(args).items() if k not in ("command", "nproc")}
-        if args.nproc is not None:
-            options["world_sizes"] = [args.nproc]
-        return run_check(CheckConfig(**options))
+        return args.run(args)
     except ValueError as err:  # a bad flag value, found before any process started
         parser.exit(2, f"ringattn {args.command}: error: {err}\n")
     except LaunchError as err:  # a rank failed; the message names it and quotes its error
