@@ -1,8 +1,12 @@
 """The only module that calls torch.distributed.
 
     resolve_group(group)  a ProcessGroup, a 1-D DeviceMesh or None -> GroupInfo(group, rank, size)
+                          (a 2-D "ulysses" x "ring" mesh -> MeshInfo, the flattened world)
     RingComm              send to rank+1, receive from rank-1, batched isend/irecv, non-blocking
     all_gather_cat        concatenation of every rank's tensor along a dim
+    all_gather_async      every rank's tensor stacked, posted without waiting (all-gather strategy)
+    reduce_scatter        rank r gets the sum of every rank's r-th slice (NCCL native, else a ring)
+    all_to_all            per-destination lists of tensors of any dtypes, as one all_to_all_single
 
 With one rank (or no initialised process group) nothing here communicates: gloo cannot send to
 itself, and a single process needs no transport at all.
@@ -14,6 +18,8 @@ after the transfer; it does not block the host.
 
 from __future__ import annotations
 
+import math
+import pickle
 from dataclasses import dataclass
 
 import torch
@@ -34,15 +40,18 @@ class GroupInfo:
         return "single" if self.group is None else self.group.group_name
 
 
-def resolve_group(group: object = None) -> GroupInfo:
+def resolve_group(group: object = None, *, allow_2d: bool = False) -> GroupInfo:
     """Turn the user's `group` argument into a GroupInfo.
 
     None means the default group, or a single process when torch.distributed is not initialised.
-    A DeviceMesh must be 1-D here (the hybrid strategy resolves its two axes itself).
+    A DeviceMesh must be 1-D, unless `allow_2d` (the hybrid strategy, shard/unshard/positions):
+    then a 2-D mesh with dims "ulysses" and "ring" gives its flattened world (`MeshInfo`).
     """
     from torch.distributed.device_mesh import DeviceMesh
 
     if isinstance(group, DeviceMesh):
+        if group.ndim == 2 and allow_2d:
+            return resolve_mesh(group)
         if group.ndim != 1:
             raise ValueError(
                 f"this strategy needs a 1-D process group, got a {group.ndim}-D DeviceMesh "
@@ -116,8 +125,7 @@ def all_gather_cat(x: torch.Tensor, dim: int, info: GroupInfo) -> torch.Tensor:
         return x
     device = backend_device(info, x.device)
     x_comm = x.detach().contiguous().to(device)
-    parts = [torch.empty_like(x_comm) for _ in range(info.world_size)]
-    dist.all_gather(parts, x_comm, group=info.group)
+    parts = _gather_list(x_comm, info)
     return torch.cat(parts, dim=dim).to(x.device)
 
 
@@ -126,15 +134,183 @@ def all_gather_ints(values: list[int], info: GroupInfo, device: torch.device) ->
     local = torch.tensor(values, dtype=torch.int64, device=backend_device(info, device))
     if info.world_size == 1:
         return [values]
-    parts = [torch.empty_like(local) for _ in range(info.world_size)]
-    dist.all_gather(parts, local, group=info.group)
-    return [part.tolist() for part in parts]
+    return [part.tolist() for part in _gather_list(local, info)]
 
 
 def all_gather_objects(obj: object, info: GroupInfo) -> list[object]:
     """Every rank's picklable `obj` (used only to word error messages)."""
     if info.world_size == 1:
         return [obj]
-    parts: list[object] = [None] * info.world_size
-    dist.all_gather_object(parts, obj, group=info.group)
+    if isinstance(info, MeshInfo):  # two stages, as _gather_list
+        inner = all_gather_objects(obj, info.ulysses)
+        return [x for part in all_gather_objects(inner, info.ring) for x in part]
+    # pickled bytes in a uint8 tensor: dist.all_gather_object needs numpy, which torch does not
+    # install, and this runs only to word an error message
+    payload = pickle.dumps(obj)
+    device = backend_device(info, torch.device("cpu"))
+    sizes = [row[0] for row in all_gather_ints([len(payload)], info, device)]
+    local = torch.zeros(max(sizes), dtype=torch.uint8, device=device)
+    local[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
+    parts = [torch.empty_like(local) for _ in range(info.world_size)]
+    dist.all_gather(parts, local, group=info.group)
+    return [pickle.loads(bytes(part[:size].cpu().tolist())) for part, size in zip(parts, sizes)]
+
+
+# ---- 2-D meshes: the hybrid strategy's "ulysses" x "ring" world --------------------------------
+
+
+@dataclass(frozen=True)
+class MeshInfo(GroupInfo):
+    """A 2-D DeviceMesh with dims "ulysses" (size U) and "ring" (size R) seen as one world.
+
+    The rank at ulysses index u and ring index g has flattened rank `g * U + u` of `R * U`
+    (ring-major: the U ranks of one ulysses group hold consecutive flattened ranks), whatever the
+    order of the dims in the mesh. With the usual mesh `(R, U)`, dims `("ring", "ulysses")`, the
+    flattened rank is the global rank. `group` is the ulysses sub-group, there only so backend
+    queries (device, NCCL or gloo) work; collectives over the whole world go through
+    `_gather_list` / `all_gather_objects`, which gather in two stages.
+    """
+
+    ulysses: GroupInfo
+    ring: GroupInfo
+
+    @property
+    def key(self) -> str:
+        return f"mesh({self.ulysses.key},{self.ring.key})"
+
+
+MESH_DIMS = ("ulysses", "ring")
+
+
+def resolve_mesh(mesh: object) -> MeshInfo:
+    """The flattened world of a 2-D mesh with dims "ulysses" and "ring" (ValueError otherwise)."""
+    names = tuple(mesh.mesh_dim_names or ())
+    if mesh.ndim != 2 or sorted(names) != sorted(MESH_DIMS):
+        raise ValueError(
+            f"a 2-D DeviceMesh for ringattn needs dims named 'ulysses' and 'ring', got a "
+            f"{mesh.ndim}-D mesh of shape {tuple(mesh.shape)} with dims {names or None}; build it "
+            f"with init_device_mesh(device_type, (ring_size, ulysses_size), "
+            f"mesh_dim_names=('ring', 'ulysses'))"
+        )
+    ulysses = resolve_group(mesh.get_group("ulysses"))
+    ring = resolve_group(mesh.get_group("ring"))
+    return MeshInfo(
+        ulysses.group,
+        ring.rank * ulysses.world_size + ulysses.rank,
+        ring.world_size * ulysses.world_size,
+        ulysses,
+        ring,
+    )
+
+
+def _gather_list(x: torch.Tensor, info: GroupInfo) -> list[torch.Tensor]:
+    """Every rank's `x` in (flattened) rank order; a mesh gathers over ulysses, then over ring."""
+    if info.world_size == 1:
+        return [x]
+    if isinstance(info, MeshInfo):
+        inner = torch.stack(_gather_list(x, info.ulysses))  # (U, ...)
+        return [part for outer in _gather_list(inner, info.ring) for part in outer.unbind(0)]
+    parts = [torch.empty_like(x) for _ in range(info.world_size)]
+    dist.all_gather(parts, x, group=info.group)
     return parts
+
+
+# ---- collectives of the all-gather and Ulysses strategies ---------------------------------------
+
+RS_TAG = 2  # ring reduce-scatter messages (the ring strategy uses tags 0 and 1)
+
+
+def all_gather_async(x: torch.Tensor, info: GroupInfo) -> tuple[torch.Tensor, list[dist.Work]]:
+    """Post the gather of every rank's `x` into a (W, *x.shape) tensor; wait(works) to read it.
+
+    One all-gather of x.numel() elements per rank: each rank receives (W - 1) * x's bytes.
+    """
+    if info.world_size == 1:
+        return x.unsqueeze(0), []
+    out = torch.empty((info.world_size, *x.shape), dtype=x.dtype, device=x.device)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    work = gather(out.view(-1), x.contiguous().view(-1), group=info.group, async_op=True)
+    return out, [work]
+
+
+def _is_nccl(info: GroupInfo) -> bool:
+    return info.group is not None and "nccl" in str(dist.get_backend(info.group)).lower()
+
+
+def reduce_scatter(
+    x: torch.Tensor, info: GroupInfo, *, native: bool | None = None
+) -> torch.Tensor:
+    """x is (W, *shape) on every rank; rank r gets the sum over all ranks of their x[r].
+
+    `native` (default: on NCCL) uses the backend's reduce_scatter. Otherwise (gloo, whose
+    reduce_scatter only exists in recent torch releases) a ring of W - 1 point-to-point steps:
+    at step t rank r sends its running sum of slice (r - t - 1) mod W to r + 1 and adds its own
+    part of slice (r - t - 2) mod W to what arrives from r - 1; after the last step the arriving
+    sum is slice r minus our own part. Either way each rank sends and receives (W - 1) slices, the
+    minimum, and the order of additions is fixed (deterministic). An all-reduce of the whole
+    buffer followed by a slice moves about twice as much (a ring all-reduce is a reduce-scatter
+    plus an all-gather); W reduce calls, one per destination, move about as much as the ring but
+    run W collectives one after another.
+    """
+    world_size, rank = info.world_size, info.rank
+    assert x.shape[0] == world_size, (tuple(x.shape), world_size)
+    if world_size == 1:
+        return x[0]
+    x = x.contiguous()
+    if _is_nccl(info) if native is None else native:
+        out = torch.empty(x.shape[1:], dtype=x.dtype, device=x.device)
+        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        scatter(out.view(-1), x.view(-1), group=info.group)
+        return out
+    ring = RingComm(info)
+    send, recv = x[(rank - 1) % world_size].clone(), torch.empty_like(x[0])
+    for step in range(world_size - 1):
+        wait(ring.exchange([(send, recv)], RS_TAG))
+        recv.add_(x[(rank - step - 2) % world_size])  # the slice that just arrived, plus ours
+        send, recv = recv, send
+    return send
+
+
+_ALIGN = 8  # bytes: every tensor in an all-to-all message starts at a multiple of this
+
+
+def _padded_bytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    nbytes = math.prod(shape) * dtype.itemsize
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+def all_to_all(
+    sends: list[list[torch.Tensor]],
+    recv_specs: list[list[tuple[tuple[int, ...], torch.dtype]]],
+    info: GroupInfo,
+) -> list[list[torch.Tensor]]:
+    """Send the tensors `sends[d]` to every rank d; receive from every rank s tensors of the
+    (shape, dtype) in `recv_specs[s]`. Returns the received tensors by source rank.
+
+    All tensors travel in one `all_to_all_single` of bytes, each at an 8-byte-aligned offset, so
+    tensors of different dtypes (bf16 outputs and float32 lse) share one message. Each rank sends
+    the bytes of sends[d] for d != rank; its own part is a local copy inside the collective.
+    """
+    if info.world_size == 1:
+        return [list(sends[0])]
+    device = sends[0][0].device
+    send_sizes = [sum(_padded_bytes(tuple(x.shape), x.dtype) for x in xs) for xs in sends]
+    recv_sizes = [sum(_padded_bytes(*spec) for spec in specs) for specs in recv_specs]
+    send_buf = torch.empty(sum(send_sizes), dtype=torch.uint8, device=device)
+    offset = 0
+    for xs in sends:
+        for x in xs:
+            nbytes = x.numel() * x.element_size()
+            send_buf[offset : offset + nbytes].view(x.dtype).view(x.shape).copy_(x)
+            offset += _padded_bytes(tuple(x.shape), x.dtype)
+    recv_buf = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=device)
+    dist.all_to_all_single(recv_buf, send_buf, recv_sizes, send_sizes, group=info.group)
+    received, offset = [], 0
+    for specs in recv_specs:
+        parts = []
+        for shape, dtype in specs:
+            nbytes = math.prod(shape) * dtype.itemsize
+            parts.append(recv_buf[offset : offset + nbytes].view(dtype).view(shape))
+            offset += _padded_bytes(shape, dtype)
+        received.append(parts)
+    return received

@@ -86,7 +86,7 @@ def shard(
     """
     layout_obj = get_layout(layout)
     dim = _check_dim(x, dim)
-    info = resolve_group(group)
+    info = resolve_group(group, allow_2d=True)
     placement = resolve_placement(layout_obj, info, x.shape[dim], cu_seqlens)
     return _gather_rows(x, dim, placement.global_indices(info.rank))
 
@@ -126,7 +126,7 @@ def unshard(
     """
     layout_obj = get_layout(layout)
     dim = _check_dim(x_local, dim)
-    info = resolve_group(group)
+    info = resolve_group(group, allow_2d=True)
     placement = local_placement(layout_obj, info, x_local.shape[dim], cu_seqlens)
     signature = (
         ("op", "unshard"),
@@ -157,7 +157,7 @@ def positions(
     layout_obj = get_layout(layout)
     if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len <= 0:
         raise ValueError(f"seq_len must be a positive int, got {seq_len!r}")
-    info = resolve_group(group)
+    info = resolve_group(group, allow_2d=True)
     placement = resolve_placement(layout_obj, info, seq_len, cu_seqlens)
     index = placement.global_indices(info.rank)
     if within_document:
