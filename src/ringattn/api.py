@@ -6,7 +6,8 @@
 
 `attention` validates everything locally, picks the kernel, checks once per call signature that the
 ranks agree, and only then communicates. The strategy does the distributed work; the autograd
-Function saves the local q, k, v, out and lse and asks the same strategy for the backward.
+Function saves the local q, k, v, out and lse (or what the strategy returns in their place) and
+asks the same strategy for the backward.
 """
 
 from __future__ import annotations
@@ -15,28 +16,25 @@ import math
 
 import torch
 
+from .allgather import AllGatherStrategy
 from .comm import GroupInfo, resolve_group
+from .hybrid import HybridStrategy
 from .kernels import select_kernel
 from .layout import get_layout
 from .packing import check_window
 from .plan import Call
 from .ring import RingStrategy
 from .sharding import local_placement, positions, shard, unshard
+from .ulysses import UlyssesStrategy
 from .validate import call_signature, check_agreement, check_names, check_qkv
 
-
-class _NotBuilt:
-    """A valid strategy name whose implementation has not landed yet."""
-
-    def __init__(self, name: str):
-        self.name = name
-
-
+# forward(q, k, v, call) -> (out, lse) or (out, lse, saved), backward(dout, *saved, call), and
+# optionally check(q, k, info): strategy-specific ValueErrors, raised before any communication
 STRATEGIES: dict[str, object] = {
     "ring": RingStrategy(),
-    "allgather": _NotBuilt("allgather"),
-    "ulysses": _NotBuilt("ulysses"),
-    "hybrid": _NotBuilt("hybrid"),
+    "allgather": AllGatherStrategy(),
+    "ulysses": UlyssesStrategy(),
+    "hybrid": HybridStrategy(),
 }
 
 
@@ -45,16 +43,16 @@ class _Attention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, strategy, call):
-        out, lse = strategy.forward(q, k, v, call)
-        ctx.save_for_backward(q, k, v, out, lse)
+        out, lse, *saved = strategy.forward(q, k, v, call)
+        # a strategy may keep other tensors for its backward (Ulysses: the head-sharded ones)
+        ctx.save_for_backward(*(saved[0] if saved else (q, k, v, out, lse)))
         ctx.strategy, ctx.call = strategy, call
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ctx.strategy.backward(dout, q, k, v, out, lse, ctx.call)
+        dq, dk, dv = ctx.strategy.backward(dout, *ctx.saved_tensors, ctx.call)
         return dq, dk, dv, None, None
 
 
@@ -80,7 +78,8 @@ def attention(
     and with `return_lse=True` also lse (B, Hq, S_local): natural-log log-sum-exp of the scaled
     scores, float32 (float64 for float64 inputs), without gradient. `scale` defaults to 1/sqrt(D).
     `group` is a ProcessGroup, a 1-D DeviceMesh, or None for the default group (a single process
-    when torch.distributed is not initialised). `backend` is "auto" or a kernel name.
+    when torch.distributed is not initialised); strategy="hybrid" takes a 2-D DeviceMesh with dims
+    "ulysses" and "ring". `backend` is "auto" or a kernel name.
 
     `cu_seqlens` ([0, e1, ..., S], the same on every rank) packs documents along the sequence
     (B = 1): attention is block-diagonal by document, causal inside each when `causal`. Any
@@ -92,7 +91,7 @@ def attention(
     check_names(strategy, STRATEGIES, backend)
     check_qkv(q, k, v, scale)
     window = check_window(window)
-    info = resolve_group(group)
+    info = resolve_group(group, allow_2d=strategy == "hybrid")
     placement = None
     if cu_seqlens is not None or window is not None:
         if cu_seqlens is not None and q.shape[0] != 1:
@@ -106,10 +105,8 @@ def attention(
     _check_device(info, q)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     strategy_obj = STRATEGIES[strategy]
-    if isinstance(strategy_obj, _NotBuilt):
-        raise NotImplementedError(
-            f"strategy {strategy!r} is not implemented yet; use strategy='ring'"
-        )
+    if hasattr(strategy_obj, "check"):
+        strategy_obj.check(q, k, info)
     kernel = select_kernel(backend, q, k)
     signature = call_signature(q, k, causal, scale, layout_obj, strategy, backend)
     bounds = None if placement is None else placement.bounds
