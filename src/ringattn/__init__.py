@@ -8,9 +8,19 @@ ring (the strategy) and api (the public functions).
 """
 
 from .api import attention, positions, shard, unshard
+from .context_parallel import context_parallel
 from .kernels import BACKENDS
 from .layout import LAYOUTS
 
 __version__ = "0.1.0"
 
-__all__ = ["BACKENDS", "LAYOUTS", "__version__", "attention", "positions", "shard", "unshard"]
+__all__ = [
+    "BACKENDS",
+    "LAYOUTS",
+    "__version__",
+    "attention",
+    "context_parallel",
+    "positions",
+    "shard",
+    "unshard",
+]
