@@ -83,6 +83,25 @@ def test_ulysses_uneven_kv_heads(pools, world_size, hq, hkv, dtype):
         _assert_rows(pools(world_size).run("workers:attention_case", **kwargs), str(kwargs))
 
 
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("head_dim", [40, 64, 128, 256])
+@pytest.mark.parametrize("strategy", ["allgather", "ulysses"])
+def test_head_dims(pools, world_size, head_dim, strategy):
+    kwargs = {"strategy": strategy, "layout": "zigzag", "causal": True, "hq": world_size,
+              "hkv": 1, "head_dim": head_dim, "dtype": "float32", "local_len": 4, "batch": 1}
+    _assert_rows(pools(world_size).run("workers:attention_case", **kwargs), f"D={head_dim}")
+
+
+@pytest.mark.parametrize("world_size", [3, 8])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("strategy", ["allgather", "ulysses"])
+def test_non_contiguous_inputs_and_custom_scale(pools, world_size, layout, strategy):
+    hq, hkv = (2 * world_size, world_size) if strategy == "ulysses" else (6, 3)
+    kwargs = {"strategy": strategy, "layout": layout, "causal": True, "hq": hq, "hkv": hkv,
+              "head_dim": 20, "dtype": "float64", "non_contiguous": True, "scale": 0.37}
+    _assert_rows(pools(world_size).run("workers:attention_case", **kwargs), layout)
+
+
 # ---- hybrid on 2-D meshes ----
 
 MESHES = {2: [(1, 2), (2, 1)], 3: [(1, 3), (3, 1)], 4: [(2, 2), (1, 4), (4, 1)],

@@ -19,7 +19,8 @@ Hkv % U == 0 that is Hkv/U heads, a partition. With fewer K/V heads than ranks (
 Hkv < U) or Hkv not divisible by U, neighbouring ranks need the same K/V head: it is sent to each
 of them ("replicated") and its gradient summed on the way back. If a rank's query heads do not
 split evenly over its K/V heads (e.g. Hq=12, Hkv=3, U=4: rank 1 has heads 3,4,5 -> K/V 0,1,1), the
-K/V heads are expanded locally to one per query head for the kernels and reduced after.
+K/V heads are expanded locally to one per query head for the kernels and reduced after (in the
+hybrid strategy the ring then carries the expanded heads).
 
 Backward. Autograd keeps the head-sharded q, out, lse and (partitioned heads) k, v: the same bytes
 as the local q, k, v, out, lse, and the backward needs only two all-to-alls: dout in, dq, dk, dv
