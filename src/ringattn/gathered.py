@@ -25,6 +25,7 @@ from collections.abc import Sequence
 
 from .comm import GroupInfo
 from .layout import Block
+from .plan import Call
 
 _RANGES = ("q_start", "q_stop", "kv_start", "kv_stop")
 
@@ -67,7 +68,7 @@ def coalesce(blocks: Sequence[Block]) -> list[Block]:
 
 
 def gathered_blocks(
-    call: object, q_shards: Sequence[int], kv_shards: Sequence[int], local_len: int
+    call: Call, q_shards: Sequence[int], kv_shards: Sequence[int], local_len: int
 ) -> list[Block]:
     """Blocks of the queries of `q_shards` (concatenated in that order, `local_len` rows each)
     against the keys of `kv_shards` (likewise), from the per-shard schedule `call.blocks`."""
@@ -96,7 +97,7 @@ class GroupedCall:
     scale, mask options) is the wrapped call's.
     """
 
-    def __init__(self, call: object, info: GroupInfo, group_size: int):
+    def __init__(self, call: Call, info: GroupInfo, group_size: int):
         self.call, self.info, self.group_size = call, info, group_size
 
     def __getattr__(self, name: str) -> object:

@@ -37,6 +37,7 @@ import torch
 from .comm import GroupInfo, all_to_all
 from .gathered import GroupedCall
 from .merge import accumulator_dtype
+from .plan import Call
 from .ring import RingStrategy
 
 SINGLE = GroupInfo(None, 0, 1)
@@ -159,21 +160,33 @@ class HeadParallel:
         """(ulysses group, ring group) of a resolved group."""
         raise NotImplementedError
 
-    def forward(self, q, k, v, call):
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: Call
+    ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
         ulysses, ring = self.groups(call.info)
         plan = HeadPlan(q.shape[1], k.shape[1], ulysses.world_size)
+        # q_h (B, Hq/U, U*n, D); k_h, v_h (B, h, U*n, D), h = K/V heads this rank's queries read
         q_h, k_h, v_h = to_heads([(q, False), (k, True), (v, True)], plan, ulysses)
         index = plan.kv_index(ulysses.rank)
         grouped = GroupedCall(call, ring, ulysses.world_size)
-        out_h, lse_h = RingStrategy().forward(
+        out_h, lse_h = RingStrategy().forward(  # (B, Hq/U, U*n, D), (B, Hq/U, U*n)
             q_h, _expand(k_h, index), _expand(v_h, index), grouped
         )
-        out, lse = from_heads([(out_h, False), (lse_h, False)], plan, ulysses)
+        out, lse = from_heads([(out_h, False), (lse_h, False)], plan, ulysses)  # (B, Hq, n, ...)
         # what backward needs, no larger than the local q, k, v, out, lse (module docstring)
         keep_kv = (k, v) if plan.replicated else (k_h, v_h)
         return out, lse, (q_h, *keep_kv, out_h, lse_h)
 
-    def backward(self, dout, q_h, k_kept, v_kept, out_h, lse_h, call):
+    def backward(
+        self,
+        dout: torch.Tensor,
+        q_h: torch.Tensor,
+        k_kept: torch.Tensor,
+        v_kept: torch.Tensor,
+        out_h: torch.Tensor,
+        lse_h: torch.Tensor,
+        call: Call,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         ulysses, ring = self.groups(call.info)
         size = ulysses.world_size
         # forward kept the local k, v (n rows, Hkv heads) exactly when heads are replicated
