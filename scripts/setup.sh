@@ -36,7 +36,7 @@ pip_install() {
     "$PY" -m pip install --quiet "$@" 2> >(grep -v "is ignored: it is neither a file nor a" >&2)
 }
 
-want="$(sha256sum pyproject.toml | cut -d' ' -f1)"
+want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)"
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$want" ]] && version="$(installed_here)"; then
     echo "[setup] already set up ($version)"
     exit 0
@@ -53,6 +53,19 @@ fi
 
 echo "[setup] installing ringattn (editable) with dev extras"
 pip_install -e ".[dev]"
+
+# Optional: Triton, whose CPU interpreter runs the fused merge kernel's tests
+# (tests/test_merge_triton.py, skipped without it). The interpreter imports numpy, which ringattn
+# must not need, so numpy goes to a side directory that only those tests put on PYTHONPATH.
+TRITON_PIN="triton==3.9.0"
+if ! "$PY" -c "import triton" >/dev/null 2>&1; then
+    echo "[setup] installing $TRITON_PIN (optional: Triton merge tests)"
+    pip_install "$TRITON_PIN" || echo "[setup] $TRITON_PIN did not install; its tests will skip"
+fi
+if ! "$PY" -c "import numpy" >/dev/null 2>&1 && [[ ! -d "$VENV/triton-interp/numpy" ]]; then
+    pip_install --target "$VENV/triton-interp" numpy \
+        || echo "[setup] numpy did not install: the Triton interpreter tests will skip"
+fi
 
 version="$(installed_here)" || {
     echo "[setup] ringattn is not importable from $ROOT/src after install" >&2

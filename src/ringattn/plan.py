@@ -16,7 +16,7 @@ import torch
 from .comm import GroupInfo
 from .kernels import KERNELS, Kernel
 from .layout import Block, Layout
-from .merge import merge_
+from .merge_triton import merge_fused_
 from .packing import Placement, placement_blocks
 
 
@@ -94,9 +94,10 @@ def block_forward_merge(
     out: torch.Tensor,
     lse: torch.Tensor,
 ) -> None:
-    """Compute one block and merge it into the accumulators' rows of that block, in place."""
+    """Compute one block and merge it into the accumulators' rows of that block, in place
+    (one fused Triton pass on CUDA where it works, `merge.merge_` elsewhere: merge_triton.py)."""
     block_out, block_lse = block_forward(call, q, k, v, block)
-    merge_(
+    merge_fused_(
         rows(out, block.q_start, block.q_stop),
         rows(lse, block.q_start, block.q_stop),
         block_out,
