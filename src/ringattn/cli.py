@@ -3,6 +3,7 @@
     ringattn demo     one long sequence on W local processes: time, memory, error vs 1 process
     ringattn check    the correctness matrix against a float64 reference
     ringattn layout   per-rank tokens and attention work for a layout, documents and window
+    ringattn bench    one rank's share of an emulated W-way ring vs monolithic attention
 
 The work lives in `demo.py`, `check.py`, `layout_report.py`, ...; this module only turns flags
 into their config dataclasses (whose defaults are the flags' defaults). Each subcommand's parser
@@ -174,6 +175,87 @@ def _run_layout(args: argparse.Namespace) -> int:
     )
 
 
+def _pairs(sep: str):
+    """Parse "8x4096,4x16384" (sep "x") or "32:32,32:8" (sep ":") into a list of int pairs."""
+
+    def parse(text: str) -> list[tuple[int, int]]:
+        try:
+            pairs = [tuple(int(x) for x in p.split(sep)) for p in text.split(",") if p.strip()]
+        except ValueError:
+            pairs = []
+        if not pairs or any(len(pair) != 2 for pair in pairs):
+            raise argparse.ArgumentTypeError(f"expected A{sep}B[,A{sep}B...], got {text!r}")
+        return pairs
+
+    return parse
+
+
+def _bench_parser(sub) -> None:
+    p = sub.add_parser(
+        "bench",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        help="one rank's share of an emulated W-way ring vs monolithic attention, one device",
+        description="Time one rank's share of a W-way ring (all ranks' blocks on this device, "
+        "K/V transfers as copies on a side stream) against monolithic SDPA over the same global "
+        "sequence, in the same run; efficiency = (monolithic / W) / rank time. Prints a table and "
+        "writes JSON and a PNG. Defaults depend on the device (GPU: the H200 sweep in bf16; CPU: "
+        "small sizes in float32). --million runs the emulated 8-way 1M-token causal check.",
+    )
+    p.add_argument("--sizes", type=_pairs("x"), default=None,
+                   help="WxTOKENS_PER_RANK pairs, e.g. 8x4096,4x16384 (default: per device)")
+    p.add_argument("--heads", type=_pairs(":"), default=None,
+                   help="HQ:HKV pairs (default 32:32,32:8; --million: the first pair)")
+    p.add_argument("--head-dim", type=int, default=None, help="per-head dim (GPU 128, CPU 64)")
+    p.add_argument("--masks", type=_name_list(("causal", "full")), default=["causal", "full"],
+                   help="causal,full")
+    p.add_argument("--passes", type=_name_list(("fwd", "fwd+bwd")), default=["fwd", "fwd+bwd"],
+                   help="fwd,fwd+bwd")
+    p.add_argument("--layout", default="zigzag", choices=_LAYOUTS, help="token-to-rank layout")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
+                   help="dtype of q, k, v (GPU bfloat16, CPU float32; --million bfloat16)")
+    p.add_argument("--backend", default="auto", help="block kernel of the ring: auto or a name")
+    p.add_argument("--baselines", type=_name_list(("cudnn", "flash", "efficient", "math")),
+                   default=None, help="monolithic SDPA backends (GPU cudnn,flash; CPU flash)")
+    p.add_argument("--merge", default="auto", choices=("auto", "torch", "triton", "none"),
+                   help="merge of the ring: auto (Triton on CUDA when it works), torch, triton, "
+                   "none (kernels only: timing, wrong results)")
+    p.add_argument("--ranks", default="ends", help="ranks to time: ends, all, or 0,3,...")
+    p.add_argument("--warmup", type=int, default=1, help="untimed calls before timing")
+    p.add_argument("--repeats", type=int, default=5, help="timed calls; the median is reported")
+    p.add_argument("--seed", type=int, default=0, help="seed for q, k, v and dout")
+    p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
+    p.add_argument("--plot", default=None, metavar="PATH", help="write a PNG (needs matplotlib)")
+    p.add_argument("--million", action="store_true",
+                   help="the emulated 1M-token causal ring check instead of the sweep")
+    p.add_argument("--seq-len", type=int, default=None,
+                   help="--million: total tokens (GPU 1048576, CPU 4096)")
+    p.add_argument("--world-size", type=int, default=8, help="--million: ring size W")
+    p.add_argument("--sample-rows", type=int, default=8,
+                   help="--million: query rows per rank checked against float64")
+    p.set_defaults(run=_run_bench)
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    common = {"device": args.device, "backend": args.backend, "merge": args.merge,
+              "seed": args.seed, "head_dim": args.head_dim, "json_path": args.json}  # fmt: skip
+    if args.million:
+        from .bench_million import MillionConfig, run_million
+
+        heads = args.heads[0] if args.heads else None
+        return run_million(MillionConfig(seq_len=args.seq_len, world_size=args.world_size,
+                                         heads=heads, dtype=args.dtype or "bfloat16",
+                                         sample_rows=args.sample_rows, **common))  # fmt: skip
+    from .bench import BenchConfig, run_bench
+
+    cfg = BenchConfig(sizes=args.sizes, masks=args.masks, passes=args.passes, layout=args.layout,
+                      dtype=args.dtype, baselines=args.baselines, ranks=args.ranks,
+                      warmup=args.warmup, repeats=args.repeats, plot_path=args.plot, **common)
+    if args.heads:
+        cfg.heads = args.heads
+    return run_bench(cfg)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ringattn", description="Exact context-parallel (ring) attention for PyTorch."
@@ -183,6 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
     _demo_parser(sub)
     _check_parser(sub)
     _layout_parser(sub)
+    _bench_parser(sub)
     return parser
 
 
