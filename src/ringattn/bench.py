@@ -13,8 +13,9 @@ For each configuration (mask, heads, W, tokens per rank n; global sequence S = W
 forward and forward+backward, timed with CUDA events (CPU: perf_counter) after warm-up, medians
 of repeats, in one process, so every number is a ratio measured on the same device in the same run
 (absolute CPU times are noise: read the ratios). FLOPs: forward 4*B*Hq*S*S*D, halved when causal;
-backward 2.5x forward. Memory: peak above the start (CUDA allocator; CPU peak RSS, meter.py) plus
-the inputs a process holds (all S tokens for the monolithic run, one shard for a rank). The ring's
+backward 2.5x forward. Memory: the peak of tensor bytes one call adds (CUDA allocator; CPU the
+profiler's allocation events) plus the inputs a process holds (all S tokens for the monolithic run,
+one shard and its travelling dK/dV partial for a rank), for fwd+bwd. The ring's
 out is compared with the monolithic out (max abs difference) so a fast wrong result shows.
 
 Results print as a table and go to JSON (machine, versions, date, command, config, rows) and, when
@@ -40,7 +41,7 @@ from .bench_common import (
     peak_mb,
     resolve_device,
     tensor_mb,
-    time_ms,
+    time_interleaved,
     write_json,
     write_plot,
 )
@@ -57,6 +58,7 @@ SDPA_BACKENDS = {
 }
 GPU_SIZES = [(8, 4096), (8, 8192), (4, 16384), (4, 32768), (2, 65536), (2, 131072)]
 CPU_SIZES = [(4, 512), (4, 1024), (2, 2048)]
+GPU_HEADS, CPU_HEADS = [(32, 32), (32, 8)], [(8, 8), (8, 2)]
 
 
 @dataclass
@@ -66,8 +68,8 @@ class BenchConfig:
 
     sizes: list[tuple[int, int]] | None = None
     """(world size W, tokens per rank n) pairs."""
-    heads: list[tuple[int, int]] = field(default_factory=lambda: [(32, 32), (32, 8)])
-    """(query heads, key/value heads) pairs."""
+    heads: list[tuple[int, int]] | None = None
+    """(query heads, key/value heads) pairs; GPU 32:32 and 32:8 (GQA), CPU 8:8 and 8:2."""
     head_dim: int | None = None
     masks: list[str] = field(default_factory=lambda: ["causal", "full"])
     passes: list[str] = field(default_factory=lambda: list(PASSES))
@@ -84,6 +86,9 @@ class BenchConfig:
     warmup: int = 1
     repeats: int = 5
     batch: int = 1
+    threads: int | None = None
+    """CPU threads (torch.set_num_threads); default 1 on a CPU: on a shared machine an OpenMP
+    team stalls whenever one of its cores is taken, which skews ratios; one thread does not."""
     seed: int = 0
     json_path: str | None = None
     plot_path: str | None = None
@@ -94,10 +99,11 @@ class BenchConfig:
         out = BenchConfig(**asdict(self))
         out.device = str(device)
         out.sizes = [tuple(s) for s in (self.sizes or (GPU_SIZES if cuda else CPU_SIZES))]
-        out.heads = [tuple(h) for h in self.heads]
+        out.heads = [tuple(h) for h in (self.heads or (GPU_HEADS if cuda else CPU_HEADS))]
         out.head_dim = self.head_dim or (128 if cuda else 64)
         out.dtype = self.dtype or ("bfloat16" if cuda else "float32")
         out.baselines = self.baselines or (["cudnn", "flash"] if cuda else ["flash"])
+        out.threads = self.threads or (None if cuda else 1)
         if out.merge == "triton" and not cuda and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(
                 "--merge triton runs the Triton kernel, which needs CUDA tensors here; on a CPU "
@@ -180,7 +186,11 @@ def _ranks(spec: str, world_size: int) -> list[int]:
 def bench_one(
     cfg: BenchConfig, mask: str, hq: int, hkv: int, world_size: int, n: int, device
 ) -> list[dict]:
-    """Rows (one per pass) for one configuration."""
+    """Rows (one per pass) for one configuration.
+
+    Per pass, every candidate (each baseline, each timed rank) runs once per round, round after
+    round, and each reports its median: a slow spell of the machine hits all of them alike.
+    """
     causal, dtype, d, b = mask == "causal", getattr(torch, cfg.dtype), cfg.head_dim, cfg.batch
     seq_len = world_size * n
     gen = torch.Generator(device=device).manual_seed(cfg.seed)
@@ -193,6 +203,8 @@ def bench_one(
     transport = emulate.LocalTransport(device)
     merge = MERGES[cfg.merge]
     partials = emulate.new_partials(shards)
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    ranks = _ranks(cfg.ranks, world_size)
 
     def ring_fwd(rank):
         return emulate.forward_share(call, shards, rank, transport, merge)
@@ -202,48 +214,47 @@ def bench_one(
         emulate.backward_share(call, shards, rank, out, lse, partials, transport)
         return emulate.finish_dkv(partials, rank, dtype)
 
-    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
-    mono: dict[str, dict] = {}
-    reference = None  # out of the first baseline that runs: the ring's out is checked against it
+    runners, mono = {}, {}
     for name in cfg.baselines:
         try:
-            sdpa, gqa = sdpa_runner(name, q, k, v, causal)
+            runners[name], gqa = sdpa_runner(name, q, k, v, causal)
+            mono[name] = {"gqa": gqa}
         except RuntimeError as err:
             mono[name] = {"error": str(err).splitlines()[0][:200]}
-            continue
 
-        def fwd_bwd(sdpa=sdpa):
-            torch.autograd.grad(sdpa(*leaves), leaves, dout)
+    def mono_fwd_bwd(name):
+        torch.autograd.grad(runners[name](*leaves), leaves, dout)
 
-        mono[name] = {
-            "gqa": gqa,
-            "fwd": time_ms(lambda sdpa=sdpa: sdpa(q, k, v), device, cfg.warmup, cfg.repeats),
-            "fwd+bwd": time_ms(fwd_bwd, device, cfg.warmup, cfg.repeats)
-            if "fwd+bwd" in cfg.passes else None,
-            "peak_mb": peak_mb(fwd_bwd, device) + tensor_mb(q, k, v, dout),
-        }  # fmt: skip
-        if reference is None:
-            reference = sdpa(q, k, v)
-    ranks = _ranks(cfg.ranks, world_size)
-    diff = None
-    if reference is not None and merge is not None:
+    diff = None  # the ring's out against the first baseline's
+    if runners and merge is not None:
+        reference = runners[next(iter(runners))](q, k, v)
         diff = max(
             (ring_fwd(r)[0].float() - reference.index_select(2, shards.index[r]).float())
             .abs().max().item()
             for r in ranks
         )  # fmt: skip
         del reference
-    local_mb = tensor_mb(shards.q[0], shards.kv[0], shards.dout[0])
+    for name in runners:
+        mono[name]["peak_mb"] = peak_mb(lambda name=name: mono_fwd_bwd(name), device)
+        mono[name]["peak_mb"] += tensor_mb(q, k, v, dout)
     ring_peak = max(peak_mb(lambda r=r: ring_fwd_bwd(r), device) for r in ranks)
-    ring_peak += local_mb + emulate.partial_bytes(shards) / 2**20
+    ring_peak += tensor_mb(shards.q[0], shards.kv[0], shards.dout[0])
+    ring_peak += emulate.partial_bytes(shards) / 2**20  # a real rank holds its partial
+    first_peak = next((m["peak_mb"] for m in mono.values() if "peak_mb" in m), None)
     rows = []
     for pass_ in cfg.passes:
-        fn = ring_fwd if pass_ == "fwd" else ring_fwd_bwd
-        by_rank = {
-            r: time_ms(lambda r=r, fn=fn: fn(r), device, cfg.warmup, cfg.repeats) for r in ranks
-        }
+        fwd_only = pass_ == "fwd"
+        ring_fn = ring_fwd if fwd_only else ring_fwd_bwd
+        candidates = {("ring", r): (lambda r=r, fn=ring_fn: fn(r)) for r in ranks}
+        for name, sdpa in runners.items():
+            candidates[("mono", name)] = (
+                (lambda sdpa=sdpa: sdpa(q, k, v)) if fwd_only else
+                (lambda name=name: mono_fwd_bwd(name))
+            )  # fmt: skip
+        ms = time_interleaved(candidates, device, cfg.warmup, cfg.repeats)
+        by_rank = {r: ms["ring", r] for r in ranks}
         ring_ms = max(by_rank.values())
-        flops = attention_flops(b, hq, seq_len, d, causal, pass_ == "fwd+bwd")
+        flops = attention_flops(b, hq, seq_len, d, causal, not fwd_only)
         row = {
             "mask": mask, "hq": hq, "hkv": hkv, "head_dim": d, "world_size": world_size,
             "tokens_per_rank": n, "seq_len": seq_len, "pass": pass_, "dtype": cfg.dtype,
@@ -251,20 +262,16 @@ def bench_one(
             "ring_ms": ring_ms, "ring_ms_by_rank": by_rank,
             "ring_tflops": flops / world_size / (ring_ms * 1e-3) / 1e12,
             "out_max_diff": diff, "ring_peak_mb": ring_peak,
+            "memory_ratio": ring_peak / first_peak if first_peak else None,
             "mono": {}, "efficiency": {},
         }  # fmt: skip
         for name, m in mono.items():
             if "error" in m:
-                row["mono"][name] = {"error": m["error"]}
+                row["mono"][name] = m
                 continue
-            ms = m[pass_]
-            row["mono"][name] = {
-                "ms": ms, "gqa": m["gqa"], "peak_mb": m["peak_mb"],
-                "tflops": flops / (ms * 1e-3) / 1e12,
-            }  # fmt: skip
-            row["efficiency"][name] = (ms / world_size) / ring_ms
-        first = next((m for m in mono.values() if "peak_mb" in m), None)
-        row["memory_ratio"] = ring_peak / first["peak_mb"] if first else None
+            mono_ms = ms["mono", name]
+            row["mono"][name] = {**m, "ms": mono_ms, "tflops": flops / (mono_ms * 1e-3) / 1e12}
+            row["efficiency"][name] = (mono_ms / world_size) / ring_ms
         rows.append(row)
     return rows
 
@@ -273,12 +280,16 @@ def run_bench(cfg: BenchConfig) -> int:
     """Run the sweep, print the table, write JSON and PNG; 0 on success."""
     device = resolve_device(cfg.device)
     cfg = cfg.resolve(device)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
     data = header(device, cfg)
     data["results"] = rows = []
+    where = data["machine"].get("gpu") or data["machine"].get("cpu")
+    threads = f", {torch.get_num_threads()} thread(s)" if device.type == "cpu" else ""
     print(
-        f"ringattn bench on {device} ({data['machine'].get('gpu') or data['machine'].get('cpu')}), "
-        f"{cfg.dtype}, head dim {cfg.head_dim}, layout {cfg.layout}, merge {cfg.merge}, "
-        f"median of {cfg.repeats} after {cfg.warmup} warm-up",
+        f"ringattn bench on {device} ({where}{threads}), {cfg.dtype}, head dim {cfg.head_dim}, "
+        f"layout {cfg.layout}, merge {cfg.merge}, median of {cfg.repeats} interleaved rounds "
+        f"after {cfg.warmup} warm-up",
         flush=True,
     )
     for mask in cfg.masks:

@@ -8,6 +8,7 @@ the median of repeats after warm-up calls.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import math
@@ -20,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import asdict
 
 import torch
+from typing_extensions import Self
 
 from .meter import Meter
 
@@ -33,6 +35,21 @@ def time_ms(fn: Callable[[], object], device: torch.device, warmup: int, repeats
         fn()
     times = [timed(fn, device)[1] for _ in range(repeats)]
     return statistics.median(times)
+
+
+def time_interleaved(
+    fns: dict[object, Callable[[], object]], device: torch.device, warmup: int, repeats: int
+) -> dict[object, float]:
+    """Median milliseconds of each fn, timed in rounds (every fn once per round, in order), so
+    that a change in the machine's load during the measurement hits every fn alike."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    times: dict[object, list[float]] = {key: [] for key in fns}
+    for _ in range(repeats):
+        for key, fn in fns.items():
+            times[key].append(timed(fn, device)[1])
+    return {key: statistics.median(values) for key, values in times.items()}
 
 
 def timed(fn: Callable, device: torch.device, *args: object) -> tuple[object, float]:
@@ -49,11 +66,68 @@ def timed(fn: Callable, device: torch.device, *args: object) -> tuple[object, fl
     return result, (time.perf_counter() - t0) * 1e3
 
 
+MEMORY_METHOD = {
+    "cuda": "torch.cuda.max_memory_allocated above the start (meter.py), plus the inputs",
+    "cpu": "peak of live tensor bytes from torch.profiler's allocator events, plus the inputs",
+}
+
+
+class PeakMemory:
+    """Context manager: the peak of tensor bytes the region adds, in MiB (`.mb`; MEMORY_METHOD).
+
+    On a CPU the resident set size (meter.py) cannot see a region's peak once earlier calls have
+    grown the heap, so the profiler's allocation and free events are summed in time order instead
+    (the profiler slows the region: time it separately).
+    """
+
+    def __init__(self, device: torch.device):
+        self.device, self.mb = device, 0.0
+
+    def __enter__(self) -> Self:
+        if self.device.type == "cuda":
+            self._meter = Meter(self.device).__enter__()
+        else:
+            from torch.profiler import ProfilerActivity, profile
+
+            self._quiet = _quiet_stderr()
+            self._quiet.__enter__()
+            self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+            self._prof.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.device.type == "cuda":
+            self._meter.__exit__(*exc)
+            self.mb = self._meter.peak_mb
+            return
+        self._prof.__exit__(*exc)
+        self._quiet.__exit__(*exc)
+        live = peak = 0
+        for event in sorted(self._prof.events(), key=lambda e: e.time_range.start):
+            live += event.self_cpu_memory_usage  # + allocated, - freed ("[memory]" events)
+            peak = max(peak, live)
+        self.mb = peak / 2**20
+
+
 def peak_mb(fn: Callable[[], object], device: torch.device) -> float:
-    """Peak memory that one call of `fn` adds, in MiB (see meter.py for the method)."""
-    with Meter(device) as meter:
+    """Peak tensor memory that one call of `fn` adds, in MiB (see PeakMemory)."""
+    with PeakMemory(device) as peak:
         fn()
-    return meter.peak_mb
+    return peak.mb
+
+
+@contextlib.contextmanager
+def _quiet_stderr():
+    """Drop what native code writes to fd 2 (the profiler logs its start and stop there)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(os.devnull, "w") as devnull:
+        os.dup2(devnull.fileno(), 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def tensor_mb(*tensors: torch.Tensor) -> float:
@@ -102,6 +176,7 @@ def header(device: torch.device, cfg: object) -> dict:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join(["ringattn", *sys.argv[1:]]) if sys.argv else "ringattn bench",
         "config": asdict(cfg),
+        "memory_method": MEMORY_METHOD[device.type],
     }
 
 
@@ -175,6 +250,13 @@ def write_plot(rows: list[dict], baseline: str, path: str) -> str:
         for target in (0.95, 0.85):
             ax.axhline(target, color="grey", linestyle=":", linewidth=1)
         ax.set_xscale("log", base=2)
+        sizes: dict[int, set] = {}
+        for r in rows:
+            sizes.setdefault(r["tokens_per_rank"], set()).add(r["world_size"])
+        ax.set_xticks(sorted(sizes))
+        ax.set_xticklabels([f"{n}\nW={','.join(map(str, sorted(w)))}" for n, w in
+                            sorted(sizes.items())])  # fmt: skip
+        ax.minorticks_off()
         ax.set_title(f"{pass_}: (monolithic {baseline} / W) / ring rank")
         ax.set_xlabel("tokens per rank")
         ax.grid(alpha=0.3)

@@ -35,10 +35,17 @@ import torch
 
 from . import emulate
 from .bench import MERGES
-from .bench_common import attention_flops, header, resolve_device, tensor_mb, timed, write_json
+from .bench_common import (
+    PeakMemory,
+    attention_flops,
+    header,
+    resolve_device,
+    tensor_mb,
+    timed,
+    write_json,
+)
 from .kernels import KERNELS
 from .layout import get_layout
-from .meter import Meter
 from .reference import MAX_RATIO, MEAN_RATIO, Errors, relative_gate
 
 QUANTITIES = ("out", "lse", "dq", "dk", "dv")
@@ -59,6 +66,8 @@ class MillionConfig:
     merge: str = "auto"
     sample_rows: int = 8
     """Query rows per rank checked against the fp64 reference."""
+    threads: int | None = None
+    """CPU threads; default 1 on a CPU (see BenchConfig.threads)."""
     seed: int = 0
     json_path: str | None = None
 
@@ -69,6 +78,7 @@ class MillionConfig:
         out.seq_len = self.seq_len or (1 << 20 if cuda else 4096)
         out.heads = tuple(self.heads or ((8, 8) if cuda else (2, 1)))
         out.head_dim = self.head_dim or (128 if cuda else 64)
+        out.threads = self.threads or (None if cuda else 1)
         get_layout("zigzag").check_seq_len(out.seq_len, out.world_size)
         if out.heads[0] % out.heads[1]:
             raise ValueError(f"heads {out.heads}: query heads must be a multiple of kv heads")
@@ -160,6 +170,8 @@ def sampled_reference(q, k, v, dout, positions, scale, chunk=1 << 16) -> dict[st
 def run_million(cfg: MillionConfig) -> int:
     device = resolve_device(cfg.device)
     cfg = cfg.resolve(device)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
     world_size, seq_len, (hq, hkv), d = cfg.world_size, cfg.seq_len, cfg.heads, cfg.head_dim
     dtype, scale = getattr(torch, cfg.dtype), cfg.head_dim**-0.5
     data = header(device, cfg)
@@ -262,13 +274,13 @@ def _monolithic(kernel, q, k, v, dout, scale) -> tuple[dict, dict]:
     dtype, as a user gets them; stats)."""
     device = q.device
     _warm_up(kernel, q, k, v, dout, scale)
-    with Meter(device) as meter:
+    with PeakMemory(device) as peak:
         (out, lse), fwd_ms = timed(kernel.forward, device, q, k, v, True, scale)
         grads, bwd_ms = timed(kernel.backward, device, dout, q, k, v, out, lse, True, scale)
     want = {"lse": lse, **dict(zip(("out", "dq", "dk", "dv"), (out, *grads)))}
     want = {name: x if name == "lse" else x.to(q.dtype) for name, x in want.items()}
     stats = {"kernel": kernel.name, "fwd_ms": fwd_ms, "bwd_ms": bwd_ms,
-             "peak_mb": meter.peak_mb + tensor_mb(q, k, v, dout)}  # fmt: skip
+             "peak_mb": peak.mb + tensor_mb(q, k, v, dout)}  # fmt: skip
     return want, stats
 
 
@@ -302,7 +314,7 @@ def _ring(call, shards, want, picks, merge, say) -> tuple[dict, dict, dict]:
     local_mb += emulate.partial_bytes(shards) / 2**20  # a real rank holds its travelling partial
     ranks = []
     for rank in range(world_size):
-        with Meter(device) as meter:
+        with PeakMemory(device) as peak:
             (out, lse), f_ms = timed(emulate.forward_share, device, call, shards, rank, transport,
                                      merge)  # fmt: skip
             dq, b_ms = timed(emulate.backward_share, device, call, shards, rank, out, lse,
@@ -311,9 +323,8 @@ def _ring(call, shards, want, picks, merge, say) -> tuple[dict, dict, dict]:
             ring[name].add(got, want[name].index_select(2, shards.index[rank]))
             rows[name].append(got.index_select(2, picks).double())
         ranks.append({"rank": rank, "fwd_ms": f_ms, "bwd_ms": b_ms,
-                      "peak_mb": meter.peak_mb + local_mb})  # fmt: skip
-        peak = ranks[-1]["peak_mb"]
-        say(f"rank {rank}: fwd {f_ms:.0f} ms, bwd {b_ms:.0f} ms, peak {peak:.0f} MB")
+                      "peak_mb": peak.mb + local_mb})  # fmt: skip
+        say(f"rank {rank}: fwd {f_ms:.0f} ms, bwd {b_ms:.0f} ms, peak {peak.mb + local_mb:.0f} MB")
         del out, lse, dq
     for rank in range(world_size):
         for name, got in zip(("dk", "dv"), emulate.finish_dkv(partials, rank, shards.kv.dtype)):

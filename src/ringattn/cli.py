@@ -204,7 +204,7 @@ def _bench_parser(sub) -> None:
     p.add_argument("--sizes", type=_pairs("x"), default=None,
                    help="WxTOKENS_PER_RANK pairs, e.g. 8x4096,4x16384 (default: per device)")
     p.add_argument("--heads", type=_pairs(":"), default=None,
-                   help="HQ:HKV pairs (default 32:32,32:8; --million: the first pair)")
+                   help="HQ:HKV pairs (GPU 32:32,32:8; CPU 8:8,8:2; --million: one pair)")
     p.add_argument("--head-dim", type=int, default=None, help="per-head dim (GPU 128, CPU 64)")
     p.add_argument("--masks", type=_name_list(("causal", "full")), default=["causal", "full"],
                    help="causal,full")
@@ -223,6 +223,8 @@ def _bench_parser(sub) -> None:
     p.add_argument("--ranks", default="ends", help="ranks to time: ends, all, or 0,3,...")
     p.add_argument("--warmup", type=int, default=1, help="untimed calls before timing")
     p.add_argument("--repeats", type=int, default=5, help="timed calls; the median is reported")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads (default 1 on a CPU: robust ratios on a shared machine)")
     p.add_argument("--seed", type=int, default=0, help="seed for q, k, v and dout")
     p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
     p.add_argument("--plot", default=None, metavar="PATH", help="write a PNG (needs matplotlib)")
@@ -245,14 +247,14 @@ def _run_bench(args: argparse.Namespace) -> int:
         heads = args.heads[0] if args.heads else None
         return run_million(MillionConfig(seq_len=args.seq_len, world_size=args.world_size,
                                          heads=heads, dtype=args.dtype or "bfloat16",
-                                         sample_rows=args.sample_rows, **common))  # fmt: skip
+                                         sample_rows=args.sample_rows, threads=args.threads,
+                                         **common))  # fmt: skip
     from .bench import BenchConfig, run_bench
 
     cfg = BenchConfig(sizes=args.sizes, masks=args.masks, passes=args.passes, layout=args.layout,
                       dtype=args.dtype, baselines=args.baselines, ranks=args.ranks,
-                      warmup=args.warmup, repeats=args.repeats, plot_path=args.plot, **common)
-    if args.heads:
-        cfg.heads = args.heads
+                      warmup=args.warmup, repeats=args.repeats, plot_path=args.plot,
+                      heads=args.heads, threads=args.threads, **common)  # fmt: skip
     return run_bench(cfg)
 
 
