@@ -90,8 +90,8 @@ def test_emulated_ring_counts_its_transfers():
 
 def _bench(tmp_path, *extra):
     path = tmp_path / "bench.json"
-    argv = ["bench", "--heads", "2:1", "--head-dim", "16", "--warmup", "0", "--repeats", "1",
-            "--json", str(path), *extra]  # fmt: skip
+    argv = ["bench", "--device", "cpu", "--heads", "2:1", "--head-dim", "16", "--warmup", "0",
+            "--repeats", "1", "--json", str(path), *extra]  # fmt: skip
     return cli.main(argv), path
 
 
@@ -143,8 +143,8 @@ def test_bench_rejects_bad_flags(tmp_path, capsys, flags, message):
 def test_million_dry_run_on_cpu(tmp_path, capsys):
     """The 1M-token path, scaled down: every rank's share, every gate, the JSON."""
     path = tmp_path / "million.json"
-    code = cli.main(["bench", "--million", "--seq-len", "512", "--world-size", "4", "--heads",
-                     "4:2", "--head-dim", "16", "--json", str(path)])  # fmt: skip
+    code = cli.main(["bench", "--million", "--device", "cpu", "--seq-len", "512", "--world-size",
+                     "4", "--heads", "4:2", "--head-dim", "16", "--json", str(path)])  # fmt: skip
     printed = capsys.readouterr().out
     assert code == 0, printed
     data = json.loads(path.read_text())

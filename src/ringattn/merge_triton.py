@@ -35,6 +35,7 @@ from .merge import merge_
 __all__ = ["merge_fused_", "triton_available", "triton_merge_"]
 
 _MAX_HEAD_DIM = 512
+_MAX_GRID_Y = 65535  # CUDA's limit on the second grid dimension, which indexes (batch, head)
 # verdict of the probe per CUDA device index: True = use the kernel
 _VERDICTS: dict[int, bool] = {}
 
@@ -164,6 +165,8 @@ def _probe(device: torch.device) -> bool:
 def use_triton(out: torch.Tensor, block_out: torch.Tensor) -> bool:
     """Whether `merge_fused_` takes the Triton kernel for these tensors."""
     if out.device.type != "cuda" or out.dtype != torch.float32 or out.shape[-1] > _MAX_HEAD_DIM:
+        return False
+    if out.shape[0] * out.shape[1] > _MAX_GRID_Y:
         return False
     if block_out.device != out.device or not triton_available():
         return False
