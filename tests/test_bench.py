@@ -125,6 +125,28 @@ def test_bench_without_matplotlib_says_so(tmp_path, capsys, monkeypatch):
     assert not (tmp_path / "none.png").exists()
 
 
+def test_bench_records_a_failed_size_and_goes_on(tmp_path, capsys, monkeypatch):
+    """A size a kernel refuses (or out of memory) must not cost the rest of a GPU sweep."""
+    from ringattn import bench
+
+    real = bench.bench_one
+
+    def flaky(cfg, mask, hq, hkv, world_size, n, device):
+        if n == 32:
+            raise RuntimeError("simulated: no kernel for this size")
+        return real(cfg, mask, hq, hkv, world_size, n, device)
+
+    monkeypatch.setattr(bench, "bench_one", flaky)
+    code, path = _bench(tmp_path, "--sizes", "2x32,2x16", "--masks", "causal")
+    assert code == 1
+    data = json.loads(path.read_text())
+    assert data["failed"] == [
+        {"config": "causal 2:1 W=2 n=32", "error": "simulated: no kernel for this size"}
+    ]
+    assert {row["tokens_per_rank"] for row in data["results"]} == {16}
+    assert "causal 2:1 W=2 n=32: FAILED" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [

@@ -283,7 +283,7 @@ def run_bench(cfg: BenchConfig) -> int:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     data = header(device, cfg)
-    data["results"] = rows = []
+    data["results"], data["failed"] = rows, failed = [], []
     where = data["machine"].get("gpu") or data["machine"].get("cpu")
     threads = f", {torch.get_num_threads()} thread(s)" if device.type == "cpu" else ""
     print(
@@ -295,14 +295,18 @@ def run_bench(cfg: BenchConfig) -> int:
     for mask in cfg.masks:
         for hq, hkv in cfg.heads:
             for world_size, n in cfg.sizes:
-                t0 = time.perf_counter()
-                rows += bench_one(cfg, mask, hq, hkv, world_size, n, device)
-                print(f"  {mask} {hq}:{hkv} W={world_size} n={n}: {time.perf_counter() - t0:.1f} s",
-                      flush=True)  # fmt: skip
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()  # also after a configuration that failed
+                t0, what = time.perf_counter(), f"{mask} {hq}:{hkv} W={world_size} n={n}"
+                try:
+                    rows += bench_one(cfg, mask, hq, hkv, world_size, n, device)
+                except RuntimeError as err:  # one size a kernel refuses, or out of memory
+                    failed.append({"config": what, "error": str(err).splitlines()[0][:300]})
+                    print(f"  {what}: FAILED: {failed[-1]['error']}", flush=True)
+                    continue
+                print(f"  {what}: {time.perf_counter() - t0:.1f} s", flush=True)
                 if cfg.json_path:  # after every configuration: a cut-short run keeps its rows
                     write_json(cfg.json_path, data)
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
     print(format_table(rows, cfg.baselines))
     print(
         "eff = (monolithic ms / W) / ring ms (the slower of the timed ranks); mem/mono = ring rank "
@@ -313,4 +317,4 @@ def run_bench(cfg: BenchConfig) -> int:
         print(f"wrote {cfg.json_path}")
     if cfg.plot_path:
         print(write_plot(rows, cfg.baselines[0], cfg.plot_path))
-    return 0
+    return 1 if failed else 0
