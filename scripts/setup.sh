@@ -51,8 +51,8 @@ else
     pip_install "$TORCH_PIN"
 fi
 
-echo "[setup] installing ringattn (editable) with dev extras"
-pip_install -e ".[dev]"
+echo "[setup] installing ringattn (editable) with dev and plot extras"
+pip_install -e ".[dev,plot]"
 
 # Optional: Triton, whose CPU interpreter runs the fused merge kernel's tests
 # (tests/test_merge_triton.py, skipped without it). The interpreter imports numpy, which ringattn

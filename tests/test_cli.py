@@ -1,4 +1,5 @@
-"""The `ringattn` command: flags, `check` and `demo` end to end on small sizes, exit codes."""
+"""The `ringattn` command: flags, `check` and `attention-demo` end to end on small sizes, exit
+codes. (`ringattn demo`, the training demo, is tested in test_train.py.)"""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ def test_module_entry_point_help():
         check=False,
     )
     assert done.returncode == 0
-    assert "demo" in done.stdout and "check" in done.stdout
+    for command in ("demo", "train", "generate", "attention-demo", "check"):
+        assert command in done.stdout
 
 
 def test_flags_parse():
@@ -33,7 +35,7 @@ def test_flags_parse():
     assert args.world_sizes == [1, 3]
     assert args.layouts == ["contiguous", "zigzag", "striped"]
     assert args.dtypes == ["float32"]
-    args = build_parser().parse_args(["demo", "--no-causal", "--seq-len", "512"])
+    args = build_parser().parse_args(["attention-demo", "--no-causal", "--seq-len", "512"])
     assert args.causal is False and args.seq_len == 512
 
 
@@ -42,8 +44,13 @@ def test_flags_parse():
     [
         (["check", "--layouts", "zig"], "unknown layout 'zig'; choose from"),
         (["check", "--dtypes", "float8"], "unknown dtype 'float8'"),
+        (["attention-demo", "--nproc", "3", "--seq-len", "1000"], "use 1002"),
+        (["attention-demo", "--heads", "3", "--kv-heads", "2"], "--heads 3 must be a multiple of"),
+        (["train", "--nproc", "3", "--seq-len", "1000"], "use 1002"),
+        (["train", "--nproc", "4", "--dp", "3"], "dp x cp must equal the number of processes"),
+        (["train", "--model", "tiny", "--heads", "3"], "not divisible by 3 heads"),
+        (["train", "--seq-len", "64"], "seq_len 64 is too short for 12 keys"),
         (["demo", "--nproc", "3", "--seq-len", "1000"], "use 1002"),
-        (["demo", "--heads", "3", "--kv-heads", "2"], "--heads 3 must be a multiple of"),
     ],
 )
 def test_bad_values_exit_2_before_launching(argv, message, capsys):
@@ -111,7 +118,7 @@ def test_check_reports_refusals_without_failing(monkeypatch, capfd, error, summa
 
 def test_demo_small(tmp_path, capfd):
     path = tmp_path / "demo.json"
-    argv = ["demo", "--nproc", "2", "--seq-len", "512", "--heads", "4", "--kv-heads", "2"]
+    argv = ["attention-demo", "--nproc", "2", "--seq-len", "512", "--heads", "4", "--kv-heads", "2"]
     assert main([*argv, "--head-dim", "24", "--json", str(path)]) == 0
     out = capfd.readouterr().out
     assert "PASS: ring attention on 2 rank(s) vs 1 process" in out

@@ -1,0 +1,82 @@
+"""Worker functions for tests/test_train.py, run on every rank of a WorkerPool (see harness.py).
+
+Each runs the real training code (`ringattn.train`) inside the pool's gloo world, so the
+equivalence, loss-scaling, resume and mesh tests need no process launch of their own.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ringattn.data import IGNORE, shard_batch
+from ringattn.model import Transformer
+from ringattn.parallel import build_mesh, parallelize
+from ringattn.train import TrainConfig, forward_backward, train_loop
+
+CPU = torch.device("cpu")
+
+
+def full_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter, whole (FSDP shards all-gathered), by name."""
+    out = {}
+    for name, p in model.named_parameters():
+        full = p.full_tensor() if hasattr(p, "full_tensor") else p
+        out[name] = full.detach().clone()
+    return out
+
+
+def train(rank: int, world_size: int, options: dict) -> dict:
+    """Train with TrainConfig(**options); losses and accuracies of rank 0, final parameters."""
+    run = train_loop(TrainConfig(**options), CPU)
+    params = full_parameters(run.model)
+    return {
+        "losses": [h["loss"] for h in run.history],
+        "accuracy": [h["accuracy"] for h in run.history],
+        "supervised": [h["supervised"] for h in run.history],
+        "start_step": run.start_step,
+        "params": params if rank == 0 else None,
+        "dp_cp": (run.mesh.dp, run.mesh.cp),
+        "dp_rank": run.mesh.dp_rank,
+    }
+
+
+def global_mean_gradients(
+    rank: int, world_size: int, options: dict, inputs: torch.Tensor, labels: torch.Tensor
+) -> dict:
+    """One forward/backward of the training code on a given global batch (dp*B, S), returning
+    the full gradients: rank (d, c) takes rows d*B..(d+1)*B of the batch and its cp shard."""
+    cfg = TrainConfig(**options)
+    mesh = build_mesh(CPU, cfg.dp, cfg.cp)
+    torch.manual_seed(cfg.seed)
+    model = parallelize(Transformer(cfg.model_config()), mesh, layout=cfg.layout,
+                        strategy=cfg.strategy)  # fmt: skip
+    model.loss_chunk = cfg.loss_chunk
+    rows = slice(mesh.dp_rank * cfg.batch_size, (mesh.dp_rank + 1) * cfg.batch_size)
+    batch = shard_batch(inputs[rows], labels[rows], mesh.cp_group, cfg.layout, CPU)
+    local_count = int((batch.labels != IGNORE).sum())
+    total_loss, total_count, _ = forward_backward(model, batch, CPU)
+    grads = {}
+    for name, p in model.named_parameters():
+        grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        grads[name] = grad.clone()
+    counts = [torch.zeros((), dtype=torch.int64) for _ in range(world_size)]
+    dist.all_gather(counts, torch.tensor(local_count))
+    return {
+        "grads": grads if rank == 0 else None,
+        "loss": total_loss / total_count,
+        "counts": [int(c) for c in counts],
+    }
+
+
+def sharded_batch(rank: int, world_size: int, options: dict) -> dict:
+    """What a rank gets from the data pipeline at step 0, with the full batch for comparison."""
+    from ringattn.data import get_dataset, global_batch
+
+    cfg = TrainConfig(**options)
+    mesh = build_mesh(CPU, cfg.dp, cfg.cp)
+    dataset = get_dataset(cfg.data, cfg.seq_len, cfg.seed, cfg.keys, cfg.copies, cfg.noisy)
+    inputs, labels = global_batch(dataset, 0, cfg.batch_size, mesh.dp_rank, mesh.dp)
+    batch = shard_batch(inputs, labels, mesh.cp_group, cfg.layout, CPU)
+    return {"full_inputs": inputs, "full_labels": labels, "inputs": batch.inputs,
+            "labels": batch.labels, "positions": batch.positions, "dp_rank": mesh.dp_rank}
