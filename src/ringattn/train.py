@@ -91,7 +91,7 @@ class TrainConfig:
     checkpoint_dir: str = ""
     """Where checkpoints go (default: OUT_DIR/checkpoints)."""
     checkpoint_every: int = 50
-    """Save every N steps (and at the end); 0 = only at the end."""
+    """Save every N steps (and at the end); 0 = only at the end; -1 = never."""
     keep: int = 2
     """Complete checkpoints to keep."""
     resume: bool = True
@@ -176,11 +176,14 @@ class Run:
     start_step: int = 0
     checkpoint: str | None = None
     memory_method: str = ""
+    baseline_mb: list[float] = field(default_factory=list)
+    """Each rank's resident memory when the tracker started (CPU; 0 on CUDA)."""
 
     def summary(self) -> dict:
         return {
             "history": self.history, "start_step": self.start_step,
             "checkpoint": self.checkpoint, "memory_method": self.memory_method,
+            "baseline_mb": self.baseline_mb,
             "dp": self.mesh.dp, "cp": self.mesh.cp,
         }  # fmt: skip
 
@@ -271,8 +274,9 @@ def train_loop(cfg: TrainConfig, device: torch.device) -> Run:
     if cfg.memory_warmup:
         _warm_up(cfg, mesh, device)
     memory = MemoryTracker(device).start()
+    baselines = _all_gather(memory.baseline_mb(), device)
     model, optimizer = _build(cfg, cfg.model_config(), mesh, device)
-    run = Run(model, optimizer, mesh, memory_method=memory.method)
+    run = Run(model, optimizer, mesh, memory_method=memory.method, baseline_mb=baselines)
     resume_from = ckpt.latest(cfg.checkpoint_path) if cfg.resume else None
     if resume_from is not None:
         _check_compatible(cfg, ckpt.read_state(resume_from), resume_from)
@@ -288,6 +292,7 @@ def train_loop(cfg: TrainConfig, device: torch.device) -> Run:
             "event": "start", "step": run.start_step, "resumed_from": resume_from,
             "world_size": world_size, "dp": mesh.dp, "cp": mesh.cp, "device": str(device),
             "torch": torch.__version__, "machine": platform.node(), "memory": memory.method,
+            "baseline_mb": baselines,
             "config": asdict(cfg),
         })  # fmt: skip
     if bar and resume_from:
@@ -321,7 +326,8 @@ def train_loop(cfg: TrainConfig, device: torch.device) -> Run:
             if bar:
                 bar.update(done, record["loss"], record["accuracy"], record["tokens_per_s"],
                            peaks)  # fmt: skip
-        if done == last_step or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0):
+        every = cfg.checkpoint_every
+        if every >= 0 and (done == last_step or (every and done % every == 0)):
             state = {"step": done, "config": asdict(cfg), "world_size": world_size}
             run.checkpoint = ckpt.save(
                 cfg.checkpoint_path, done, model, optimizer, state, keep=cfg.keep
@@ -419,7 +425,7 @@ def add_arguments(p, d: TrainConfig, *, demo: bool = False) -> None:
     o.add_argument("--checkpoint-dir", default=d.checkpoint_dir,
                    help="checkpoint directory (default: OUT_DIR/checkpoints)")
     o.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every,
-                   help="save every N steps and at the end (0 = only at the end)")
+                   help="save every N steps and at the end (0 = only at the end, -1 = never)")
     o.add_argument("--keep", type=int, default=d.keep, help="complete checkpoints to keep")
     o.add_argument("--stop-at", type=int, default=d.stop_at,
                    help=hide or "stop after this step, checkpointed, keeping the --steps schedule; "
