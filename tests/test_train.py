@@ -48,13 +48,26 @@ def _assert_same_training(got: dict, want: dict, rtol: float = 1e-5) -> None:
 
 
 @pytest.mark.parametrize(
-    "world_size, dp, cp, layout",
-    [(2, 1, 2, "zigzag"), (3, 1, 3, "striped"), (4, 1, 4, "zigzag"), (4, 2, 2, "contiguous")],
+    "world_size, dp, cp, layout, strategy",
+    [
+        (2, 1, 2, "zigzag", "ring"),
+        (3, 1, 3, "striped", "ring"),
+        (4, 1, 4, "zigzag", "ring"),
+        (4, 2, 2, "contiguous", "ring"),
+        (2, 1, 2, "zigzag", "allgather"),
+        (2, 1, 2, "zigzag", "ulysses"),
+        (4, 1, 4, "zigzag", "hybrid"),  # 2 x 2: Ulysses pairs, a ring of two pairs
+    ],
 )
-def test_parallel_training_equals_one_process(pools, tmp_path, world_size, dp, cp, layout):
+def test_parallel_training_equals_one_process(
+    pools, tmp_path, world_size, dp, cp, layout, strategy
+):
     """fp32: CP = W (and dp x cp) matches one process on the same samples, step by step."""
-    options = _options(tmp_path, layout=layout, batch_size=2, seq_len=48 if cp == 3 else 64)
-    single = {**options, "dp": 1, "cp": 1, "batch_size": 2 * dp, "out_dir": str(tmp_path / "1")}
+    options = _options(tmp_path, layout=layout, strategy=strategy, batch_size=2,
+                       ulysses=2 if strategy == "hybrid" else 0,
+                       seq_len=48 if cp == 3 else 64)  # fmt: skip
+    single = {**options, "dp": 1, "cp": 1, "batch_size": 2 * dp, "out_dir": str(tmp_path / "1"),
+              "strategy": "ring", "ulysses": 0}  # fmt: skip
     want = pools(1).run("workers_train:train", single)[0]
     results = pools(world_size).run("workers_train:train", {**options, "dp": dp, "cp": cp})
     assert results[0]["dp_cp"] == (dp, cp)

@@ -47,7 +47,7 @@ def global_mean_gradients(
     """One forward/backward of the training code on a given global batch (dp*B, S), returning
     the full gradients: rank (d, c) takes rows d*B..(d+1)*B of the batch and its cp shard."""
     cfg = TrainConfig(**options)
-    mesh = build_mesh(CPU, cfg.dp, cfg.cp)
+    mesh = build_mesh(CPU, cfg.dp, cfg.cp, cfg.ulysses)
     torch.manual_seed(cfg.seed)
     model = parallelize(Transformer(cfg.model_config()), mesh, layout=cfg.layout,
                         strategy=cfg.strategy)  # fmt: skip

@@ -67,16 +67,27 @@ def degrees(world_size: int, dp: int, cp: int) -> tuple[int, int]:
     return dp, cp
 
 
-def build_mesh(device: torch.device, dp: int, cp: int) -> Mesh:
-    """The dp x cp mesh over the default process group (or a single process without one)."""
+def build_mesh(device: torch.device, dp: int, cp: int, ulysses: int = 0) -> Mesh:
+    """The dp x cp mesh over the default process group (or a single process without one).
+
+    `ulysses` > 0 splits each cp row into (cp / ulysses) x ulysses, the 2-D "ring" x "ulysses"
+    mesh that strategy="hybrid" takes as its group.
+    """
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     dp, cp = degrees(world_size, dp, cp)
     if not dist.is_initialized():
         return Mesh(1, 1, 0, 0, None, None)
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh(device.type, (dp, cp), mesh_dim_names=("dp", "cp"))
     fsdp_mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("fsdp",))
+    if ulysses:
+        if cp % ulysses:
+            raise ValueError(f"--ulysses {ulysses} does not divide cp={cp}; pick a divisor of {cp}")
+        shape, names = (dp, cp // ulysses, ulysses), ("dp", "ring", "ulysses")
+        mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
+        cp_rank = mesh.get_local_rank("ring") * ulysses + mesh.get_local_rank("ulysses")
+        return Mesh(dp, cp, mesh.get_local_rank("dp"), cp_rank, mesh["ring", "ulysses"], fsdp_mesh)
+    mesh = init_device_mesh(device.type, (dp, cp), mesh_dim_names=("dp", "cp"))
     return Mesh(
         dp, cp, mesh.get_local_rank("dp"), mesh.get_local_rank("cp"), mesh["cp"], fsdp_mesh
     )

@@ -71,6 +71,8 @@ class TrainConfig:
     cp: int = 0
     """Context-parallel degree (0 = the processes left over after dp)."""
     strategy: str = "ring"
+    ulysses: int = 0
+    """strategy=hybrid: the all-to-all (Ulysses) degree inside each cp group; ring across."""
     layout: str = "zigzag"
     steps: int = 200
     lr: float = 3e-3
@@ -148,6 +150,9 @@ def validate(cfg: TrainConfig, world_size: int) -> tuple[int, int]:
             f"--seq-len {cfg.seq_len} is not divisible by {chunks} ({cfg.layout} layout on cp={cp} "
             f"ranks); use {fixed}"
         )
+    if cfg.strategy == "hybrid" and not (cfg.ulysses > 0 and cp % cfg.ulysses == 0):
+        raise ValueError(f"--strategy hybrid needs --ulysses U, a divisor of cp={cp} (Ulysses "
+                         f"inside groups of U ranks, a ring across them); got {cfg.ulysses}")
     for name in ("steps", "batch_size"):
         if getattr(cfg, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
@@ -270,7 +275,7 @@ def train_loop(cfg: TrainConfig, device: torch.device) -> Run:
     rank = dist.get_rank() if dist.is_initialized() else 0
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     validate(cfg, world_size)
-    mesh = build_mesh(device, cfg.dp, cfg.cp)
+    mesh = build_mesh(device, cfg.dp, cfg.cp, cfg.ulysses if cfg.strategy == "hybrid" else 0)
     if cfg.memory_warmup:
         _warm_up(cfg, mesh, device)
     memory = MemoryTracker(device).start()
@@ -383,9 +388,10 @@ def add_arguments(p, d: TrainConfig, *, demo: bool = False) -> None:
                    help="context-parallel degree: ranks sharing each sequence (0 = nproc / dp)")
     g.add_argument("--dp", type=int, default=d.dp,
                    help="data-parallel degree: groups reading different sequences (0 = nproc / cp)")
-    g.add_argument("--strategy", default=d.strategy, choices=[s for s in STRATEGIES
-                                                              if s != "hybrid"],
+    g.add_argument("--strategy", default=d.strategy, choices=tuple(STRATEGIES),
                    help="context-parallel attention strategy")
+    g.add_argument("--ulysses", type=int, default=d.ulysses,
+                   help="hybrid: Ulysses (all-to-all) degree inside each cp group, ring across")
     g.add_argument("--layout", default=d.layout, choices=tuple(LAYOUTS),
                    help="which tokens each cp rank holds")
     g.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction,
