@@ -309,7 +309,7 @@ def _run_train(args: argparse.Namespace) -> int:
     from .train import config_from_args, run_train
 
     summary = run_train(config_from_args(args))
-    if summary.get("checkpoint"):
+    if summary.get("checkpoint") and summary.get("rank", 0) == 0:
         print(f"checkpoint: {summary['checkpoint']}")
     return 0
 

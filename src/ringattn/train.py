@@ -190,6 +190,7 @@ class Run:
             "checkpoint": self.checkpoint, "memory_method": self.memory_method,
             "baseline_mb": self.baseline_mb,
             "dp": self.mesh.dp, "cp": self.mesh.cp,
+            "rank": dist.get_rank() if dist.is_initialized() else 0,
         }  # fmt: skip
 
 
@@ -429,7 +430,7 @@ def add_arguments(p, d: TrainConfig, *, demo: bool = False) -> None:
     o = p.add_argument_group("output")
     o.add_argument("--out-dir", default=d.out_dir, help="where the JSON log (and plot) go")
     o.add_argument("--checkpoint-dir", default=d.checkpoint_dir,
-                   help="checkpoint directory (default: OUT_DIR/checkpoints)")
+                   help="checkpoint directory; empty: OUT_DIR/checkpoints")
     o.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every,
                    help="save every N steps and at the end (0 = only at the end, -1 = never)")
     o.add_argument("--keep", type=int, default=d.keep, help="complete checkpoints to keep")
@@ -438,11 +439,12 @@ def add_arguments(p, d: TrainConfig, *, demo: bool = False) -> None:
                                 "rerun with a later --stop-at (or none) to continue")
     o.add_argument("--log-every", type=int, default=d.log_every,
                    help="progress line every N steps when stdout is not a terminal")
-    o.add_argument("--quiet", action="store_true", help="no progress line (the log is written)")
+    o.add_argument("--quiet", action="store_true", default=d.quiet,
+                   help="no progress line (the log is written)")
     o.add_argument("--resume", action=argparse.BooleanOptionalAction, default=d.resume,
                    help=hide or "continue from the newest complete checkpoint in the checkpoint "
                                 "directory, if any (--no-resume: start afresh)")
-    o.add_argument("--memory-warmup", action="store_true",
+    o.add_argument("--memory-warmup", action="store_true", default=d.memory_warmup,
                    help=hide or "before measuring memory, run one step of a tiny model, so the "
                                 "baseline already holds the kernels' code")
     # for tests: a rank killing itself mid-run

@@ -32,8 +32,8 @@ _WINDOW = 25
 def demo_config() -> TrainConfig:
     """The demo's defaults: a few minutes on 2 CPU cores."""
     return TrainConfig(
-        model="tiny", seq_len=1024, batch_size=4, nproc=4, dp=1, cp=0, steps=400, lr=3e-3,
-        copies=8, out_dir="runs/demo", checkpoint_every=100, log_every=20,
+        model="small", seq_len=1024, batch_size=4, nproc=4, dp=1, cp=0, steps=400, lr=3e-3,
+        copies=16, out_dir="runs/demo", checkpoint_every=100, log_every=20, memory_warmup=True,
     )  # fmt: skip
 
 
@@ -117,8 +117,10 @@ def run_train_demo(cfg: TrainConfig, make_plot: bool = True) -> int:
     print(f"[demo] loss     {loss0:.3f} -> {loss1:.3f}   (first and last {window} steps; "
           f"chance is ln 10 = 2.303)")
     print(f"[demo] accuracy {acc0:.2f} -> {acc1:.2f}   (retrieval answers right; chance 0.10)")
-    print(f"[demo] peak memory per rank (MB): {' '.join(f'{p:.0f}' for p in peaks)}   "
-          f"[{summary.get('memory_method')}]")
+    method = summary.get("memory_method", "")
+    if cfg.memory_warmup and "RSS" in method:
+        method += " after a warm-up step: what training added"
+    print(f"[demo] peak memory per rank (MB): {' '.join(f'{p:.0f}' for p in peaks)}   [{method}]")
     print(f"[demo] log:        {cfg.log_path}")
     print(f"[demo] checkpoint: {summary.get('checkpoint')}")
     if image:
