@@ -262,8 +262,8 @@ def _run_bench(args: argparse.Namespace) -> int:
 
 
 def _train_demo_parser(sub) -> None:
-    from .train import add_arguments
     from .train_demo import demo_config
+    from .train_flags import add_arguments
 
     p = sub.add_parser(
         "demo",
@@ -281,14 +281,15 @@ def _train_demo_parser(sub) -> None:
 
 
 def _run_train_demo(args: argparse.Namespace) -> int:
-    from .train import config_from_args
     from .train_demo import run_train_demo
+    from .train_flags import config_from_args
 
     return run_train_demo(config_from_args(args), make_plot=not args.no_plot)
 
 
 def _train_parser(sub) -> None:
-    from .train import TrainConfig, add_arguments
+    from .train import TrainConfig
+    from .train_flags import add_arguments
 
     p = sub.add_parser(
         "train",
@@ -306,7 +307,8 @@ def _train_parser(sub) -> None:
 
 
 def _run_train(args: argparse.Namespace) -> int:
-    from .train import config_from_args, run_train
+    from .train import run_train
+    from .train_flags import config_from_args
 
     summary = run_train(config_from_args(args))
     if summary.get("checkpoint") and summary.get("rank", 0) == 0:

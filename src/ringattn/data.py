@@ -42,7 +42,10 @@ import torch
 
 from .sharding import positions, shard
 
-__all__ = ["IGNORE", "Batch", "KeyValueTask", "TextData", "get_dataset", "shard_batch"]
+__all__ = [
+    "IGNORE", "Batch", "KeyValueTask", "TextData", "get_dataset", "global_batch", "render",
+    "shard_batch",
+]
 
 IGNORE = -100  # label of a token that is not supervised (F.cross_entropy's ignore_index)
 

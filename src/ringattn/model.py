@@ -1,7 +1,7 @@
 """A small Llama-style decoder whose attention is `ringattn.attention`.
 
-    tokens (B, S) -> embedding -> n_layers x Block -> RMSNorm -> (hidden; the head is applied by
-    the loss, in chunks, or by `logits`)
+    tokens (B, S) -> embedding -> n_layers x Block -> RMSNorm -> output projection -> logits
+                                                           or, with labels, a chunked loss
 
     Block:  x = x + Attention(RMSNorm(x))      RoPE from each token's GLOBAL position, GQA
             x = x + SwiGLU(RMSNorm(x))         w2(silu(w1 x) * w3 x)
@@ -164,8 +164,8 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    """Decoder. `forward(tokens, positions)` returns the final hidden states (B, S, dim); the
-    output projection is `self.output`, applied by `logits` or by a chunked loss."""
+    """Decoder: `forward(tokens, positions)` gives logits; `forward(tokens, positions, labels)`
+    gives the summed loss (see forward)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
