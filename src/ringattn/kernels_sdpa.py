@@ -35,7 +35,8 @@ def _reduce_kv(dx: torch.Tensor, groups: int) -> torch.Tensor:
     if groups == 1:
         return dx
     b, h, s, d = dx.shape
-    return dx.reshape(b, h // groups, groups, s, d).sum(2, dtype=torch.float32).to(dx.dtype)
+    acc = torch.float64 if dx.dtype == torch.float64 else torch.float32
+    return dx.reshape(b, h // groups, groups, s, d).sum(2, dtype=acc).to(dx.dtype)
 
 
 def _lse_3d(lse: torch.Tensor, q_len: int) -> torch.Tensor:
@@ -82,19 +83,28 @@ class CpuFlashKernel(Kernel):
     def backward_band(self, dout, q, k, v, out, lse, band, scale):
         dout, q, k, v, out = _upcast_half(dout, q, k, v, out)
         bias = self._bias(q, k, band)
-        return aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q, k, v, out, lse.to(q.dtype), 0.0, False, attn_mask=bias, scale=scale
+        groups = q.shape[1] // k.shape[1]
+        dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, _expand_kv(k, groups), _expand_kv(v, groups), out, lse.to(q.dtype), 0.0,
+            False, attn_mask=bias, scale=scale,
         )
+        return dq, _reduce_kv(dk, groups), _reduce_kv(dv, groups)
 
     def forward(self, q, k, v, causal, scale):
         q, k, v = _upcast_half(q, k, v)
         return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
 
     def backward(self, dout, q, k, v, out, lse, causal, scale):
+        # K/V are expanded for the backward only: torch 2.13's CPU flash backward with fewer K/V
+        # heads than query heads runs ~30x slower than with equal heads (measured 81 s vs 2.5 s,
+        # 16k tokens, 2:1 GQA); its forward has no such problem
         dout, q, k, v, out = _upcast_half(dout, q, k, v, out)
-        return aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q, k, v, out, lse.to(q.dtype), 0.0, causal, scale=scale
+        groups = q.shape[1] // k.shape[1]
+        dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, _expand_kv(k, groups), _expand_kv(v, groups), out, lse.to(q.dtype), 0.0,
+            causal, scale=scale,
         )
+        return dq, _reduce_kv(dk, groups), _reduce_kv(dv, groups)
 
 
 class _CudaKernel(Kernel):
