@@ -36,7 +36,15 @@ from .kernels import select_kernel
 from .layout import Layout, get_layout
 from .merge import accumulator_dtype
 from .merge_triton import merge_fused_
-from .plan import Call, block_backward, block_forward, rows
+from .plan import (
+    Call,
+    accumulate_block,
+    accumulate_dq,
+    block_backward,
+    block_forward,
+    empty_accumulators,
+    rows,
+)
 
 Merge = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
@@ -145,10 +153,8 @@ def forward_share(
     """
     world_size = shards.world_size
     q = shards.q[rank]
-    b, hq, s, d = q.shape
-    acc = accumulator_dtype(q.dtype)
-    out = torch.zeros(b, hq, s, d, dtype=acc, device=q.device)
-    lse = torch.full((b, hq, s), float("-inf"), dtype=acc, device=q.device)
+    s = q.shape[2]
+    out = lse = None  # started by the first block over all rows, as in ring.py
     steps = call.ring_steps(s)
     ring = steps > 1  # one step: no transport, the local K/V as they are (as ring.py)
     kv = shards.kv[rank].clone() if ring else shards.kv[rank]  # the ring's torch.stack([k, v])
@@ -160,16 +166,12 @@ def forward_share(
             arrival = transport.post(kv_next, shards.kv[(src - 1) % world_size])
         for block in call.blocks(rank, src, s):
             block_out, block_lse = block_forward(call, q, kv[0], kv[1], block)
-            if merge is not None:
-                merge(
-                    rows(out, block.q_start, block.q_stop),
-                    rows(lse, block.q_start, block.q_stop),
-                    block_out,
-                    block_lse,
-                )
+            out, lse = accumulate_block(out, lse, q, block, block_out, block_lse, merge)
         if step + 1 < steps:
             transport.wait(arrival)
             kv, kv_next = kv_next, kv
+    if out is None:
+        out, lse = empty_accumulators(q)
     return out.to(q.dtype), lse
 
 
@@ -199,7 +201,7 @@ def backward_share(
     world_size = shards.world_size
     q, dout = shards.q[rank], shards.dout[rank]
     s = q.shape[2]
-    dq = torch.zeros(q.shape, dtype=accumulator_dtype(q.dtype), device=q.device)
+    dq = None
     steps = call.ring_steps(s)
     ring = steps > 1
     kv = shards.kv[rank].clone() if ring else shards.kv[rank]
@@ -216,7 +218,7 @@ def backward_share(
             for block in call.blocks(rank, src, s)
         ]
         for block, (block_dq, _, _) in grads:
-            rows(dq, block.q_start, block.q_stop).add_(block_dq)
+            dq = accumulate_dq(dq, q, block, block_dq)
         transport.wait(sent)  # the previous partial has left: its buffers may change
         dkv = dkv_partials[src]
         for block, (_, block_dk, block_dv) in grads:
@@ -228,6 +230,8 @@ def backward_share(
             transport.wait(arrival)
             kv, kv_next = kv_next, kv
     transport.wait(sent)
+    if dq is None:
+        dq = torch.zeros(q.shape, dtype=accumulator_dtype(q.dtype), device=q.device)
     return dq.to(q.dtype)
 
 

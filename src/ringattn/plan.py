@@ -16,6 +16,7 @@ import torch
 from .comm import GroupInfo
 from .kernels import KERNELS, Kernel
 from .layout import Block, Layout
+from .merge import accumulator_dtype
 from .merge_triton import merge_fused_
 from .packing import Placement, placement_blocks
 
@@ -129,3 +130,58 @@ def block_backward(
     if block.band is not None:
         return _band_kernel(call).backward_band(*tensors, block.band, call.scale)
     return call.kernel.backward(*tensors, block.causal, call.scale)
+
+
+def _covers_all_rows(block: Block, local_len: int) -> bool:
+    return block.q_start == 0 and block.q_stop == local_len
+
+
+def empty_accumulators(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) before any block: zeros and -inf, in the accumulator dtype."""
+    b, h, s, d = q.shape
+    acc = accumulator_dtype(q.dtype)
+    out = torch.zeros(b, h, s, d, dtype=acc, device=q.device)
+    return out, torch.full((b, h, s), float("-inf"), dtype=acc, device=q.device)
+
+
+def accumulate_block(
+    out: torch.Tensor | None,
+    lse: torch.Tensor | None,
+    q: torch.Tensor,
+    block: Block,
+    block_out: torch.Tensor,
+    block_lse: torch.Tensor,
+    merge=merge_fused_,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fold one block's (out, lse) into the accumulators, starting them if they are None.
+
+    A first block that covers every query row becomes the accumulator itself (cast to the
+    accumulator dtype): no zeroed buffer and no merge pass, which at W = 1 or for a dense
+    step 0 is the whole cost of accumulating.
+    """
+    if out is None and _covers_all_rows(block, q.shape[2]):
+        acc = accumulator_dtype(q.dtype)
+        return block_out.to(acc), block_lse.to(acc)
+    if out is None:
+        out, lse = empty_accumulators(q)
+    if merge is not None:
+        merge(
+            rows(out, block.q_start, block.q_stop),
+            rows(lse, block.q_start, block.q_stop),
+            block_out,
+            block_lse,
+        )
+    return out, lse
+
+
+def accumulate_dq(
+    dq: torch.Tensor | None, q: torch.Tensor, block: Block, block_dq: torch.Tensor
+) -> torch.Tensor:
+    """Add one block's dq into the float32 accumulator, starting it (as accumulate_block)."""
+    acc = accumulator_dtype(q.dtype)
+    if dq is None and _covers_all_rows(block, q.shape[2]):
+        return block_dq.to(acc)
+    if dq is None:
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    rows(dq, block.q_start, block.q_stop).add_(block_dq)
+    return dq

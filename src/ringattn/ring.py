@@ -31,7 +31,15 @@ import torch
 
 from .comm import RingComm, wait
 from .merge import accumulator_dtype
-from .plan import Call, block_backward, block_forward_merge, rows
+from .plan import (
+    Call,
+    accumulate_block,
+    accumulate_dq,
+    block_backward,
+    block_forward,
+    empty_accumulators,
+    rows,
+)
 
 KV_TAG, DKV_TAG = 0, 1
 
@@ -43,10 +51,8 @@ class RingStrategy:
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: Call
     ) -> tuple[torch.Tensor, torch.Tensor]:
         rank, world_size = call.info.rank, call.info.world_size
-        b, hq, s, d = q.shape
-        acc = accumulator_dtype(q.dtype)
-        out = torch.zeros(b, hq, s, d, dtype=acc, device=q.device)
-        lse = torch.full((b, hq, s), float("-inf"), dtype=acc, device=q.device)
+        s = q.shape[2]
+        out = lse = None  # the first block over all rows becomes the accumulator (no merge pass)
         steps = call.ring_steps(s)
         ring = RingComm(call.info) if steps > 1 else None
         kv = torch.stack([k, v]) if ring else None  # (2, B, Hkv, S, D): one message per step
@@ -56,10 +62,13 @@ class RingStrategy:
             works = ring.exchange([(kv, kv_next)], KV_TAG) if ring and step + 1 < steps else []
             keys, values = (kv[0], kv[1]) if ring else (k, v)
             for block in call.blocks(rank, src, s):
-                block_forward_merge(call, q, keys, values, block, out, lse)
+                block_result = block_forward(call, q, keys, values, block)
+                out, lse = accumulate_block(out, lse, q, block, *block_result)
             if works:
                 wait(works)
                 kv, kv_next = kv_next, kv
+        if out is None:  # no block at all: every local row is padding
+            out, lse = empty_accumulators(q)
         return out.to(q.dtype), lse
 
     def backward(
@@ -75,7 +84,7 @@ class RingStrategy:
         rank, world_size = call.info.rank, call.info.world_size
         s = q.shape[2]
         acc = accumulator_dtype(q.dtype)
-        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        dq = None  # like out in the forward: the first block over all rows starts it
         steps = call.ring_steps(s)
         ring = RingComm(call.info) if steps > 1 else None
         kv = torch.stack([k, v]) if ring else None
@@ -93,7 +102,7 @@ class RingStrategy:
                 for block in call.blocks(rank, src, s)
             ]
             for block, (block_dq, _, _) in grads:
-                rows(dq, block.q_start, block.q_stop).add_(block_dq)
+                dq = accumulate_dq(dq, q, block, block_dq)
             if dkv_works:
                 wait(dkv_works)  # the partial for src has arrived in dkv_other
                 dkv, dkv_other = dkv_other, dkv
@@ -110,4 +119,7 @@ class RingStrategy:
         if dkv_works:
             wait(dkv_works)  # every rank's contribution to our own K/V
             dkv = dkv_other
+        if dq is None:
+            dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+
