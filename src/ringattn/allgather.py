@@ -28,7 +28,15 @@ import torch
 
 from .comm import all_gather_async, reduce_scatter, wait
 from .merge import accumulator_dtype
-from .plan import Call, block_backward, block_forward_merge, rows
+from .plan import (
+    Call,
+    accumulate_block,
+    accumulate_dq,
+    block_backward,
+    block_forward,
+    empty_accumulators,
+    rows,
+)
 
 
 def _sources(call: Call) -> list[int]:
@@ -50,10 +58,8 @@ class AllGatherStrategy:
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: Call
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        b, hq, s, d = q.shape
-        acc = accumulator_dtype(q.dtype)
-        out = torch.zeros(b, hq, s, d, dtype=acc, device=q.device)
-        lse = torch.full((b, hq, s), float("-inf"), dtype=acc, device=q.device)
+        s = q.shape[2]
+        out = lse = None  # started by the first block over all rows (plan.accumulate_block)
         kv, works = _gather(call, k, v, s)
         for index, src in enumerate(_sources(call)):
             if index == 1:
@@ -62,7 +68,10 @@ class AllGatherStrategy:
                 wait(works)
             keys, values = (k, v) if index == 0 else (kv[src, 0], kv[src, 1])
             for block in call.blocks(call.info.rank, src, s):
-                block_forward_merge(call, q, keys, values, block, out, lse)
+                block_result = block_forward(call, q, keys, values, block)
+                out, lse = accumulate_block(out, lse, q, block, *block_result)
+        if out is None:  # no block at all: every local row is padding
+            out, lse = empty_accumulators(q)
         return out.to(q.dtype), lse
 
     def backward(
@@ -77,7 +86,7 @@ class AllGatherStrategy:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         rank, s = call.info.rank, q.shape[2]
         acc = accumulator_dtype(q.dtype)
-        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        dq = None
         kv, works = _gather(call, k, v, s)
         # dkv[src]: our queries' contribution to the gradient of src's K/V (ours alone if W = 1)
         dkv = torch.zeros((1 if kv is None else len(kv), 2, *k.shape), dtype=acc, device=k.device)
@@ -92,8 +101,10 @@ class AllGatherStrategy:
                 block_dq, block_dk, block_dv = block_backward(
                     call, dout, q, keys, values, out, lse, block
                 )
-                rows(dq, block.q_start, block.q_stop).add_(block_dq)
+                dq = accumulate_dq(dq, q, block, block_dq)
                 rows(dkv[slot, 0], block.kv_start, block.kv_stop).add_(block_dk)
                 rows(dkv[slot, 1], block.kv_start, block.kv_stop).add_(block_dv)
         dkv = dkv[0] if kv is None else reduce_scatter(dkv, call.info)
+        if dq is None:
+            dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)

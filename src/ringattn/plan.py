@@ -3,8 +3,9 @@
 `Call` holds what the API resolved and validated (group, layout, kernel, mask options). A strategy
 asks it which blocks rank `rank`'s queries compute against the keys of rank `src`
 (`call.blocks(rank, src, local_len)`), and runs each block with `block_forward` /
-`block_backward`, which slice the local rows and call the kernel. Strategies therefore never look
-at a layout's name or a mask's shape: a new layout or mask changes the schedule, not the loops.
+`block_backward`, which slice the local rows and call the kernel, folding the results into float32
+accumulators with `accumulate_block` / `accumulate_dq`. Strategies therefore never look at a
+layout's name or a mask's shape: a new layout or mask changes the schedule, not the loops.
 """
 
 from __future__ import annotations
@@ -84,26 +85,6 @@ def block_forward(
 def _band_kernel(call: Call) -> Kernel:
     """The call's kernel if it takes banded masks, else the reference kernel (any mask)."""
     return call.kernel if call.kernel.supports_band else KERNELS["reference"]
-
-
-def block_forward_merge(
-    call: Call,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    block: Block,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-) -> None:
-    """Compute one block and merge it into the accumulators' rows of that block, in place
-    (one fused Triton pass on CUDA where it works, `merge.merge_` elsewhere: merge_triton.py)."""
-    block_out, block_lse = block_forward(call, q, k, v, block)
-    merge_fused_(
-        rows(out, block.q_start, block.q_stop),
-        rows(lse, block.q_start, block.q_stop),
-        block_out,
-        block_lse,
-    )
 
 
 def block_backward(
