@@ -14,9 +14,7 @@ import torch.distributed as dist
 
 import ringattn
 from ringattn.reference import allclose_gate, compare, relative_gate, tolerance
-from workers import make_inputs
-
-QUANTITIES = ("out", "lse", "dq", "dk", "dv")
+from workers import QUANTITIES, make_inputs
 
 
 def doc_mask(length: int, causal: bool, window) -> torch.Tensor:
