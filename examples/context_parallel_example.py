@@ -30,8 +30,9 @@ def run(world_size: int) -> tuple[list[torch.Tensor], torch.Tensor]:
         torch.randn(1, 4, 4096, 64, device="cpu", dtype=torch.bfloat16, requires_grad=True)
         for _ in range(3)
     ]
-    with sdpa_kernel(SDPBackend.FLASH_ATTENTION), context_parallel(
-        mesh, buffers=tuple(qkv), buffer_seq_dims=(2, 2, 2)
+    with (
+        sdpa_kernel(SDPBackend.FLASH_ATTENTION),
+        context_parallel(mesh, buffers=tuple(qkv), buffer_seq_dims=(2, 2, 2)),
     ):
         output = F.scaled_dot_product_attention(*qkv, is_causal=True)
     output.float().square().mean().backward()

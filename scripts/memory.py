@@ -32,7 +32,7 @@ import time
 
 import torch
 
-from ringattn.train import TrainConfig, run_train
+from ringattn.train.loop import TrainConfig, run_train
 
 
 def measure(cfg: TrainConfig) -> dict:
@@ -89,8 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"memory: {rows[0]['memory_method']}, above a baseline taken after a warm-up step")
     baselines = ", ".join(f"W={r['world_size']}: {max(r['baseline_rss_mb_per_rank']):.0f} MB"
                           for r in rows)  # fmt: skip
-    print(f"baseline RSS per process (torch, kernels' code, process group; not counted): "
-          f"{baselines}")
+    print(
+        f"baseline RSS per process (torch, kernels' code, process group; not counted): {baselines}"
+    )
     result = {
         "command": " ".join(shlex.quote(a) for a in [sys.executable.split("/")[-1], *sys.argv]),
         "machine": {"node": platform.node(), "system": platform.platform(),

@@ -1,11 +1,11 @@
 """Shared fixtures: worker pools for multi-rank tests (see harness.py for the conventions).
 
-    def test_sum(pools):
-        assert pools(2).run(my_worker_fn, 3.0) == [...]
+def test_sum(pools):
+    assert pools(2).run(my_worker_fn, 3.0) == [...]
 
-    @pytest.mark.parametrize("pool", [1, 2, 3], indirect=True)
-    def test_every_world_size(pool):
-        pool.run("workers:attention_case", causal=True, ...)
+@pytest.mark.parametrize("pool", [1, 2, 3], indirect=True)
+def test_every_world_size(pool):
+    pool.run("workers:attention_case", causal=True, ...)
 """
 
 from __future__ import annotations

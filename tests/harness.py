@@ -105,8 +105,13 @@ def _describe(exc: BaseException) -> RankError:
 
 
 def _worker_main(
-    rank: int, world_size: int, init_file: str, pg_timeout_s: float, parent_pid: int,
-    tasks: mp.Queue, results: mp.Queue,
+    rank: int,
+    world_size: int,
+    init_file: str,
+    pg_timeout_s: float,
+    parent_pid: int,
+    tasks: mp.Queue,
+    results: mp.Queue,
 ) -> None:
     """Body of one worker process: join the group, then run tasks until the None sentinel."""
     os.environ["OMP_NUM_THREADS"] = "1"  # set before torch is imported in this process
@@ -122,7 +127,10 @@ def _worker_main(
 
         torch.set_num_threads(1)
         dist.init_process_group(
-            "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+            "gloo",
+            init_method=f"file://{init_file}",
+            rank=rank,
+            world_size=world_size,
             timeout=timedelta(seconds=pg_timeout_s),
         )
     except Exception as exc:  # noqa: BLE001 - reported to the test process, which raises
@@ -157,7 +165,11 @@ class WorkerPool:
     """W spawned processes in one gloo process group, running tasks on every rank at once."""
 
     def __init__(
-        self, world_size: int, *, pg_timeout_s: float = 60.0, task_timeout_s: float = 120.0,
+        self,
+        world_size: int,
+        *,
+        pg_timeout_s: float = 60.0,
+        task_timeout_s: float = 120.0,
         startup_timeout_s: float = 120.0,
     ) -> None:
         if world_size < 1:
@@ -171,9 +183,18 @@ class WorkerPool:
         self._tasks = [ctx.Queue() for _ in range(world_size)]
         self._procs = [
             ctx.Process(
-                target=_worker_main, name=f"ringattn-rank{rank}", daemon=True,
-                args=(rank, world_size, os.path.join(self._tmpdir, "store"), pg_timeout_s,
-                      os.getpid(), self._tasks[rank], self._results),
+                target=_worker_main,
+                name=f"ringattn-rank{rank}",
+                daemon=True,
+                args=(
+                    rank,
+                    world_size,
+                    os.path.join(self._tmpdir, "store"),
+                    pg_timeout_s,
+                    os.getpid(),
+                    self._tasks[rank],
+                    self._results,
+                ),
             )
             for rank in range(world_size)
         ]
@@ -189,14 +210,20 @@ class WorkerPool:
     def __repr__(self) -> str:
         return f"WorkerPool(world_size={self.world_size}, closed={self.closed})"
 
-    def run(self, fn: Callable[..., Any] | str, *args: Any, timeout: float | None = None,
-            **kwargs: Any) -> list[Any]:
+    def run(
+        self, fn: Callable[..., Any] | str, *args: Any, timeout: float | None = None, **kwargs: Any
+    ) -> list[Any]:
         """Run fn(rank, world_size, *args, **kwargs) on every rank; return the results by rank."""
         return [payload for _, payload in self._submit(fn, args, kwargs, timeout)]
 
     def run_expect_error(
-        self, fn: Callable[..., Any] | str, *args: Any, match: str,
-        exc_type: type[BaseException] = Exception, timeout: float | None = None, **kwargs: Any,
+        self,
+        fn: Callable[..., Any] | str,
+        *args: Any,
+        match: str,
+        exc_type: type[BaseException] = Exception,
+        timeout: float | None = None,
+        **kwargs: Any,
     ) -> list[str]:
         """Assert that EVERY rank raised `exc_type` with a message matching the regex `match`.
 
@@ -208,18 +235,29 @@ class WorkerPool:
             if ok:
                 problems.append(f"rank {rank} did not raise; it returned {payload!r:.200}")
             elif _qualified(exc_type) not in payload.type_names:
-                problems.append(f"rank {rank} raised {payload.type_names[0]}, not "
-                                f"{_qualified(exc_type)}:\n{payload.traceback}")
+                problems.append(
+                    f"rank {rank} raised {payload.type_names[0]}, not "
+                    f"{_qualified(exc_type)}:\n{payload.traceback}"
+                )
             elif not re.search(match, payload.message):
-                problems.append(f"rank {rank} raised {payload.message!r}, which does not match "
-                                f"{match!r}:\n{payload.traceback}")
+                problems.append(
+                    f"rank {rank} raised {payload.message!r}, which does not match "
+                    f"{match!r}:\n{payload.traceback}"
+                )
         if problems:
-            raise AssertionError(f"{self!r} {function_ref(fn)}: expected every rank to raise\n"
-                                 + "\n".join(problems))
+            raise AssertionError(
+                f"{self!r} {function_ref(fn)}: expected every rank to raise\n" + "\n".join(problems)
+            )
         return [payload.message for _, payload in replies]
 
-    def _submit(self, fn: Callable[..., Any] | str, args: tuple, kwargs: dict,
-                timeout: float | None, check: bool = True) -> list[tuple[bool, Any]]:
+    def _submit(
+        self,
+        fn: Callable[..., Any] | str,
+        args: tuple,
+        kwargs: dict,
+        timeout: float | None,
+        check: bool = True,
+    ) -> list[tuple[bool, Any]]:
         if self.closed:
             raise RuntimeError(f"{self!r} is shut down; get a fresh pool from the `pools` fixture")
         ref = function_ref(fn)

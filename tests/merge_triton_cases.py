@@ -13,8 +13,8 @@ import traceback
 
 import torch
 
+from ringattn.kernels.triton_merge import triton_merge_
 from ringattn.merge import merge_
-from ringattn.merge_triton import triton_merge_
 
 NEG_INF = float("-inf")
 
@@ -47,8 +47,10 @@ def empty_partial_leaves_the_other_unchanged(device: str = "cpu") -> None:
     lse_b = torch.tensor([[[0.5, -2.0, 30.0], [1.0, 2.0, -7.0]]], device=device)
     empty_out = torch.zeros(1, 2, 3, 24, device=device)
     empty_lse = torch.full((1, 2, 3), NEG_INF, device=device)
-    for acc, block in (((empty_out, empty_lse), (out_b, lse_b)), ((out_b, lse_b), (empty_out,
-                                                                                   empty_lse))):
+    for acc, block in (
+        ((empty_out, empty_lse), (out_b, lse_b)),
+        ((out_b, lse_b), (empty_out, empty_lse)),
+    ):
         out, lse = acc[0].clone(), acc[1].clone()
         triton_merge_(out, lse, *block)
         assert torch.equal(out, out_b), (out - out_b).abs().max()
@@ -82,8 +84,9 @@ def strided_halves_are_written_through(device: str = "cpu") -> None:
     assert not half_out.is_contiguous()
     triton_merge_(half_out, half_lse, block_out.to(device), block_lse.to(device))
     got_out, got_lse = got_out.cpu(), got_lse.cpu()
-    assert torch.equal(got_out[:, :, :8], out[:, :, :8]) and torch.equal(got_lse[:, :, :8],
-                                                                         lse[:, :, :8])
+    assert torch.equal(got_out[:, :, :8], out[:, :, :8]) and torch.equal(
+        got_lse[:, :, :8], lse[:, :, :8]
+    )
     torch.testing.assert_close(got_out, want_out, atol=1e-6, rtol=1e-6)
     assert torch.equal(torch.isneginf(got_lse), torch.isneginf(want_lse))
     finite = torch.isfinite(want_lse)

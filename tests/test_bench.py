@@ -14,9 +14,16 @@ import sys
 import pytest
 import torch
 
-from ringattn import cli, emulate
+from ringattn.cli import main as cli
 from ringattn.layout import get_layout
-from ringattn.reference import allclose_gate, compare, reference_attention, relative_gate, tolerance
+from ringattn.testing import emulated as emulate
+from ringattn.testing.yardstick import (
+    allclose_gate,
+    compare,
+    reference_attention,
+    relative_gate,
+    tolerance,
+)
 
 QUANTITIES = ("out", "lse", "dq", "dk", "dv")
 
@@ -127,7 +134,7 @@ def test_bench_without_matplotlib_says_so(tmp_path, capsys, monkeypatch):
 
 def test_bench_records_a_failed_size_and_goes_on(tmp_path, capsys, monkeypatch):
     """A size a kernel refuses (or out of memory) must not cost the rest of a GPU sweep."""
-    from ringattn import bench
+    from ringattn.bench import sweep as bench
 
     real = bench.bench_one
 
@@ -183,7 +190,7 @@ def test_million_dry_run_on_cpu(tmp_path, capsys):
 def test_emulated_ring_on_cuda_within_bf16_gates(hq, hkv, causal):
     """cuDNN (or the best CUDA kernel) blocks, the Triton merge, side-stream copies: every rank
     within the bf16 gates (error vs float64 at most 2.5x max / 2x mean of single-device SDPA)."""
-    from ringattn.reference import sdpa_attention
+    from ringattn.testing.yardstick import sdpa_attention
 
     q, k, v, dout = _inputs(hq, hkv, 4 * 256, 128, torch.bfloat16, device="cuda")
     shards, results = _emulated("zigzag", 4, causal, q, k, v, dout)

@@ -11,8 +11,8 @@ import sys
 import pytest
 import torch.distributed as dist
 
-from ringattn import check
-from ringattn.cli import build_parser, main
+from ringattn.cli import check
+from ringattn.cli.main import build_parser, main
 
 
 def test_module_entry_point_help():

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from ringattn.layout import get_layout
-from ringattn.reference import compare, relative_gate
+from ringattn.testing.yardstick import compare, relative_gate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "context_parallel_example.py")
@@ -46,8 +46,16 @@ def _fp64(q, k, v):
 
 def test_founding_example_runs_under_torchrun(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.join(ROOT, "src")}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node=2", EXAMPLE, "--save", str(tmp_path)]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        EXAMPLE,
+        "--save",
+        str(tmp_path),
+    ]
     proc = subprocess.run(
         command, env=env, capture_output=True, text=True, timeout=300, check=False
     )

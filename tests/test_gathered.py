@@ -9,12 +9,13 @@ import pytest
 import torch
 
 from ringattn.comm import GroupInfo
-from ringattn.gathered import GroupedCall, coalesce, gathered_blocks
-from ringattn.kernels import KERNELS, band_mask
+from ringattn.kernels import KERNELS
+from ringattn.kernels.base import band_mask
 from ringattn.layout import LAYOUTS, Block
 from ringattn.packing import place
 from ringattn.plan import Call
-from ringattn.ulysses import HeadPlan, check_heads
+from ringattn.strategies.grouped import GroupedCall, coalesce, gathered_blocks
+from ringattn.strategies.ulysses import HeadPlan, check_heads
 
 
 def _call(layout, world_size, causal, bounds=None, window=None, local_len=8):
@@ -44,9 +45,12 @@ def _pairs(blocks, rows, cols):
 
 CASES = [
     # (layout, world size, group size, causal, bounds, window)
-    *[(layout, w, u, causal, None, None)
-      for layout in sorted(LAYOUTS) for w, u in ((2, 2), (4, 2), (8, 4), (6, 3), (8, 8))
-      for causal in (False, True)],
+    *[
+        (layout, w, u, causal, None, None)
+        for layout in sorted(LAYOUTS)
+        for w, u in ((2, 2), (4, 2), (8, 4), (6, 3), (8, 8))
+        for causal in (False, True)
+    ],
     ("zigzag", 4, 2, True, (0, 5, 5, 17, 18, 37), None),
     ("striped", 6, 3, False, (0, 13, 30), (2, 5)),
     ("contiguous", 4, 2, True, (0, 64), (3, 0)),
@@ -78,12 +82,24 @@ def test_full_attention_of_a_group_is_one_block():
 
 
 def test_coalesce_keeps_masked_blocks_and_joins_full_ones():
-    blocks = [Block(0, 4, 0, 4, causal=True), Block(4, 8, 0, 4), Block(4, 8, 4, 8, causal=True),
-              Block(0, 4, 8, 12), Block(0, 4, 12, 16), Block(4, 8, 8, 12), Block(4, 8, 12, 16),
-              Block(8, 10, 0, 3, band=(0, 1))]
+    blocks = [
+        Block(0, 4, 0, 4, causal=True),
+        Block(4, 8, 0, 4),
+        Block(4, 8, 4, 8, causal=True),
+        Block(0, 4, 8, 12),
+        Block(0, 4, 12, 16),
+        Block(4, 8, 8, 12),
+        Block(4, 8, 12, 16),
+        Block(8, 10, 0, 3, band=(0, 1)),
+    ]
     merged = coalesce(blocks)
-    assert set(merged) == {Block(0, 4, 0, 4, causal=True), Block(4, 8, 4, 8, causal=True),
-                           Block(8, 10, 0, 3, band=(0, 1)), Block(4, 8, 0, 4), Block(0, 8, 8, 16)}
+    assert set(merged) == {
+        Block(0, 4, 0, 4, causal=True),
+        Block(4, 8, 4, 8, causal=True),
+        Block(8, 10, 0, 3, band=(0, 1)),
+        Block(4, 8, 0, 4),
+        Block(0, 8, 8, 16),
+    }
 
 
 def test_ring_steps_of_a_grouped_call_stop_where_the_window_ends():
@@ -118,6 +134,9 @@ def test_head_plan(size):
 
 
 def test_head_count_not_divisible_names_the_fix():
-    with pytest.raises(ValueError, match=r"splits the 6 query heads over its 4 ranks.*"
-                                         r"\[1, 2, 3, 6\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"splits the 6 query heads over its 4 ranks.*"
+        r"\[1, 2, 3, 6\]",
+    ):
         check_heads(6, 4, "strategy='ulysses' on 4 ranks")

@@ -10,7 +10,7 @@ import torch
 import ringattn
 from ringattn.kernels import KERNELS, select_kernel
 from ringattn.merge import merge
-from ringattn.reference import compare, reference_attention
+from ringattn.testing.yardstick import compare, reference_attention
 
 CPU_KERNELS = ["reference", "cpu_flash"]
 CUDA_KERNELS = ["cudnn", "flash", "efficient", "reference"]
@@ -88,7 +88,7 @@ def test_block_gradients_sum_to_full_gradient_cuda(kernel_name, hq, hkv, head_di
 
 
 def test_reference_kernel_fully_masked_rows_are_zero_not_nan():
-    from ringattn.kernels import reference_backward, reference_forward
+    from ringattn.kernels.reference import reference_backward, reference_forward
 
     q, k, v, dout = _inputs(2, 1, 4, 8, torch.float64)
     mask = torch.zeros(4, 4, dtype=torch.bool)
@@ -113,7 +113,7 @@ def test_auto_picks_cpu_flash_on_cpu_and_explicit_names_are_checked():
 
 def test_auto_falls_back_when_a_kernel_fails_its_probe(monkeypatch):
     """A fused op that raises at run time is skipped by auto, not hit inside the ring."""
-    from ringattn import probe
+    from ringattn.kernels import probe
 
     broken = KERNELS["cpu_flash"]
 

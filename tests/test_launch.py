@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ringattn.launch import LaunchError, init_distributed, launch, running_under_torchrun
+from ringattn.runtime.launch import LaunchError, init_distributed, launch, running_under_torchrun
 
 
 def _sum_of_ranks(offset: float) -> dict:

@@ -23,8 +23,8 @@ import pytest
 import torch
 
 import merge_triton_cases as cases
+from ringattn.kernels.triton_merge import merge_fused_, use_triton
 from ringattn.merge import merge_
-from ringattn.merge_triton import merge_fused_, use_triton
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 OVERLAY = os.path.join(sys.prefix, "triton-interp")  # numpy for the interpreter (setup.sh)
@@ -72,7 +72,7 @@ def test_triton_merge_compiles_for_sm90(int_type):
     import triton
     from triton.backends.compiler import GPUTarget
 
-    from ringattn.merge_triton import _kernel
+    from ringattn.kernels.triton_merge import _kernel
 
     if os.environ.get("TRITON_INTERPRET") == "1":
         pytest.skip("TRITON_INTERPRET=1 in this process: the kernel is an interpreted function")

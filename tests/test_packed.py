@@ -273,7 +273,7 @@ def test_bad_cu_seqlens_and_window_errors():
 
 
 def test_layout_command_prints_per_rank_tokens_and_work(capsys, tmp_path):
-    from ringattn.cli import main
+    from ringattn.cli.main import main
 
     out_json = tmp_path / "layout.json"
     assert (

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ringattn import reference as ref
+from ringattn.testing import yardstick as ref
 
 
 def _qkv(hq=4, hkv=2, s=24, d=20, dtype=torch.float64, seed=0):

@@ -40,13 +40,37 @@ def _matrix(strategy: str) -> list[tuple[int, dict]]:
             cases.append((world_size, {**base, "head_dim": 24, "dtype": "float32"}))
         hq, hkv = heads["gqa"]
         for layout, dtype in itertools.product(LAYOUTS, ("bfloat16", "float16")):
-            cases.append((world_size, {"strategy": strategy, "layout": layout, "causal": True,
-                                       "hq": hq, "hkv": hkv, "head_dim": 64, "dtype": dtype,
-                                       "local_len": 16}))
+            cases.append(
+                (
+                    world_size,
+                    {
+                        "strategy": strategy,
+                        "layout": layout,
+                        "causal": True,
+                        "hq": hq,
+                        "hkv": hkv,
+                        "head_dim": 64,
+                        "dtype": dtype,
+                        "local_len": 16,
+                    },
+                )
+            )
         hq, hkv = heads["mqa"]
-        cases.append((world_size, {"strategy": strategy, "layout": "zigzag", "causal": False,
-                                   "hq": hq, "hkv": hkv, "head_dim": 64, "dtype": "bfloat16",
-                                   "local_len": 16}))
+        cases.append(
+            (
+                world_size,
+                {
+                    "strategy": strategy,
+                    "layout": "zigzag",
+                    "causal": False,
+                    "hq": hq,
+                    "hkv": hkv,
+                    "head_dim": 64,
+                    "dtype": "bfloat16",
+                    "local_len": 16,
+                },
+            )
+        )
     return cases
 
 
@@ -78,8 +102,16 @@ def test_exact_against_fp64_reference(pools, case):
 def test_ulysses_uneven_kv_heads(pools, world_size, hq, hkv, dtype):
     """A rank's query heads span K/V heads unevenly (12q/3kv on 4 ranks: rank 1 reads 0, 1, 1)."""
     for layout in ("zigzag", "striped"):
-        kwargs = {"strategy": "ulysses", "layout": layout, "causal": True, "hq": hq, "hkv": hkv,
-                  "head_dim": 32, "dtype": dtype, "local_len": 16 if dtype != "float64" else 8}
+        kwargs = {
+            "strategy": "ulysses",
+            "layout": layout,
+            "causal": True,
+            "hq": hq,
+            "hkv": hkv,
+            "head_dim": 32,
+            "dtype": dtype,
+            "local_len": 16 if dtype != "float64" else 8,
+        }
         _assert_rows(pools(world_size).run("workers:attention_case", **kwargs), str(kwargs))
 
 
@@ -87,8 +119,17 @@ def test_ulysses_uneven_kv_heads(pools, world_size, hq, hkv, dtype):
 @pytest.mark.parametrize("head_dim", [40, 64, 128, 256])
 @pytest.mark.parametrize("strategy", ["allgather", "ulysses"])
 def test_head_dims(pools, world_size, head_dim, strategy):
-    kwargs = {"strategy": strategy, "layout": "zigzag", "causal": True, "hq": world_size,
-              "hkv": 1, "head_dim": head_dim, "dtype": "float32", "local_len": 4, "batch": 1}
+    kwargs = {
+        "strategy": strategy,
+        "layout": "zigzag",
+        "causal": True,
+        "hq": world_size,
+        "hkv": 1,
+        "head_dim": head_dim,
+        "dtype": "float32",
+        "local_len": 4,
+        "batch": 1,
+    }
     _assert_rows(pools(world_size).run("workers:attention_case", **kwargs), f"D={head_dim}")
 
 
@@ -97,15 +138,28 @@ def test_head_dims(pools, world_size, head_dim, strategy):
 @pytest.mark.parametrize("strategy", ["allgather", "ulysses"])
 def test_non_contiguous_inputs_and_custom_scale(pools, world_size, layout, strategy):
     hq, hkv = (2 * world_size, world_size) if strategy == "ulysses" else (6, 3)
-    kwargs = {"strategy": strategy, "layout": layout, "causal": True, "hq": hq, "hkv": hkv,
-              "head_dim": 20, "dtype": "float64", "non_contiguous": True, "scale": 0.37}
+    kwargs = {
+        "strategy": strategy,
+        "layout": layout,
+        "causal": True,
+        "hq": hq,
+        "hkv": hkv,
+        "head_dim": 20,
+        "dtype": "float64",
+        "non_contiguous": True,
+        "scale": 0.37,
+    }
     _assert_rows(pools(world_size).run("workers:attention_case", **kwargs), layout)
 
 
 # ---- hybrid on 2-D meshes ----
 
-MESHES = {2: [(1, 2), (2, 1)], 3: [(1, 3), (3, 1)], 4: [(2, 2), (1, 4), (4, 1)],
-          8: [(2, 4), (4, 2), (1, 8), (8, 1)]}
+MESHES = {
+    2: [(1, 2), (2, 1)],
+    3: [(1, 3), (3, 1)],
+    4: [(2, 2), (1, 4), (4, 1)],
+    8: [(2, 4), (4, 2), (1, 8), (8, 1)],
+}
 
 
 def _hybrid_cases() -> list[tuple[int, dict]]:
@@ -116,12 +170,32 @@ def _hybrid_cases() -> list[tuple[int, dict]]:
             heads = {"mha": (2 * u, 2 * u), "gqa": (2 * u, u), "mqa": (2 * u, 1)}
             for layout, causal, name in itertools.product(LAYOUTS, (False, True), heads):
                 hq, hkv = heads[name]
-                cases.append((world_size, {"strategy": "hybrid", "mesh_shape": shape,
-                                           "layout": layout, "causal": causal, "hq": hq,
-                                           "hkv": hkv, "head_dim": 40, "dtype": "float64",
-                                           "backend": "reference"}))
-            base = {"strategy": "hybrid", "mesh_shape": shape, "layout": "zigzag", "causal": True,
-                    "hq": 2 * u, "hkv": u, "head_dim": 64, "local_len": 16}
+                cases.append(
+                    (
+                        world_size,
+                        {
+                            "strategy": "hybrid",
+                            "mesh_shape": shape,
+                            "layout": layout,
+                            "causal": causal,
+                            "hq": hq,
+                            "hkv": hkv,
+                            "head_dim": 40,
+                            "dtype": "float64",
+                            "backend": "reference",
+                        },
+                    )
+                )
+            base = {
+                "strategy": "hybrid",
+                "mesh_shape": shape,
+                "layout": "zigzag",
+                "causal": True,
+                "hq": 2 * u,
+                "hkv": u,
+                "head_dim": 64,
+                "local_len": 16,
+            }
             cases.append((world_size, {**base, "dtype": "float32", "head_dim": 24}))
             cases.append((world_size, {**base, "dtype": "bfloat16"}))
     return cases
@@ -139,24 +213,39 @@ def test_hybrid_mesh_dims_in_either_order(pools, shape):
     """("ring", "ulysses") dims: the same flattened positions, exact results."""
     world_size = shape[0] * shape[1]
     for layout, causal in itertools.product(("zigzag", "contiguous"), (False, True)):
-        kwargs = {"strategy": "hybrid", "mesh_shape": shape, "names": ("ring", "ulysses"),
-                  "layout": layout, "causal": causal, "hq": 2 * shape[1], "hkv": 2,
-                  "head_dim": 16, "dtype": "float64"}
+        kwargs = {
+            "strategy": "hybrid",
+            "mesh_shape": shape,
+            "names": ("ring", "ulysses"),
+            "layout": layout,
+            "causal": causal,
+            "hq": 2 * shape[1],
+            "hkv": 2,
+            "head_dim": 16,
+            "dtype": "float64",
+        }
         results = pools(world_size).run("workers_strategies:strategy_case", **kwargs)
         _assert_rows(results, str(kwargs))
 
 
 @pytest.mark.parametrize(
     ("mesh_shape", "names"),
-    [((2, 2), ("ulysses", "ring")), ((2, 2), ("ring", "ulysses")), ((2, 4), ("ulysses", "ring")),
-     ((4, 2), ("ring", "ulysses"))],
+    [
+        ((2, 2), ("ulysses", "ring")),
+        ((2, 2), ("ring", "ulysses")),
+        ((2, 4), ("ulysses", "ring")),
+        ((4, 2), ("ring", "ulysses")),
+    ],
 )
 def test_mesh_sharding_is_the_ring_major_flattened_world(pools, mesh_shape, names):
     world_size = mesh_shape[0] * mesh_shape[1]
     u_size = mesh_shape[names.index("ulysses")]
     for layout in LAYOUTS:
         results = pools(world_size).run(
-            "workers_strategies:mesh_sharding", mesh_shape=mesh_shape, names=names, layout=layout,
+            "workers_strategies:mesh_sharding",
+            mesh_shape=mesh_shape,
+            names=names,
+            layout=layout,
             seq_len=4 * world_size,
         )
         by_position = {}
@@ -188,16 +277,24 @@ def test_packed_documents_and_windows(pools, world_size, strategy):
             kwargs = {**case, "strategy": strategy, "hq": hq, "hkv": hkv}
             results = pools(world_size).run("workers_packed:packed_case", **kwargs)
             _assert_rows(results, str(kwargs))
-    bf16 = {**PACKED[0], "strategy": strategy, "hq": 2 * world_size, "hkv": 2,
-            "dtype": "bfloat16", "head_dim": 32}
+    bf16 = {
+        **PACKED[0],
+        "strategy": strategy,
+        "hq": 2 * world_size,
+        "hkv": 2,
+        "dtype": "bfloat16",
+        "head_dim": 32,
+    }
     _assert_rows(pools(world_size).run("workers_packed:packed_case", **bf16), str(bf16))
 
 
 @pytest.mark.parametrize("shape", [(2, 2), (1, 4), (2, 4)])
 def test_hybrid_packed_documents_and_windows(pools, shape):
     world_size = shape[0] * shape[1]
-    cases = [*PACKED, {"bounds": [0, 8 * world_size], "layout": "contiguous", "causal": True,
-                       "window": (3, 0)}]
+    cases = [
+        *PACKED,
+        {"bounds": [0, 8 * world_size], "layout": "contiguous", "causal": True, "window": (3, 0)},
+    ]
     for case in cases:
         kwargs = {**case, "mesh_shape": shape, "hq": 2 * shape[0], "hkv": 2}
         results = pools(world_size).run("workers_strategies:packed_mesh_case", **kwargs)
@@ -207,8 +304,12 @@ def test_hybrid_packed_documents_and_windows(pools, shape):
 @pytest.mark.parametrize("world_size", [3, 4])
 def test_window_that_hides_remote_keys_moves_less(pools, world_size):
     """A window that reaches no other rank's keys: the all-gather strategy moves nothing."""
-    local = {"bounds": [0, 8 * world_size], "layout": "contiguous", "causal": True,
-             "window": (0, 0)}
+    local = {
+        "bounds": [0, 8 * world_size],
+        "layout": "contiguous",
+        "causal": True,
+        "window": (0, 0),
+    }
     for fwd, bwd in pools(world_size).run(
         "workers_strategies:count_collectives", strategy="allgather", **local
     ):
@@ -218,8 +319,15 @@ def test_window_that_hides_remote_keys_moves_less(pools, world_size):
 def test_hybrid_ring_stops_when_the_window_ends(pools):
     """Mesh 2 x 4, 16 tokens per rank (32 per ulysses group), window 3 back: only the previous
     group's keys are visible, so the ring takes 1 K/V step instead of 3 (and 2 dK/dV hops)."""
-    kwargs = {"bounds": [0, 128], "layout": "contiguous", "causal": True, "mesh_shape": (2, 4),
-              "hq": 4, "hkv": 2, "local_len": 16}
+    kwargs = {
+        "bounds": [0, 128],
+        "layout": "contiguous",
+        "causal": True,
+        "mesh_shape": (2, 4),
+        "hq": 4,
+        "hkv": 2,
+        "local_len": 16,
+    }
     for window, steps in (((3, 0), 2), (None, 4)):
         for fwd, bwd in pools(8).run(
             "workers_strategies:count_collectives", strategy="hybrid", window=window, **kwargs
@@ -242,7 +350,9 @@ def test_allgather_collectives(pools, world_size):
     kv_bytes = 2 * b * hkv * n * d * 4  # float32 (k|v) shard
     for layout, causal in itertools.product(LAYOUTS, (False, True)):
         results = pools(world_size).run(
-            "workers_strategies:count_collectives", strategy="allgather", layout=layout,
+            "workers_strategies:count_collectives",
+            strategy="allgather",
+            layout=layout,
             causal=causal,
         )
         for forward_calls, backward_calls in results:
@@ -273,7 +383,7 @@ def test_all_to_all_mixed_dtypes(pools, world_size):
 def _ulysses_bytes(hq, hkv, world_size, rank, b=1, n=4, d=16, e=4):
     """Bytes rank `rank` sends in the four all-to-alls: (q,k,v in; out,lse out; dout[,k,v] in;
     dq,dk,dv out). Pieces are padded to 8 bytes; nothing of this test's sizes needs padding."""
-    from ringattn.ulysses import HeadPlan
+    from ringattn.strategies.ulysses import HeadPlan
 
     plan = HeadPlan(hq, hkv, world_size)
     others = [dst for dst in range(world_size) if dst != rank]
@@ -282,8 +392,10 @@ def _ulysses_bytes(hq, hkv, world_size, rank, b=1, n=4, d=16, e=4):
     lse_piece = b * (hq // world_size) * n * 4
     kv_back = 2 * b * len(plan.kv_heads(rank)) * n * d * e * len(others)  # in k's dtype
     fwd = [q_piece * len(others) + kv_sent, (q_piece + lse_piece) * len(others)]
-    bwd = [q_piece * len(others) + (kv_sent if plan.replicated else 0),
-           q_piece * len(others) + kv_back]
+    bwd = [
+        q_piece * len(others) + (kv_sent if plan.replicated else 0),
+        q_piece * len(others) + kv_back,
+    ]
     return fwd, bwd
 
 
@@ -292,8 +404,12 @@ def _ulysses_bytes(hq, hkv, world_size, rank, b=1, n=4, d=16, e=4):
 def test_ulysses_collectives(pools, world_size, heads):
     hq, hkv = (2 * world_size, 2 * world_size) if heads == "mha" else (2 * world_size, 1)
     results = pools(world_size).run(
-        "workers_strategies:count_collectives", strategy="ulysses", layout="zigzag", causal=True,
-        hq=hq, hkv=hkv,
+        "workers_strategies:count_collectives",
+        strategy="ulysses",
+        layout="zigzag",
+        causal=True,
+        hq=hq,
+        hkv=hkv,
     )
     for rank, (forward_calls, backward_calls) in enumerate(results):
         if world_size == 1:
@@ -304,15 +420,21 @@ def test_ulysses_collectives(pools, world_size, heads):
         assert backward_calls == [("all_to_all_single", x) for x in bwd]
 
 
-@pytest.mark.parametrize(("world_size", "shape"), [(4, (2, 2)), (8, (2, 4)), (8, (4, 2)),
-                                                   (4, (1, 4)), (4, (4, 1))])
+@pytest.mark.parametrize(
+    ("world_size", "shape"), [(4, (2, 2)), (8, (2, 4)), (8, (4, 2)), (4, (1, 4)), (4, (4, 1))]
+)
 def test_hybrid_collectives(pools, world_size, shape):
     u, r = shape
     b, hq, hkv, n, d = 1, 2 * u, u, 4, 16
     kv_bytes = 2 * b * (hkv // u) * u * n * d * 4  # one group's K/V for this rank's heads
     results = pools(world_size).run(
-        "workers_strategies:count_collectives", strategy="hybrid", layout="zigzag", causal=True,
-        hq=hq, hkv=hkv, mesh_shape=shape,
+        "workers_strategies:count_collectives",
+        strategy="hybrid",
+        layout="zigzag",
+        causal=True,
+        hq=hq,
+        hkv=hkv,
+        mesh_shape=shape,
     )
     for forward_calls, backward_calls in results:
         fwd, bwd = _by_name(forward_calls), _by_name(backward_calls)
@@ -333,8 +455,9 @@ def test_hybrid_collectives(pools, world_size, shape):
     [("allgather", 8, 2), ("ulysses", 8, 4), ("ulysses", 8, 1), ("ulysses", 12, 3)],
 )
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_saved_for_backward_is_no_more_than_local_tensors(pools, world_size, strategy, hq, hkv,
-                                                          dtype):
+def test_saved_for_backward_is_no_more_than_local_tensors(
+    pools, world_size, strategy, hq, hkv, dtype
+):
     runs = pools(world_size).run(
         "workers_strategies:saved_bytes", strategy=strategy, hq=hq, hkv=hkv, dtype=dtype
     )
@@ -343,8 +466,14 @@ def test_saved_for_backward_is_no_more_than_local_tensors(pools, world_size, str
 
 
 def test_hybrid_saved_for_backward(pools):
-    runs = pools(4).run("workers_strategies:saved_bytes", strategy="hybrid", hq=4, hkv=2,
-                        dtype="float32", mesh_shape=(2, 2))
+    runs = pools(4).run(
+        "workers_strategies:saved_bytes",
+        strategy="hybrid",
+        hq=4,
+        hkv=2,
+        dtype="float32",
+        mesh_shape=(2, 2),
+    )
     for saved, budget in runs:
         assert saved <= budget, (saved, budget)
 
@@ -353,8 +482,9 @@ def test_hybrid_saved_for_backward(pools):
 @pytest.mark.parametrize("strategy", ["allgather", "ulysses"])
 def test_two_forwards_then_backward_through_first(pools, world_size, strategy):
     hq, hkv = (2 * world_size, 1) if strategy == "ulysses" else (4, 2)
-    runs = pools(world_size).run("workers_strategies:stale_state", strategy=strategy, hq=hq,
-                                 hkv=hkv)
+    runs = pools(world_size).run(
+        "workers_strategies:stale_state", strategy=strategy, hq=hq, hkv=hkv
+    )
     assert max(runs) < 1e-9
 
 
@@ -368,14 +498,18 @@ def test_hybrid_two_forwards_then_backward_through_first(pools):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_bitwise_deterministic(pools, world_size, strategy, dtype):
     hq, hkv = (2 * world_size, 1) if strategy == "ulysses" else (4, 2)
-    runs = pools(world_size).run("workers_strategies:determinism", strategy=strategy, dtype=dtype,
-                                 hq=hq, hkv=hkv)
+    runs = pools(world_size).run(
+        "workers_strategies:determinism", strategy=strategy, dtype=dtype, hq=hq, hkv=hkv
+    )
     assert all(runs)
 
 
 def test_hybrid_bitwise_deterministic(pools):
-    assert all(pools(4).run("workers_strategies:determinism", strategy="hybrid",
-                            dtype="bfloat16", mesh_shape=(2, 2)))
+    assert all(
+        pools(4).run(
+            "workers_strategies:determinism", strategy="hybrid", dtype="bfloat16", mesh_shape=(2, 2)
+        )
+    )
 
 
 # ---- bad input ----
@@ -389,7 +523,9 @@ def _still_works(pool):
 def test_ulysses_heads_not_divisible(pools, world_size):
     pool = pools(world_size)
     messages = pool.run_expect_error(
-        "workers:call_attention", strategy="ulysses", exc_type=ValueError,
+        "workers:call_attention",
+        strategy="ulysses",
+        exc_type=ValueError,
         match=r"strategy='ulysses' on 3 ranks splits the 4 query heads over its 3 ranks, but 4 is "
         r"not divisible by 3; .*\[1, 2, 4\].*strategy='ring' or 'allgather'",
     )
@@ -400,27 +536,41 @@ def test_ulysses_heads_not_divisible(pools, world_size):
 def test_hybrid_errors(pools):
     pool = pools(4)
     pool.run_expect_error(
-        "workers:call_attention", strategy="hybrid", exc_type=ValueError,
+        "workers:call_attention",
+        strategy="hybrid",
+        exc_type=ValueError,
         match=r"strategy='hybrid' needs group=a 2-D DeviceMesh .* got a process group of 4 ranks",
     )
     pool.run_expect_error(
-        "workers_strategies:call_with_mesh", mesh_shape=(2, 2), names=("dp", "cp"),
+        "workers_strategies:call_with_mesh",
+        mesh_shape=(2, 2),
+        names=("dp", "cp"),
         exc_type=ValueError,
         match=r"needs dims named 'ulysses' and 'ring', got a 2-D mesh of shape \(2, 2\) with "
         r"dims \('dp', 'cp'\)",
     )
     pool.run_expect_error(
-        "workers_strategies:call_with_mesh", mesh_shape=(2, 2), hq=3, hkv=1, exc_type=ValueError,
+        "workers_strategies:call_with_mesh",
+        mesh_shape=(2, 2),
+        hq=3,
+        hkv=1,
+        exc_type=ValueError,
         match=r"'ulysses' mesh dim of size 2 splits the 3 query heads",
     )
     for strategy in ("ring", "allgather", "ulysses"):
         pool.run_expect_error(
-            "workers_strategies:call_with_mesh", mesh_shape=(2, 2), strategy=strategy,
-            exc_type=ValueError, match=r"needs a 1-D process group, got a 2-D DeviceMesh",
+            "workers_strategies:call_with_mesh",
+            mesh_shape=(2, 2),
+            strategy=strategy,
+            exc_type=ValueError,
+            match=r"needs a 1-D process group, got a 2-D DeviceMesh",
         )
     pool.run_expect_error(
-        "workers_strategies:shard_with_mesh", mesh_shape=(4, 1), names=("cp", "dp"),
-        exc_type=ValueError, match=r"needs dims named 'ulysses' and 'ring'",
+        "workers_strategies:shard_with_mesh",
+        mesh_shape=(4, 1),
+        names=("cp", "dp"),
+        exc_type=ValueError,
+        match=r"needs dims named 'ulysses' and 'ring'",
     )
     _still_works(pool)
 
@@ -428,8 +578,11 @@ def test_hybrid_errors(pools):
 def test_ranks_that_disagree_on_the_strategy(pools):
     pool = pools(2)
     messages = pool.run_expect_error(
-        "workers:call_attention", per_rank={1: {"strategy": "allgather"}}, exc_type=ValueError,
-        match=r"ranks disagree.*strategy", timeout=60,
+        "workers:call_attention",
+        per_rank={1: {"strategy": "allgather"}},
+        exc_type=ValueError,
+        match=r"ranks disagree.*strategy",
+        timeout=60,
     )
     assert "rank 1: strategy='allgather'" in messages[0]
     _still_works(pool)

@@ -14,15 +14,25 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ringattn import checkpoint as ckpt
-from ringattn.cli import main
-from ringattn.data import IGNORE, KeyValueTask
-from ringattn.model import Transformer, model_config
-from ringattn.progress import read_log
+from ringattn.cli.main import main
+from ringattn.train import checkpoint as ckpt
+from ringattn.train.data import IGNORE, KeyValueTask
+from ringattn.train.model import Transformer, model_config
+from ringattn.train.progress import read_log
 
 # a tiny run: 2 layers of width 32, 64-token sequences, 3 steps
-TINY = {"model": "tiny", "dim": 32, "seq_len": 64, "keys": 3, "copies": 2, "steps": 3,
-        "warmup": 1, "lr": 1e-2, "quiet": True, "checkpoint_every": 0}
+TINY = {
+    "model": "tiny",
+    "dim": 32,
+    "seq_len": 64,
+    "keys": 3,
+    "copies": 2,
+    "steps": 3,
+    "warmup": 1,
+    "lr": 1e-2,
+    "quiet": True,
+    "checkpoint_every": 0,
+}
 
 
 def _options(tmp_path, **overrides) -> dict:
@@ -188,7 +198,7 @@ def test_rank_failure_is_named_and_the_same_command_resumes(tmp_path, capfd):
 
 def test_generate_from_checkpoint(tmp_path, capfd):
     """Train one process for a few steps, then greedy decoding from its checkpoint."""
-    from ringattn.train import TrainConfig, train_loop
+    from ringattn.train.loop import TrainConfig, train_loop
 
     cfg = TrainConfig(**_options(tmp_path, steps=2, nproc=1))
     with pytest.warns(UserWarning, match="single process"):  # DCP without a process group
@@ -209,9 +219,27 @@ def test_generate_from_checkpoint(tmp_path, capfd):
 def test_demo_smoke(tmp_path, capfd):
     """`ringattn demo` at a tiny size: trains on 2 processes and writes log, checkpoint, plot."""
     out_dir = tmp_path / "demo"
-    argv = ["demo", "--nproc", "2", "--seq-len", "64", "--batch-size", "1", "--keys", "3",
-            "--copies", "2",
-            "--steps", "3", "--dim", "32", "--out-dir", str(out_dir), "--checkpoint-every", "0"]
+    argv = [
+        "demo",
+        "--nproc",
+        "2",
+        "--seq-len",
+        "64",
+        "--batch-size",
+        "1",
+        "--keys",
+        "3",
+        "--copies",
+        "2",
+        "--steps",
+        "3",
+        "--dim",
+        "32",
+        "--out-dir",
+        str(out_dir),
+        "--checkpoint-every",
+        "0",
+    ]
     assert main(argv) == 0
     out = capfd.readouterr().out
     assert "[demo] 3 steps in" in out and "[demo] accuracy" in out

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import ringattn
-from ringattn.reference import (
+from ringattn.testing.yardstick import (
     allclose_gate,
     compare,
     reference_attention,

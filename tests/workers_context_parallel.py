@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import ringattn
-from ringattn.reference import compare
+from ringattn.testing.yardstick import compare
 from workers import make_inputs
 from workers_strategies import mesh
 
@@ -45,8 +45,18 @@ def _reference(q, k, v, causal, index_by_rank):
 
 
 def cp_case(
-    rank, world_size, *, strategy="ring", layout="zigzag", causal=True, hq=4, hkv=4,
-    local_len=8, mesh_shape=None, no_restore=(), repeats=1,
+    rank,
+    world_size,
+    *,
+    strategy="ring",
+    layout="zigzag",
+    causal=True,
+    hq=4,
+    hkv=4,
+    local_len=8,
+    mesh_shape=None,
+    no_restore=(),
+    repeats=1,
 ):
     """Run the founding example's pattern; return errors and the facts the test asserts."""
     group = _mesh_1d(world_size) if mesh_shape is None else mesh(mesh_shape)
@@ -60,8 +70,12 @@ def cp_case(
     inside = {}
     for _ in range(repeats):
         with ringattn.context_parallel(
-            group, buffers=(*qkv, labels), buffer_seq_dims=(2, 2, 2, 0), no_restore_buffers=kept,
-            layout=layout, strategy=strategy,
+            group,
+            buffers=(*qkv, labels),
+            buffer_seq_dims=(2, 2, 2, 0),
+            no_restore_buffers=kept,
+            layout=layout,
+            strategy=strategy,
         ):
             inside["shapes"] = [tuple(x.shape) for x in (*qkv, labels)]
             inside["labels"] = labels.clone()

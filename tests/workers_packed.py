@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import ringattn
-from ringattn.reference import allclose_gate, compare, relative_gate, tolerance
+from ringattn.testing.yardstick import allclose_gate, compare, relative_gate, tolerance
 from workers import QUANTITIES, make_inputs
 
 

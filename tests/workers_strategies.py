@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 import ringattn
 from ringattn.comm import all_to_all, reduce_scatter, resolve_group
-from ringattn.reference import (
+from ringattn.testing.yardstick import (
     allclose_gate,
     compare,
     reference_attention,
@@ -69,14 +69,23 @@ def strategy_case(
         *leaves, causal=causal, strategy=strategy, backend=backend, return_lse=True, **kw
     )
     out.backward(ringattn.shard(dout, 2, **kw))
-    got = {"out": out.detach(), "lse": lse, "dq": leaves[0].grad, "dk": leaves[1].grad,
-           "dv": leaves[2].grad}
+    got = {
+        "out": out.detach(),
+        "lse": lse,
+        "dq": leaves[0].grad,
+        "dk": leaves[1].grad,
+        "dv": leaves[2].grad,
+    }
     ref = reference_attention(q, k, v, dout, causal=causal)
     low = dtype in (torch.bfloat16, torch.float16)
     base = sdpa_attention(q, k, v, dout, causal=causal, with_lse=True) if low else None
     checks = [
-        (name, got[name], ringattn.shard(getattr(ref, name), 2, **kw),
-         base and ringattn.shard(getattr(base, name), 2, **kw))
+        (
+            name,
+            got[name],
+            ringattn.shard(getattr(ref, name), 2, **kw),
+            base and ringattn.shard(getattr(base, name), 2, **kw),
+        )
         for name in QUANTITIES
     ]
     checks.append(("unshard", ringattn.unshard(got["out"], 2, **kw), ref.out, base and base.out))
@@ -127,8 +136,21 @@ def _sent_bytes(name, args, kwargs):
 
 
 def count_collectives(
-    rank, world_size, *, strategy, layout, causal, hq=4, hkv=2, head_dim=16, local_len=4,
-    dtype="float32", mesh_shape=None, names=("ulysses", "ring"), bounds=None, window=None,
+    rank,
+    world_size,
+    *,
+    strategy,
+    layout,
+    causal,
+    hq=4,
+    hkv=2,
+    head_dim=16,
+    local_len=4,
+    dtype="float32",
+    mesh_shape=None,
+    names=("ulysses", "ring"),
+    bounds=None,
+    window=None,
 ):
     """(forward calls, backward calls) after the agreement check: lists of (name, bytes sent)."""
     dtype = getattr(torch, dtype)
@@ -164,8 +186,18 @@ def count_collectives(
 
 
 def packed_mesh_case(
-    rank, world_size, *, mesh_shape, bounds, layout, causal, window=None, hq=4, hkv=2,
-    head_dim=16, strategy="hybrid",
+    rank,
+    world_size,
+    *,
+    mesh_shape,
+    bounds,
+    layout,
+    causal,
+    window=None,
+    hq=4,
+    hkv=2,
+    head_dim=16,
+    strategy="hybrid",
 ):
     """workers_packed.packed_case on a 2-D mesh: real rows exact (float64), padding rows zero."""
     group = mesh(mesh_shape)
@@ -176,8 +208,13 @@ def packed_mesh_case(
         *local, causal=causal, window=window, strategy=strategy, return_lse=True, **kw
     )
     out.backward(ringattn.shard(dout, 2, **kw))
-    got = {"out": out.detach(), "lse": lse, "dq": local[0].grad, "dk": local[1].grad,
-           "dv": local[2].grad}
+    got = {
+        "out": out.detach(),
+        "lse": lse,
+        "dq": local[0].grad,
+        "dk": local[1].grad,
+        "dv": local[2].grad,
+    }
     ref = packed_reference(q, k, v, dout, bounds, causal, window)
     index = ringattn.positions(bounds[-1], **kw)
     real = index >= 0
@@ -210,9 +247,7 @@ def saved_bytes(rank, world_size, *, strategy, hq, hkv, dtype, mesh_shape=None):
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out, lse = ringattn.attention(
-            *local, causal=True, strategy=strategy, return_lse=True, **kw
-        )
+        out, lse = ringattn.attention(*local, causal=True, strategy=strategy, return_lse=True, **kw)
     budget = sum(x.numel() * x.element_size() for x in (*local, out, lse))
     return sum(saved), budget
 
@@ -281,8 +316,10 @@ def all_to_all_case(rank, world_size):
         return torch.randint(0, 100, (src + dst,), generator=gen)  # int64, sometimes empty
 
     sends = [[piece(rank, d, kind) for kind in range(3)] for d in range(world_size)]
-    specs = [[(tuple(piece(s, rank, kind).shape), piece(s, rank, kind).dtype) for kind in range(3)]
-             for s in range(world_size)]
+    specs = [
+        [(tuple(piece(s, rank, kind).shape), piece(s, rank, kind).dtype) for kind in range(3)]
+        for s in range(world_size)
+    ]
     received = all_to_all(sends, specs, info)
     return all(
         torch.equal(received[s][kind], piece(s, rank, kind))
@@ -309,8 +346,18 @@ def mesh_sharding(rank, world_size, *, mesh_shape, names, layout, seq_len):
 # ---- bad input ----------------------------------------------------------------------------------
 
 
-def call_with_mesh(rank, world_size, *, mesh_shape, names=("ulysses", "ring"), hq=4, hkv=2,
-                   strategy="hybrid", use_mesh=True, seq_local=4):
+def call_with_mesh(
+    rank,
+    world_size,
+    *,
+    mesh_shape,
+    names=("ulysses", "ring"),
+    hq=4,
+    hkv=2,
+    strategy="hybrid",
+    use_mesh=True,
+    seq_local=4,
+):
     """attention with a 2-D mesh (or the default group); error tests expect every rank to raise."""
     group = mesh(mesh_shape, names) if use_mesh else None
     q = torch.randn(1, hq, seq_local, 8)

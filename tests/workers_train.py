@@ -9,10 +9,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ringattn.data import IGNORE, shard_batch
-from ringattn.model import Transformer
-from ringattn.parallel import build_mesh, parallelize
-from ringattn.train import TrainConfig, forward_backward, train_loop
+from ringattn.train.data import IGNORE, shard_batch
+from ringattn.train.loop import TrainConfig, forward_backward, train_loop
+from ringattn.train.mesh import build_mesh, parallelize
+from ringattn.train.model import Transformer
 
 CPU = torch.device("cpu")
 
@@ -71,12 +71,18 @@ def global_mean_gradients(
 
 def sharded_batch(rank: int, world_size: int, options: dict) -> dict:
     """What a rank gets from the data pipeline at step 0, with the full batch for comparison."""
-    from ringattn.data import get_dataset, global_batch
+    from ringattn.train.data import get_dataset, global_batch
 
     cfg = TrainConfig(**options)
     mesh = build_mesh(CPU, cfg.dp, cfg.cp)
     dataset = get_dataset(cfg.data, cfg.seq_len, cfg.seed, cfg.keys, cfg.copies, cfg.noisy)
     inputs, labels = global_batch(dataset, 0, cfg.batch_size, mesh.dp_rank, mesh.dp)
     batch = shard_batch(inputs, labels, mesh.cp_group, cfg.layout, CPU)
-    return {"full_inputs": inputs, "full_labels": labels, "inputs": batch.inputs,
-            "labels": batch.labels, "positions": batch.positions, "dp_rank": mesh.dp_rank}
+    return {
+        "full_inputs": inputs,
+        "full_labels": labels,
+        "inputs": batch.inputs,
+        "labels": batch.labels,
+        "positions": batch.positions,
+        "dp_rank": mesh.dp_rank,
+    }

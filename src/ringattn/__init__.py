@@ -7,10 +7,10 @@ holds which token), kernels (one block of attention), merge (online softmax), co
 ring (the strategy) and api (the public functions).
 """
 
-from .api import attention, positions, shard, unshard
-from .context_parallel import context_parallel
-from .kernels import BACKENDS
-from .layout import LAYOUTS
+from ringattn.api import attention, positions, shard, unshard
+from ringattn.integrations.context_parallel import context_parallel
+from ringattn.kernels import BACKENDS
+from ringattn.layout import LAYOUTS
 
 __version__ = "0.1.0"
 

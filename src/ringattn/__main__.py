@@ -2,7 +2,7 @@
 
 import sys
 
-from .cli import main
+from ringattn.cli.main import main
 
 # The guard matters: ranks are spawned, and a spawned child re-imports the parent's main module.
 if __name__ == "__main__":

@@ -16,17 +16,17 @@ import math
 
 import torch
 
-from .allgather import AllGatherStrategy
-from .comm import GroupInfo, resolve_group
-from .hybrid import HybridStrategy
-from .kernels import select_kernel
-from .layout import get_layout
-from .packing import check_window
-from .plan import Call
-from .ring import RingStrategy
-from .sharding import local_placement, positions, shard, unshard
-from .ulysses import UlyssesStrategy
-from .validate import call_signature, check_agreement, check_names, check_qkv
+from ringattn.comm import GroupInfo, resolve_group
+from ringattn.kernels import select_kernel
+from ringattn.layout import get_layout
+from ringattn.packing import check_window
+from ringattn.plan import Call
+from ringattn.sharding import local_placement, positions, shard, unshard
+from ringattn.strategies.allgather import AllGatherStrategy
+from ringattn.strategies.hybrid import HybridStrategy
+from ringattn.strategies.ring import RingStrategy
+from ringattn.strategies.ulysses import UlyssesStrategy
+from ringattn.validate import call_signature, check_agreement, check_names, check_qkv
 
 # forward(q, k, v, call) -> (out, lse) or (out, lse, saved), backward(dout, *saved, call), and
 # optionally check(q, k, info): strategy-specific ValueErrors, raised before any communication

@@ -237,9 +237,7 @@ def _is_nccl(info: GroupInfo) -> bool:
     return info.group is not None and "nccl" in str(dist.get_backend(info.group)).lower()
 
 
-def reduce_scatter(
-    x: torch.Tensor, info: GroupInfo, *, native: bool | None = None
-) -> torch.Tensor:
+def reduce_scatter(x: torch.Tensor, info: GroupInfo, *, native: bool | None = None) -> torch.Tensor:
     """x is (W, *shape) on every rank; rank r gets the sum over all ranks of their x[r].
 
     `native` (default: on NCCL) uses the backend's reduce_scatter. Otherwise (gloo, whose

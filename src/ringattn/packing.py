@@ -31,7 +31,7 @@ from functools import lru_cache
 
 import torch
 
-from .layout import Block, Layout
+from ringattn.layout import Block, Layout
 
 
 @dataclass(frozen=True)
@@ -239,9 +239,7 @@ def block_pairs(block: Block) -> int:
     return sum(max(0, min(cols - 1, i + hi) - max(0, i + lo) + 1) for i in range(rows))
 
 
-def work_per_rank(
-    placement: Placement, causal: bool, window: tuple[int, int] | None
-) -> list[int]:
+def work_per_rank(placement: Placement, causal: bool, window: tuple[int, int] | None) -> list[int]:
     """Visible (query, key) pairs each rank's queries compute, over all sources."""
     world_size = placement.world_size
     return [

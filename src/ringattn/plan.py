@@ -14,12 +14,13 @@ from dataclasses import dataclass
 
 import torch
 
-from .comm import GroupInfo
-from .kernels import KERNELS, Kernel
-from .layout import Block, Layout
-from .merge import accumulator_dtype
-from .merge_triton import merge_fused_
-from .packing import Placement, placement_blocks
+from ringattn.comm import GroupInfo
+from ringattn.kernels import KERNELS
+from ringattn.kernels.base import Kernel
+from ringattn.kernels.triton_merge import merge_fused_
+from ringattn.layout import Block, Layout
+from ringattn.merge import accumulator_dtype
+from ringattn.packing import Placement, placement_blocks
 
 
 @dataclass(frozen=True)

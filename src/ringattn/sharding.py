@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import torch
 
-from .comm import GroupInfo, all_gather_cat, resolve_group
-from .layout import Layout, get_layout
-from .packing import Placement, check_cu_seqlens, place
-from .validate import check_agreement
+from ringattn.comm import GroupInfo, all_gather_cat, resolve_group
+from ringattn.layout import Layout, get_layout
+from ringattn.packing import Placement, check_cu_seqlens, place
+from ringattn.validate import check_agreement
 
 
 def resolve_placement(

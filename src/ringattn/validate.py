@@ -14,9 +14,9 @@ import math
 
 import torch
 
-from .comm import GroupInfo, all_gather_ints, all_gather_objects
-from .kernels import check_backend_name
-from .layout import Layout
+from ringattn.comm import GroupInfo, all_gather_ints, all_gather_objects
+from ringattn.kernels import check_backend_name
+from ringattn.layout import Layout
 
 FLOAT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 

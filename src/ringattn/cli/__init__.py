@@ -1,0 +1,1 @@
+"""The `ringattn` command line: `main.py` parses, each subcommand lives in its own module."""

@@ -1,0 +1,3 @@
+"""What the applications share: the local launcher on torch's elastic agent, time and memory
+meters.
+"""

@@ -1,0 +1,126 @@
+"""Blocks over gathered shards: several shards' queries against several shards' keys at once.
+
+After the Ulysses all-to-all a rank holds, for its heads, the U shards of its ulysses group end to
+end (shard of rank g*U first, then g*U+1, ...). Attention of that sequence against itself, or
+against another group's K/V, is still the per-shard schedule of the layout: for query shard r and
+key shard s, `call.blocks(r, s, n)` offset by the shards' places in the concatenation. Nothing
+here looks at a layout's name or a mask's shape, so packed documents and windows come for free.
+
+    group of U = 2 shards (r0, r1) against group (s0, s1), n rows each:
+
+              s0        s1                 every (r, s) pair brings its own blocks;
+         +---------+---------+             full blocks that line up are merged:
+      r0 | b(r0,s0)| b(r0,s1)|  rows 0..n   side by side (same query rows, adjacent keys),
+         +---------+---------+             then stacked (same key rows, adjacent queries),
+      r1 | b(r1,s0)| b(r1,s1)|  rows n..2n  so a full attention is one kernel call and one
+         +---------+---------+             merge instead of U*U.
+
+`GroupedCall` presents this to the ring strategy: a ring whose ranks are whole ulysses groups.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from ringattn.comm import GroupInfo
+from ringattn.layout import Block
+from ringattn.plan import Call
+
+_RANGES = ("q_start", "q_stop", "kv_start", "kv_stop")
+
+
+def _is_full(block: Block) -> bool:
+    """True for an unmasked block: every field besides the row ranges is at its default."""
+    return all(
+        getattr(block, f.name) == f.default
+        for f in dataclasses.fields(block)
+        if f.name not in _RANGES
+    )
+
+
+def _join(blocks: list[Block], outer: tuple[str, str], inner: tuple[str, str]) -> list[Block]:
+    """Merge blocks that share their `outer` range and whose `inner` ranges touch."""
+    blocks = sorted(blocks, key=lambda b: tuple(getattr(b, n) for n in (*outer, *inner)))
+    joined: list[Block] = []
+    for block in blocks:
+        last = joined[-1] if joined else None
+        if (
+            last is not None
+            and all(getattr(last, n) == getattr(block, n) for n in outer)
+            and getattr(last, inner[1]) == getattr(block, inner[0])
+        ):
+            joined[-1] = dataclasses.replace(last, **{inner[1]: getattr(block, inner[1])})
+        else:
+            joined.append(block)
+    return joined
+
+
+def coalesce(blocks: Sequence[Block]) -> list[Block]:
+    """The same visible (query, key) pairs in fewer blocks: full blocks side by side or stacked
+    are merged; masked blocks (causal, banded) are kept as they are. Blocks never overlap, before
+    or after, so the result is exact whatever the order the blocks are merged in."""
+    full = [b for b in blocks if _is_full(b)]
+    masked = [b for b in blocks if not _is_full(b)]
+    full = _join(full, ("q_start", "q_stop"), ("kv_start", "kv_stop"))
+    full = _join(full, ("kv_start", "kv_stop"), ("q_start", "q_stop"))
+    return masked + full
+
+
+def gathered_blocks(
+    call: Call, q_shards: Sequence[int], kv_shards: Sequence[int], local_len: int
+) -> list[Block]:
+    """Blocks of the queries of `q_shards` (concatenated in that order, `local_len` rows each)
+    against the keys of `kv_shards` (likewise), from the per-shard schedule `call.blocks`."""
+    blocks = []
+    for i, rank in enumerate(q_shards):
+        for j, src in enumerate(kv_shards):
+            dq, dk = i * local_len, j * local_len
+            for b in call.blocks(rank, src, local_len):
+                blocks.append(
+                    dataclasses.replace(
+                        b,
+                        q_start=b.q_start + dq,
+                        q_stop=b.q_stop + dq,
+                        kv_start=b.kv_start + dk,
+                        kv_stop=b.kv_stop + dk,
+                    )
+                )
+    return coalesce(blocks)
+
+
+class GroupedCall:
+    """A `plan.Call` as seen by a ring whose ranks are groups of `group_size` consecutive shards.
+
+    Ring rank g (of `info`, the ring group) holds shards g*U .. g*U+U-1 concatenated, so its
+    blocks against ring rank h are `gathered_blocks` over those shards. Everything else (kernel,
+    scale, mask options) is the wrapped call's.
+    """
+
+    def __init__(self, call: Call, info: GroupInfo, group_size: int):
+        self.call, self.info, self.group_size = call, info, group_size
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.call, name)
+
+    def shards(self, group: int) -> range:
+        return range(group * self.group_size, (group + 1) * self.group_size)
+
+    def blocks(self, rank: int, src: int, local_len: int) -> list[Block]:
+        n = local_len // self.group_size
+        return gathered_blocks(self.call, self.shards(rank), self.shards(src), n)
+
+    def ring_steps(self, local_len: int) -> int:
+        """As `Call.ring_steps`, over ring ranks: 1 + the farthest group distance with work."""
+        world_size = self.info.world_size
+        if self.call.placement is None:
+            return world_size
+        return 1 + max(
+            (
+                step
+                for rank in range(world_size)
+                for step in range(world_size)
+                if self.blocks(rank, (rank - step) % world_size, local_len)
+            ),
+            default=0,
+        )

@@ -1,0 +1,202 @@
+"""The flags of `ringattn train` and `ringattn demo`: one per TrainConfig field, kebab-case.
+
+`add_arguments(parser, defaults)` adds them in groups (model, parallelism, data and optimisation,
+output); `config_from_args` turns the parsed namespace back into a TrainConfig.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import fields
+
+from ringattn.train.loop import DTYPES, TrainConfig
+from ringattn.train.model import MODEL_SIZES
+
+__all__ = ["add_arguments", "config_from_args"]
+
+
+def add_arguments(p, d: TrainConfig, *, demo: bool = False) -> None:
+    """The flags of `ringattn train` (and of `ringattn demo`, which hides a few) on parser `p`."""
+    from ringattn.api import STRATEGIES
+    from ringattn.layout import LAYOUTS
+
+    m = p.add_argument_group("model")
+    m.add_argument(
+        "--model",
+        default=d.model,
+        choices=tuple(MODEL_SIZES),
+        help="size preset (tiny: dim 64 x 2 layers ... large: dim 512 x 8 layers)",
+    )
+    m.add_argument("--dim", type=int, default=d.dim, help="model width; 0 keeps the preset's")
+    m.add_argument("--layers", type=int, default=d.layers, help="blocks; 0 keeps the preset's")
+    m.add_argument("--heads", type=int, default=d.heads, help="query heads; 0 keeps the preset's")
+    m.add_argument(
+        "--kv-heads",
+        type=int,
+        default=d.kv_heads,
+        help="key/value heads (GQA); 0 keeps the preset's",
+    )
+    g = p.add_argument_group("parallelism")
+    g.add_argument(
+        "--nproc",
+        type=int,
+        default=d.nproc,
+        help="local processes to launch (under torchrun the world is used instead)",
+    )
+    g.add_argument(
+        "--cp",
+        type=int,
+        default=d.cp,
+        help="context-parallel degree: ranks sharing each sequence (0 = nproc / dp)",
+    )
+    g.add_argument(
+        "--dp",
+        type=int,
+        default=d.dp,
+        help="data-parallel degree: groups reading different sequences (0 = nproc / cp)",
+    )
+    g.add_argument(
+        "--strategy",
+        default=d.strategy,
+        choices=tuple(STRATEGIES),
+        help="context-parallel attention strategy",
+    )
+    g.add_argument(
+        "--ulysses",
+        type=int,
+        default=d.ulysses,
+        help="hybrid: Ulysses (all-to-all) degree inside each cp group, ring across",
+    )
+    g.add_argument(
+        "--layout", default=d.layout, choices=tuple(LAYOUTS), help="which tokens each cp rank holds"
+    )
+    g.add_argument(
+        "--activation-checkpointing",
+        action=argparse.BooleanOptionalAction,
+        default=d.activation_checkpointing,
+        help="recompute each block in backward instead of keeping its activations",
+    )
+    g.add_argument(
+        "--loss-chunk",
+        type=int,
+        default=d.loss_chunk,
+        help="tokens per chunk of output projection + loss, recomputed in backward "
+        "(0 = all at once)",
+    )
+    g.add_argument(
+        "--dtype",
+        default=d.dtype,
+        choices=DTYPES,
+        help="compute dtype (bfloat16: float32 master weights and gradient sums)",
+    )
+    g.add_argument(
+        "--timeout",
+        dest="timeout_s",
+        type=float,
+        default=d.timeout_s,
+        help="seconds before a collective waiting on a dead peer fails",
+    )
+    t = p.add_argument_group("data and optimisation")
+    t.add_argument(
+        "--data",
+        default=d.data,
+        help="key-value (the long-range retrieval task) or text:PATH (bytes of a file "
+        "or of every file in a directory)",
+    )
+    t.add_argument(
+        "--seq-len",
+        type=int,
+        default=d.seq_len,
+        help="tokens per sequence (split over the cp ranks)",
+    )
+    t.add_argument(
+        "--batch-size",
+        type=int,
+        default=d.batch_size,
+        help="sequences per data-parallel group per step",
+    )
+    t.add_argument(
+        "--keys",
+        type=int,
+        default=d.keys,
+        help="key-value: keys per sequence, each queried once at the end (<= 12)",
+    )
+    t.add_argument(
+        "--copies", type=int, default=d.copies, help="key-value: records of each key per sequence"
+    )
+    t.add_argument(
+        "--noisy",
+        type=int,
+        default=d.noisy,
+        help="key-value: copies of each key with a wrong value (answer = majority)",
+    )
+    t.add_argument("--steps", type=int, default=d.steps, help="optimizer steps in total")
+    t.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (AdamW)")
+    t.add_argument(
+        "--warmup",
+        type=int,
+        default=d.warmup,
+        help="linear warm-up steps, then cosine decay to lr/10",
+    )
+    t.add_argument("--weight-decay", type=float, default=d.weight_decay, help="AdamW weight decay")
+    t.add_argument("--grad-clip", type=float, default=d.grad_clip, help="max gradient norm")
+    t.add_argument("--seed", type=int, default=d.seed, help="seed of the weights and the data")
+    hide = argparse.SUPPRESS if demo else None
+    o = p.add_argument_group("output")
+    o.add_argument("--out-dir", default=d.out_dir, help="where the JSON log (and plot) go")
+    o.add_argument(
+        "--checkpoint-dir",
+        default=d.checkpoint_dir,
+        help="checkpoint directory; empty: OUT_DIR/checkpoints",
+    )
+    o.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=d.checkpoint_every,
+        help="save every N steps and at the end (0 = only at the end, -1 = never)",
+    )
+    o.add_argument("--keep", type=int, default=d.keep, help="complete checkpoints to keep")
+    o.add_argument(
+        "--stop-at",
+        type=int,
+        default=d.stop_at,
+        help=hide
+        or "stop after this step, checkpointed, keeping the --steps schedule; "
+        "rerun with a later --stop-at (or none) to continue",
+    )
+    o.add_argument(
+        "--log-every",
+        type=int,
+        default=d.log_every,
+        help="progress line every N steps when stdout is not a terminal",
+    )
+    o.add_argument(
+        "--quiet",
+        action="store_true",
+        default=d.quiet,
+        help="no progress line (the log is written)",
+    )
+    o.add_argument(
+        "--resume",
+        action=argparse.BooleanOptionalAction,
+        default=d.resume,
+        help=hide
+        or "continue from the newest complete checkpoint in the checkpoint "
+        "directory, if any (--no-resume: start afresh)",
+    )
+    o.add_argument(
+        "--memory-warmup",
+        action="store_true",
+        default=d.memory_warmup,
+        help=hide
+        or "before measuring memory, run one step of a tiny model, so the "
+        "baseline already holds the kernels' code",
+    )
+    # for tests: a rank killing itself mid-run
+    o.add_argument("--fail-at-step", type=int, default=d.fail_at_step, help=argparse.SUPPRESS)
+    o.add_argument("--fail-rank", type=int, default=d.fail_rank, help=argparse.SUPPRESS)
+
+
+def config_from_args(args) -> TrainConfig:
+    names = {f.name for f in fields(TrainConfig)}
+    return TrainConfig(**{k: v for k, v in vars(args).items() if k in names})
