@@ -78,21 +78,13 @@ def test_emulated_ring_counts_its_transfers():
     shards = emulate.make_shards(get_layout("zigzag"), 3, q, k, v, dout)
     call = emulate.make_call("zigzag", 3, shards.q[0], shards.kv[0, 0], True)
 
-    class Counting(emulate.LocalTransport):
-        def __init__(self):
-            super().__init__(torch.device("cpu"))
-            self.sizes = []
-
-        def post(self, dst, src):
-            self.sizes.append(src.numel())
-            return super().post(dst, src)
-
-    transport = Counting()
+    transport = emulate.LocalTransport(shards, None, 1)
     out, lse = emulate.forward_share(call, shards, 1, transport)
-    assert transport.sizes == [shards.kv[0].numel()] * 2
-    transport.sizes.clear()
-    emulate.backward_share(call, shards, 1, out, lse, emulate.new_partials(shards), transport)
-    assert sorted(transport.sizes) == [shards.kv[0].numel()] * 5  # 2 K/V + 3 dK/dV
+    assert transport.moved == [shards.kv[0].numel()] * 2
+    partials = emulate.new_partials(shards)
+    transport = emulate.LocalTransport(shards, partials, 1)
+    emulate.backward_share(call, shards, 1, out, lse, partials, transport)
+    assert sorted(transport.moved) == [shards.kv[0].numel()] * 5  # 2 K/V + 3 dK/dV
 
 
 def _bench(tmp_path, *extra):

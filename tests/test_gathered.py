@@ -14,7 +14,7 @@ from ringattn.kernels.base import band_mask
 from ringattn.layout import LAYOUTS, Block
 from ringattn.packing import place
 from ringattn.plan import Call
-from ringattn.strategies.grouped import GroupedCall, coalesce, gathered_blocks
+from ringattn.strategies.grouped import RingSchedule, coalesce, gathered_blocks
 from ringattn.strategies.ulysses import HeadPlan, check_heads
 
 
@@ -64,7 +64,7 @@ def test_gathered_blocks_cover_the_per_shard_pairs_exactly(case):
     call = _call(layout, world_size, causal, bounds, window)
     n = call.placement.local_len if call.placement else 8
     groups = world_size // group_size
-    grouped = GroupedCall(call, GroupInfo(None, 0, groups), group_size)
+    grouped = RingSchedule(call, GroupInfo(None, 0, groups), group_size)
     for g, h in itertools.product(range(groups), repeat=2):
         got = _pairs(grouped.blocks(g, h, group_size * n), group_size * n, group_size * n)
         expected = torch.zeros_like(got)
@@ -104,9 +104,9 @@ def test_coalesce_keeps_masked_blocks_and_joins_full_ones():
 
 def test_ring_steps_of_a_grouped_call_stop_where_the_window_ends():
     call = _call("contiguous", 8, True, (0, 128), (3, 0), local_len=16)
-    assert GroupedCall(call, GroupInfo(None, 0, 4), 2).ring_steps(32) == 2
+    assert RingSchedule(call, GroupInfo(None, 0, 4), 2).steps(32) == 2
     dense = _call("contiguous", 8, True)
-    assert GroupedCall(dense, GroupInfo(None, 0, 4), 2).ring_steps(16) == 4
+    assert RingSchedule(dense, GroupInfo(None, 0, 4), 2).steps(16) == 4
 
 
 @pytest.mark.parametrize("size", [1, 2, 3, 4, 6, 8])

@@ -22,37 +22,25 @@ from ringattn.layout import get_layout
 from ringattn.packing import check_window
 from ringattn.plan import Call
 from ringattn.sharding import local_placement, positions, shard, unshard
-from ringattn.strategies.allgather import AllGatherStrategy
-from ringattn.strategies.hybrid import HybridStrategy
-from ringattn.strategies.ring import RingStrategy
-from ringattn.strategies.ulysses import UlyssesStrategy
+from ringattn.strategies import STRATEGIES, Strategy
 from ringattn.validate import call_signature, check_agreement, check_names, check_qkv
-
-# forward(q, k, v, call) -> (out, lse) or (out, lse, saved), backward(dout, *saved, call), and
-# optionally check(q, k, info): strategy-specific ValueErrors, raised before any communication
-STRATEGIES: dict[str, object] = {
-    "ring": RingStrategy(),
-    "allgather": AllGatherStrategy(),
-    "ulysses": UlyssesStrategy(),
-    "hybrid": HybridStrategy(),
-}
 
 
 class _Attention(torch.autograd.Function):
     """Context-parallel attention as one autograd node; lse is returned without a gradient."""
 
     @staticmethod
-    def forward(ctx, q, k, v, strategy, call):
-        out, lse, *saved = strategy.forward(q, k, v, call)
-        # a strategy may keep other tensors for its backward (Ulysses: the head-sharded ones)
-        ctx.save_for_backward(*(saved[0] if saved else (q, k, v, out, lse)))
+    def forward(ctx, q, k, v, strategy: Strategy, call: Call):
+        result = strategy.forward(q, k, v, call)
+        # what the strategy's backward needs (Ulysses: the head-sharded tensors)
+        ctx.save_for_backward(*result.saved)
         ctx.strategy, ctx.call = strategy, call
-        ctx.mark_non_differentiable(lse)
-        return out, lse
+        ctx.mark_non_differentiable(result.lse)
+        return result.out, result.lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        dq, dk, dv = ctx.strategy.backward(dout, *ctx.saved_tensors, ctx.call)
+        dq, dk, dv = ctx.strategy.backward(dout, tuple(ctx.saved_tensors), ctx.call)
         return dq, dk, dv, None, None
 
 
@@ -105,8 +93,7 @@ def attention(
     _check_device(info, q)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     strategy_obj = STRATEGIES[strategy]
-    if hasattr(strategy_obj, "check"):
-        strategy_obj.check(q, k, info)
+    strategy_obj.check(q, k, info)
     kernel = select_kernel(backend, q, k)
     signature = call_signature(q, k, causal, scale, layout_obj, strategy, backend)
     bounds = None if placement is None else placement.bounds

@@ -3,6 +3,7 @@
     resolve_group(group)  a ProcessGroup, a 1-D DeviceMesh or None -> GroupInfo(group, rank, size)
                           (a 2-D "ulysses" x "ring" mesh -> MeshInfo, the flattened world)
     RingComm              send to rank+1, receive from rank-1, batched isend/irecv, non-blocking
+    RingTransport         the ring strategy's transport seam (K/V and dK/dV messages) on RingComm
     all_gather_cat        concatenation of every rank's tensor along a dim
     all_gather_async      every rank's tensor stacked, posted without waiting (all-gather strategy)
     reduce_scatter        rank r gets the sum of every rank's r-th slice (NCCL native, else a ring)
@@ -24,6 +25,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from ringattn.merge import accumulator_dtype
 
 
 @dataclass(frozen=True)
@@ -111,6 +114,64 @@ class RingComm:
             ops.append(dist.P2POp(dist.isend, send, send_to, self.group, tag))
             ops.append(dist.P2POp(dist.irecv, recv, recv_from, self.group, tag))
         return dist.batch_isend_irecv(ops)
+
+
+KV_TAG, DKV_TAG = 0, 1  # the ring strategy's two message streams
+
+
+class RingTransport:
+    """The ring loop's transport seam, over real point-to-point messages between ranks.
+
+    The ring strategy (strategies/ring.py) moves two kinds of messages and touches them only
+    through these calls, so the same loop runs over `testing.emulated.LocalTransport` (W emulated
+    ranks on one device) for benchmarks and single-device tests:
+
+        post_kv(kv, kv_next, step)          send this step's K/V on, receive the next into kv_next
+        new_partial(like)                   the float32 dK/dV partial of our own K/V, before any
+                                            contribution (zeros)
+        post_partial(dkv, step, steps)      send the partial we hold on to whoever needs it next
+        receive_partial(pending) -> dkv     wait for the partial that arrives instead
+        wait(pending)                       complete a posted K/V exchange
+
+    Nothing is set up until the first message, so a ring of one rank (or a one-step ring) costs
+    nothing.
+    """
+
+    def __init__(self, info: GroupInfo):
+        self.info = info
+        self._comm: RingComm | None = None
+        self._spare: torch.Tensor | None = None  # the partial buffer the next one arrives in
+
+    @property
+    def comm(self) -> RingComm:
+        if self._comm is None:
+            self._comm = RingComm(self.info)
+        return self._comm
+
+    def post_kv(self, kv: torch.Tensor, kv_next: torch.Tensor, step: int) -> list[dist.Work]:
+        return self.comm.exchange([(kv, kv_next)], KV_TAG)
+
+    def wait(self, pending: list[dist.Work]) -> None:
+        wait(pending)
+
+    def new_partial(self, like: torch.Tensor) -> torch.Tensor:
+        acc = accumulator_dtype(like.dtype)
+        return torch.zeros((2, *like.shape), dtype=acc, device=like.device)
+
+    def post_partial(
+        self, dkv: torch.Tensor, step: int, steps: int
+    ) -> tuple[list[dist.Work], torch.Tensor]:
+        # a ring cut short returns its last partial straight to its owner, steps - 1 ranks behind
+        hop = 1 if step + 1 < steps else self.info.world_size - steps + 1
+        recv = torch.empty_like(dkv) if self._spare is None else self._spare
+        works = self.comm.exchange([(dkv, recv)], DKV_TAG, hop)
+        self._spare = dkv  # free again once `works` completed (receive_partial waits on them)
+        return works, recv
+
+    def receive_partial(self, pending: tuple[list[dist.Work], torch.Tensor]) -> torch.Tensor:
+        works, recv = pending
+        wait(works)
+        return recv
 
 
 def wait(works: list[dist.Work]) -> None:
@@ -312,3 +373,22 @@ def all_to_all(
             offset += _padded_bytes(shape, dtype)
         received.append(parts)
     return received
+
+
+# ---- inference ----------------------------------------------------------------------------------
+
+
+def all_reduce(x: torch.Tensor, info: GroupInfo, op: str = "sum") -> torch.Tensor:
+    """The elementwise `op` ("sum" or "max") of every rank's `x`, the same on every rank.
+
+    Out of place: `x` is left as it was. One collective of x.numel() elements (the decode merge of
+    inference/partials.py, and the prompt's last hidden row, held by one rank, shared by all).
+    """
+    ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+    assert op in ops, op
+    if info.world_size == 1:
+        return x.clone()
+    device = backend_device(info, x.device)
+    out = x.detach().to(device, copy=True).contiguous()
+    dist.all_reduce(out, op=ops[op], group=info.group)
+    return out.to(x.device)

@@ -4,12 +4,14 @@
 asks it which blocks rank `rank`'s queries compute against the keys of rank `src`
 (`call.blocks(rank, src, local_len)`), and runs each block with `block_forward` /
 `block_backward`, which slice the local rows and call the kernel, folding the results into float32
-accumulators with `accumulate_block` / `accumulate_dq`. Strategies therefore never look at a
-layout's name or a mask's shape: a new layout or mask changes the schedule, not the loops.
+accumulators with `accumulate_block` (through `call.merge`) / `accumulate_dq`. Strategies
+therefore never look at a layout's name or a mask's shape: a new layout or mask changes the
+schedule, not the loops.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +23,8 @@ from ringattn.kernels.triton_merge import merge_fused_
 from ringattn.layout import Block, Layout
 from ringattn.merge import accumulator_dtype
 from ringattn.packing import Placement, placement_blocks
+
+Merge = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
 @dataclass(frozen=True)
@@ -39,31 +43,15 @@ class Call:
     scale: float
     placement: Placement | None = None
     window: tuple[int, int] | None = None
+    # folds a block's (out, lse) into the float32 accumulators in place; None skips merging
+    # (benchmarks only: the kernels' share of the time, with a wrong result)
+    merge: Merge | None = merge_fused_
 
     def blocks(self, rank: int, src: int, local_len: int) -> list[Block] | tuple[Block, ...]:
         """Blocks of rank `rank`'s queries against rank `src`'s keys (ranks of this group)."""
         if self.placement is None:
             return self.layout.schedule(rank, src, self.info.world_size, local_len, self.causal)
         return placement_blocks(self.placement, rank, src, self.causal, self.window)
-
-    def ring_steps(self, local_len: int) -> int:
-        """Ring steps that carry any work: 1 + the farthest src distance any rank needs.
-
-        Steps past it would only move K/V that no rank attends to (a window shorter than the
-        distance between shards), so the ring stops there and sends nothing more.
-        """
-        world_size = self.info.world_size
-        if self.placement is None:
-            return world_size
-        return 1 + max(
-            (
-                step
-                for rank in range(world_size)
-                for step in range(world_size)
-                if self.blocks(rank, (rank - step) % world_size, local_len)
-            ),
-            default=0,
-        )
 
 
 def rows(x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
@@ -133,7 +121,7 @@ def accumulate_block(
     block: Block,
     block_out: torch.Tensor,
     block_lse: torch.Tensor,
-    merge=merge_fused_,
+    merge: Merge | None = merge_fused_,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fold one block's (out, lse) into the accumulators, starting them if they are None.
 

@@ -27,6 +27,7 @@ rank run once untimed first, which builds the block shapes' kernels).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -302,11 +303,11 @@ def _ring(call, shards, want, picks, merge, say) -> tuple[dict, dict, dict]:
     """Every rank's share, one at a time: timed, peak memory, compared with the monolithic
     results. Returns (Stats per quantity, the sampled rows per quantity, stats)."""
     device, world_size = shards.q.device, shards.world_size
-    transport = emulate.LocalTransport(device)
+    call = dataclasses.replace(call, merge=merge)
     partials = emulate.new_partials(shards)
     for rank in sorted({0, world_size - 1}):  # warm-up: both extreme block shapes, then reset
-        out, lse = emulate.forward_share(call, shards, rank, transport, merge)
-        emulate.backward_share(call, shards, rank, out, lse, partials, transport)
+        out, lse = emulate.forward_share(call, shards, rank)
+        emulate.backward_share(call, shards, rank, out, lse, partials)
     partials.zero_()
     ring = {name: Stats() for name in QUANTITIES}
     rows: dict[str, list] = {"out": [], "lse": [], "dq": []}
@@ -315,10 +316,8 @@ def _ring(call, shards, want, picks, merge, say) -> tuple[dict, dict, dict]:
     ranks = []
     for rank in range(world_size):
         with PeakMemory(device) as peak:
-            (out, lse), f_ms = timed(emulate.forward_share, device, call, shards, rank, transport,
-                                     merge)  # fmt: skip
-            dq, b_ms = timed(emulate.backward_share, device, call, shards, rank, out, lse,
-                             partials, transport)  # fmt: skip
+            (out, lse), f_ms = timed(emulate.forward_share, device, call, shards, rank)
+            dq, b_ms = timed(emulate.backward_share, device, call, shards, rank, out, lse, partials)
         for name, got in (("out", out), ("lse", lse), ("dq", dq)):
             ring[name].add(got, want[name].index_select(2, shards.index[rank]))
             rows[name].append(got.index_select(2, picks).double())

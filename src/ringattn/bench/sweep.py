@@ -197,21 +197,20 @@ def bench_one(
     shapes = [(b, hq, seq_len, d), (b, hkv, seq_len, d), (b, hkv, seq_len, d), (b, hq, seq_len, d)]
     q, k, v, dout = (torch.randn(s, generator=gen, device=device, dtype=dtype) for s in shapes)
     shards = emulate.make_shards(get_layout(cfg.layout), world_size, q, k, v, dout)
-    call = emulate.make_call(
-        cfg.layout, world_size, shards.q[0], shards.kv[0, 0], causal, cfg.backend
-    )
-    transport = emulate.LocalTransport(device)
     merge = MERGES[cfg.merge]
+    call = emulate.make_call(
+        cfg.layout, world_size, shards.q[0], shards.kv[0, 0], causal, cfg.backend, merge=merge
+    )
     partials = emulate.new_partials(shards)
     leaves = [x.detach().requires_grad_() for x in (q, k, v)]
     ranks = _ranks(cfg.ranks, world_size)
 
     def ring_fwd(rank):
-        return emulate.forward_share(call, shards, rank, transport, merge)
+        return emulate.forward_share(call, shards, rank)
 
     def ring_fwd_bwd(rank):
         out, lse = ring_fwd(rank)
-        emulate.backward_share(call, shards, rank, out, lse, partials, transport)
+        emulate.backward_share(call, shards, rank, out, lse, partials)
         return emulate.finish_dkv(partials, rank, dtype)
 
     runners, mono = {}, {}

@@ -37,6 +37,8 @@ from ringattn.plan import (
     empty_accumulators,
     rows,
 )
+from ringattn.strategies.base import Forward, Strategy
+from ringattn.strategies.grouped import RingSchedule
 
 
 def _sources(call: Call) -> list[int]:
@@ -47,17 +49,15 @@ def _sources(call: Call) -> list[int]:
 
 def _gather(call: Call, k: torch.Tensor, v: torch.Tensor, local_len: int):
     """Post the K/V all-gather when some rank needs another rank's keys; (buffer, works)."""
-    if call.info.world_size == 1 or call.ring_steps(local_len) == 1:
+    if call.info.world_size == 1 or RingSchedule(call, call.info).steps(local_len) == 1:
         return None, []
     return all_gather_async(torch.stack([k, v]), call.info)  # (W, 2, B, Hkv, n, D)
 
 
-class AllGatherStrategy:
+class AllGatherStrategy(Strategy):
     name = "allgather"
 
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: Call
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: Call) -> Forward:
         s = q.shape[2]
         out = lse = None  # started by the first block over all rows (plan.accumulate_block)
         kv, works = _gather(call, k, v, s)
@@ -69,21 +69,16 @@ class AllGatherStrategy:
             keys, values = (k, v) if index == 0 else (kv[src, 0], kv[src, 1])
             for block in call.blocks(call.info.rank, src, s):
                 block_result = block_forward(call, q, keys, values, block)
-                out, lse = accumulate_block(out, lse, q, block, *block_result)
+                out, lse = accumulate_block(out, lse, q, block, *block_result, call.merge)
         if out is None:  # no block at all: every local row is padding
             out, lse = empty_accumulators(q)
-        return out.to(q.dtype), lse
+        out = out.to(q.dtype)
+        return Forward(out, lse, (q, k, v, out, lse))
 
     def backward(
-        self,
-        dout: torch.Tensor,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        out: torch.Tensor,
-        lse: torch.Tensor,
-        call: Call,
+        self, dout: torch.Tensor, saved: tuple[torch.Tensor, ...], call: Call
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v, out, lse = saved
         rank, s = call.info.rank, q.shape[2]
         acc = accumulator_dtype(q.dtype)
         dq = None

@@ -15,13 +15,14 @@ here looks at a layout's name or a mask's shape, so packed documents and windows
       r1 | b(r1,s0)| b(r1,s1)|  rows n..2n  so a full attention is one kernel call and one
          +---------+---------+             merge instead of U*U.
 
-`GroupedCall` presents this to the ring strategy: a ring whose ranks are whole ulysses groups.
+`RingSchedule` presents this to the ring loop: a ring whose ranks are whole ulysses groups.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from ringattn.comm import GroupInfo
 from ringattn.layout import Block
@@ -89,30 +90,48 @@ def gathered_blocks(
     return coalesce(blocks)
 
 
-class GroupedCall:
-    """A `plan.Call` as seen by a ring whose ranks are groups of `group_size` consecutive shards.
+@dataclass(frozen=True)
+class RingSchedule:
+    """What the ring loop runs: a ring over `ring` whose ranks each hold `group_size` consecutive
+    shards of `call`'s world, end to end.
 
-    Ring rank g (of `info`, the ring group) holds shards g*U .. g*U+U-1 concatenated, so its
-    blocks against ring rank h are `gathered_blocks` over those shards. Everything else (kernel,
-    scale, mask options) is the wrapped call's.
+    `group_size = 1` is the plain ring: ring rank r holds shard r and its blocks against ring rank
+    s are `call.blocks(r, s, n)`. The hybrid strategy's ring runs over ulysses groups: ring rank g
+    holds shards g*U .. g*U+U-1 (after the all-to-all) and its blocks are `gathered_blocks` over
+    them. Ulysses is the one-step case (a ring of one group). Kernel, scale, merge and mask
+    options are `call`'s.
     """
 
-    def __init__(self, call: Call, info: GroupInfo, group_size: int):
-        self.call, self.info, self.group_size = call, info, group_size
+    call: Call
+    ring: GroupInfo
+    group_size: int = 1
 
-    def __getattr__(self, name: str) -> object:
-        return getattr(self.call, name)
+    @property
+    def rank(self) -> int:
+        return self.ring.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.ring.world_size
 
     def shards(self, group: int) -> range:
         return range(group * self.group_size, (group + 1) * self.group_size)
 
-    def blocks(self, rank: int, src: int, local_len: int) -> list[Block]:
+    def blocks(self, rank: int, src: int, local_len: int) -> Sequence[Block]:
+        """Blocks of ring rank `rank`'s queries against ring rank `src`'s keys."""
+        if self.group_size == 1:
+            return self.call.blocks(rank, src, local_len)
         n = local_len // self.group_size
         return gathered_blocks(self.call, self.shards(rank), self.shards(src), n)
 
-    def ring_steps(self, local_len: int) -> int:
-        """As `Call.ring_steps`, over ring ranks: 1 + the farthest group distance with work."""
-        world_size = self.info.world_size
+    def steps(self, local_len: int) -> int:
+        """Ring steps that carry any work: 1 + the farthest src distance any rank needs.
+
+        Steps past it would only move K/V that no rank attends to (a window shorter than the
+        distance between shards), so the ring stops there and sends nothing more. A pure function
+        of the schedule, so every rank stops at the same step.
+        """
+        world_size = self.world_size
         if self.call.placement is None:
             return world_size
         return 1 + max(

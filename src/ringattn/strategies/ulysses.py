@@ -34,11 +34,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ringattn.comm import GroupInfo, all_to_all
+from ringattn.comm import GroupInfo, RingTransport, all_to_all
 from ringattn.merge import accumulator_dtype
 from ringattn.plan import Call
-from ringattn.strategies.grouped import GroupedCall
-from ringattn.strategies.ring import RingStrategy
+from ringattn.strategies.base import Forward, Strategy
+from ringattn.strategies.grouped import RingSchedule
+from ringattn.strategies.ring import ring_backward, ring_forward
 
 SINGLE = GroupInfo(None, 0, 1)
 
@@ -153,42 +154,32 @@ def from_heads(
     return results
 
 
-class HeadParallel:
+class HeadParallel(Strategy):
     """All-to-all inside ulysses groups, the ring strategy across them (module docstring)."""
-
-    name = ""
 
     def groups(self, info: GroupInfo) -> tuple[GroupInfo, GroupInfo]:
         """(ulysses group, ring group) of a resolved group."""
         raise NotImplementedError
 
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: Call
-    ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: Call) -> Forward:
         ulysses, ring = self.groups(call.info)
         plan = HeadPlan(q.shape[1], k.shape[1], ulysses.world_size)
         # q_h (B, Hq/U, U*n, D); k_h, v_h (B, h, U*n, D), h = K/V heads this rank's queries read
         q_h, k_h, v_h = to_heads([(q, False), (k, True), (v, True)], plan, ulysses)
         index = plan.kv_index(ulysses.rank)
-        grouped = GroupedCall(call, ring, ulysses.world_size)
-        out_h, lse_h = RingStrategy().forward(  # (B, Hq/U, U*n, D), (B, Hq/U, U*n)
-            q_h, _expand(k_h, index), _expand(v_h, index), grouped
+        schedule = RingSchedule(call, ring, ulysses.world_size)
+        out_h, lse_h = ring_forward(  # (B, Hq/U, U*n, D), (B, Hq/U, U*n)
+            q_h, _expand(k_h, index), _expand(v_h, index), schedule, RingTransport(ring)
         )
         out, lse = from_heads([(out_h, False), (lse_h, False)], plan, ulysses)  # (B, Hq, n, ...)
         # what backward needs, no larger than the local q, k, v, out, lse (module docstring)
         keep_kv = (k, v) if plan.replicated else (k_h, v_h)
-        return out, lse, (q_h, *keep_kv, out_h, lse_h)
+        return Forward(out, lse, (q_h, *keep_kv, out_h, lse_h))
 
     def backward(
-        self,
-        dout: torch.Tensor,
-        q_h: torch.Tensor,
-        k_kept: torch.Tensor,
-        v_kept: torch.Tensor,
-        out_h: torch.Tensor,
-        lse_h: torch.Tensor,
-        call: Call,
+        self, dout: torch.Tensor, saved: tuple[torch.Tensor, ...], call: Call
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q_h, k_kept, v_kept, out_h, lse_h = saved
         ulysses, ring = self.groups(call.info)
         size = ulysses.world_size
         # forward kept the local k, v (n rows, Hkv heads) exactly when heads are replicated
@@ -199,9 +190,16 @@ class HeadParallel:
         dout_h, *kv_h = to_heads(incoming, plan, ulysses)
         k_h, v_h = kv_h if local_kv else (k_kept, v_kept)
         index = plan.kv_index(ulysses.rank)
-        grouped = GroupedCall(call, ring, size)
-        dq_h, dk_h, dv_h = RingStrategy().backward(
-            dout_h, q_h, _expand(k_h, index), _expand(v_h, index), out_h, lse_h, grouped
+        schedule = RingSchedule(call, ring, size)
+        dq_h, dk_h, dv_h = ring_backward(
+            dout_h,
+            q_h,
+            _expand(k_h, index),
+            _expand(v_h, index),
+            out_h,
+            lse_h,
+            schedule,
+            RingTransport(ring),
         )
         dk_h, dv_h = _reduce(dk_h, index, k_h.shape[1]), _reduce(dv_h, index, k_h.shape[1])
         dq, dk, dv = from_heads([(dq_h, False), (dk_h, True), (dv_h, True)], plan, ulysses)

@@ -1,32 +1,35 @@
-"""An emulated ring: one rank's share of a W-way ring attention, run on one device.
+"""An emulated ring world: W ranks' shards on one device, run by the shipped ring loops.
 
 Measuring a ring against single-device attention needs W devices, unless the ring is emulated: all
-W ranks' shards live on one device, and a rank's share of the work runs exactly as on a real rank.
-The loops below mirror ring.py step for step, with the same `plan.Call` schedule, the same
-`plan.block_forward` / `plan.block_backward` kernels and the same merge, only the transport differs:
+W ranks' shards live on one device, and each rank's share of the work runs through the very loops
+a real rank runs (`strategies.ring.ring_forward` / `ring_backward`), with the same `plan.Call`
+schedule, block kernels and merge. Only the transport differs: `LocalTransport` implements the
+ring's transport seam (see `comm.RingTransport`) by moving blocks between the emulated ranks:
 
-    real rank r (ring.py)                      emulated rank r (here)
+    real rank r (comm.RingTransport)           emulated rank r (LocalTransport)
     -----------------------------------        ------------------------------------------------
-    post isend kv -> r+1, irecv kv' <- r-1     post copy kv_shards[src(t+1)] -> kv_next, on a side
-                                               CUDA stream (CPU: a plain copy), one event to wait on
-    blocks of (r, src): kernel, merge          the same calls
-    wait, swap kv and kv'                      main stream waits on the copy's event, swap
-    backward: dK/dV partial of src arrives,    backward: the partial of src is dkv_partials[src]
-      += our block dk, dv, send it on            (float32, shared by all emulated ranks), += ours,
-                                                 and one copy of it per step stands for the send
+    post_kv: isend kv -> r+1, irecv <- r-1     copy the K/V of the next src into kv_next, on a
+                                               side CUDA stream (CPU: a plain copy); an event
+    wait: the works complete                   the current stream waits on the copy's event
+    new_partial: zeros                         the world's partial of our own K/V
+    post_partial: isend dK/dV partial on       one copy of it (the bytes a send moves); the sum
+                                               itself lives in the world's partials
+    receive_partial: the partial that arrives  the world's partial of the next src
 
 So one step moves the same bytes as a real step (one K/V message, one dK/dV message in backward),
-and the compute waits for them at the same points. Run every rank (`run_ring`) and the results are
-the ring's: out, lse and dq of rank r are computed by exactly the same operations; dk and dv differ
-only in the order the W contributions are added (rank order here, ring order on a real ring).
+and the compute waits for them at the same points. Emulated ranks run one after another; each
+adds its dK/dV contributions into the shared `World.partials`, so after every rank's backward has
+run, `partials[r]` holds rank r's dk, dv (`finish_dkv`). out, lse and dq of rank r are computed by
+exactly the same operations as on a real ring; dk and dv differ only in the order the W
+contributions are added (rank order here, ring order on a real ring).
 
 Memory: a real rank holds its travelling dK/dV partial; here the partials of all ranks live in
-`dkv_partials`, so a measured per-rank peak must add one partial's bytes (`partial_bytes`).
+the world, so a measured per-rank peak must add one partial's bytes (`partial_bytes`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -36,45 +39,9 @@ from ringattn.kernels import select_kernel
 from ringattn.kernels.triton_merge import merge_fused_
 from ringattn.layout import Layout, get_layout
 from ringattn.merge import accumulator_dtype
-from ringattn.plan import (
-    Call,
-    accumulate_block,
-    accumulate_dq,
-    block_backward,
-    block_forward,
-    empty_accumulators,
-    rows,
-)
-
-Merge = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
-
-
-class LocalTransport:
-    """The "transfers" of an emulated ring: device copies, on a side stream on CUDA.
-
-    `post` orders the copy after everything already queued on the current stream (the buffer it
-    overwrites was last read there) and returns an event; `wait` makes the current stream wait for
-    it. On CPU the copy runs at once and `wait` has nothing to do.
-    """
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-
-    def post(self, dst: torch.Tensor, src: torch.Tensor) -> torch.cuda.Event | None:
-        if self.stream is None:
-            dst.copy_(src)
-            return None
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.stream):
-            dst.copy_(src, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(self.stream)
-        return done
-
-    def wait(self, handle: torch.cuda.Event | None) -> None:
-        if handle is not None:
-            handle.wait(torch.cuda.current_stream(self.device))
+from ringattn.plan import Call, Merge
+from ringattn.strategies.grouped import RingSchedule
+from ringattn.strategies.ring import ring_backward, ring_forward
 
 
 @dataclass
@@ -130,47 +97,85 @@ def make_call(
     causal: bool,
     backend: str = "auto",
     scale: float | None = None,
+    merge: Merge | None = merge_fused_,
 ) -> Call:
-    """The Call a real ring of `world_size` ranks would get for local q, k like these."""
+    """The Call a real ring of `world_size` ranks would get for local q, k like these.
+
+    `merge=None` skips the merge (benchmarks: the kernels' share of the time, a wrong result).
+    """
     layout_obj = get_layout(layout) if isinstance(layout, str) else layout
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     kernel = select_kernel(backend, q, k)
-    return Call(GroupInfo(None, 0, world_size), layout_obj, kernel, bool(causal), scale)
+    info = GroupInfo(None, 0, world_size)
+    return Call(info, layout_obj, kernel, bool(causal), scale, merge=merge)
+
+
+class LocalTransport:
+    """The ring's transport seam between W emulated ranks on one device (module docstring).
+
+    `post_kv` orders the copy after everything already queued on the current stream (the buffer
+    it overwrites was last read there) and returns an event; `wait` makes the current stream wait
+    for it. On CPU the copy runs at once and `wait` has nothing to do.
+    """
+
+    def __init__(self, shards: Shards, partials: torch.Tensor | None, rank: int):
+        self.shards, self.partials, self.rank = shards, partials, rank
+        self.device = shards.q.device
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.wire: torch.Tensor | None = None  # what a sent partial is copied to
+        self.moved: list[int] = []  # elements of each message moved (K/V and dK/dV), for tests
+
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> torch.cuda.Event | None:
+        self.moved.append(src.numel())
+        if self.stream is None:
+            dst.copy_(src)
+            return None
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            dst.copy_(src, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        return done
+
+    def _src(self, step: int) -> int:
+        return (self.rank - step) % self.shards.world_size
+
+    def post_kv(self, kv: torch.Tensor, kv_next: torch.Tensor, step: int):
+        return self._copy(kv_next, self.shards.kv[self._src(step + 1)])
+
+    def wait(self, pending: torch.cuda.Event | None) -> None:
+        if pending is not None:
+            pending.wait(torch.cuda.current_stream(self.device))
+
+    def new_partial(self, like: torch.Tensor) -> torch.Tensor:
+        assert self.partials is not None, "a backward needs the world's partials"
+        return self.partials[self.rank]
+
+    def post_partial(self, dkv: torch.Tensor, step: int, steps: int):
+        if self.wire is None:
+            self.wire = torch.empty_like(dkv)
+        next_src = self._src(step + 1) if step + 1 < steps else self.rank
+        return self._copy(self.wire, dkv), next_src
+
+    def receive_partial(self, pending) -> torch.Tensor:
+        event, src = pending
+        self.wait(event)
+        return self.partials[src]
+
+
+def rank_call(call: Call, rank: int, world_size: int) -> Call:
+    """`call` as emulated rank `rank` of `world_size` sees it."""
+    return dataclasses.replace(call, info=GroupInfo(None, rank, world_size))
 
 
 def forward_share(
-    call: Call,
-    shards: Shards,
-    rank: int,
-    transport: LocalTransport,
-    merge: Merge | None = merge_fused_,
+    call: Call, shards: Shards, rank: int, transport: LocalTransport | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rank `rank`'s ring forward: (out, lse) of its queries over the whole sequence.
-
-    `merge=None` skips the merge (the kernels' share of the time only; the result is wrong).
-    """
-    world_size = shards.world_size
-    q = shards.q[rank]
-    s = q.shape[2]
-    out = lse = None  # started by the first block over all rows, as in ring.py
-    steps = call.ring_steps(s)
-    ring = steps > 1  # one step: no transport, the local K/V as they are (as ring.py)
-    kv = shards.kv[rank].clone() if ring else shards.kv[rank]  # the ring's torch.stack([k, v])
-    kv_next = torch.empty_like(kv) if ring else None
-    for step in range(steps):
-        src = (rank - step) % world_size
-        arrival = None
-        if step + 1 < steps:
-            arrival = transport.post(kv_next, shards.kv[(src - 1) % world_size])
-        for block in call.blocks(rank, src, s):
-            block_out, block_lse = block_forward(call, q, kv[0], kv[1], block)
-            out, lse = accumulate_block(out, lse, q, block, block_out, block_lse, merge)
-        if step + 1 < steps:
-            transport.wait(arrival)
-            kv, kv_next = kv_next, kv
-    if out is None:
-        out, lse = empty_accumulators(q)
-    return out.to(q.dtype), lse
+    """Rank `rank`'s ring forward, (out, lse), through the shipped loop."""
+    call = rank_call(call, rank, shards.world_size)
+    kv = shards.kv[rank]
+    transport = transport or LocalTransport(shards, None, rank)
+    return ring_forward(shards.q[rank], kv[0], kv[1], RingSchedule(call, call.info), transport)
 
 
 def new_partials(shards: Shards) -> torch.Tensor:
@@ -190,72 +195,40 @@ def backward_share(
     rank: int,
     out: torch.Tensor,
     lse: torch.Tensor,
-    dkv_partials: torch.Tensor,
-    transport: LocalTransport,
+    partials: torch.Tensor,
+    transport: LocalTransport | None = None,
 ) -> torch.Tensor:
-    """Rank `rank`'s ring backward: returns its dq and adds its dk, dv contributions to
-    `dkv_partials[src]` for every src it attends to. `out`, `lse` are the rank's forward results.
-    After every rank has run, `dkv_partials[r]` holds rank r's dk, dv (see `finish_dkv`)."""
-    world_size = shards.world_size
-    q, dout = shards.q[rank], shards.dout[rank]
-    s = q.shape[2]
-    dq = None
-    steps = call.ring_steps(s)
-    ring = steps > 1
-    kv = shards.kv[rank].clone() if ring else shards.kv[rank]
-    kv_next = torch.empty_like(kv) if ring else None
-    wire = torch.empty_like(dkv_partials[0]) if ring else None  # the ring's second dK/dV buffer
-    sent = None
-    for step in range(steps):
-        src = (rank - step) % world_size
-        arrival = None
-        if step + 1 < steps:
-            arrival = transport.post(kv_next, shards.kv[(src - 1) % world_size])
-        grads = [
-            (block, block_backward(call, dout, q, kv[0], kv[1], out, lse, block))
-            for block in call.blocks(rank, src, s)
-        ]
-        for block, (block_dq, _, _) in grads:
-            dq = accumulate_dq(dq, q, block, block_dq)
-        transport.wait(sent)  # the previous partial has left: its buffers may change
-        dkv = dkv_partials[src]
-        for block, (_, block_dk, block_dv) in grads:
-            rows(dkv[0], block.kv_start, block.kv_stop).add_(block_dk)
-            rows(dkv[1], block.kv_start, block.kv_stop).add_(block_dv)
-        if ring:
-            sent = transport.post(wire, dkv)  # the partial moves on to the next rank
-        if step + 1 < steps:
-            transport.wait(arrival)
-            kv, kv_next = kv_next, kv
-    transport.wait(sent)
-    if dq is None:
-        dq = torch.zeros(q.shape, dtype=accumulator_dtype(q.dtype), device=q.device)
-    return dq.to(q.dtype)
+    """Rank `rank`'s ring backward through the shipped loop: returns its dq and adds its dk, dv
+    contributions into `partials[src]` for every src it attends to. After every rank has run,
+    `partials[r]` holds rank r's dk, dv (see `finish_dkv`)."""
+    call = rank_call(call, rank, shards.world_size)
+    kv = shards.kv[rank]
+    transport = transport or LocalTransport(shards, partials, rank)
+    schedule = RingSchedule(call, call.info)
+    dq, _, _ = ring_backward(
+        shards.dout[rank], shards.q[rank], kv[0], kv[1], out, lse, schedule, transport
+    )
+    return dq
 
 
 def finish_dkv(
-    dkv_partials: torch.Tensor, rank: int, dtype: torch.dtype
+    partials: torch.Tensor, rank: int, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rank `rank`'s dk, dv from the summed partial, cast once (as the ring's last step)."""
-    return dkv_partials[rank, 0].to(dtype), dkv_partials[rank, 1].to(dtype)
+    return partials[rank, 0].to(dtype), partials[rank, 1].to(dtype)
 
 
-def run_ring(
-    call: Call, shards: Shards, merge: Merge | None = merge_fused_
-) -> list[dict[str, torch.Tensor]]:
+def run_ring(call: Call, shards: Shards) -> list[dict[str, torch.Tensor]]:
     """Every rank's out, lse (and dq, dk, dv when shards carry dout), one rank at a time."""
-    transport = LocalTransport(shards.q.device)
     results = []
     for rank in range(shards.world_size):
-        out, lse = forward_share(call, shards, rank, transport, merge)
+        out, lse = forward_share(call, shards, rank)
         results.append({"out": out, "lse": lse})
     if shards.dout is None:
         return results
     partials = new_partials(shards)
     for rank, result in enumerate(results):
-        result["dq"] = backward_share(
-            call, shards, rank, result["out"], result["lse"], partials, transport
-        )
+        result["dq"] = backward_share(call, shards, rank, result["out"], result["lse"], partials)
     for rank, result in enumerate(results):
         result["dk"], result["dv"] = finish_dkv(partials, rank, shards.kv.dtype)
     return results
