@@ -289,8 +289,9 @@ def all_gather_async(x: torch.Tensor, info: GroupInfo) -> tuple[torch.Tensor, li
     if info.world_size == 1:
         return x.unsqueeze(0), []
     out = torch.empty((info.world_size, *x.shape), dtype=x.dtype, device=x.device)
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    work = gather(out.view(-1), x.contiguous().view(-1), group=info.group, async_op=True)
+    work = dist.all_gather_into_tensor(
+        out.view(-1), x.contiguous().view(-1), group=info.group, async_op=True
+    )
     return out, [work]
 
 
@@ -318,8 +319,7 @@ def reduce_scatter(x: torch.Tensor, info: GroupInfo, *, native: bool | None = No
     x = x.contiguous()
     if _is_nccl(info) if native is None else native:
         out = torch.empty(x.shape[1:], dtype=x.dtype, device=x.device)
-        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-        scatter(out.view(-1), x.view(-1), group=info.group)
+        dist.reduce_scatter_tensor(out.view(-1), x.view(-1), group=info.group)
         return out
     ring = RingComm(info)
     send, recv = x[(rank - 1) % world_size].clone(), torch.empty_like(x[0])
