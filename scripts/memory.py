@@ -32,7 +32,8 @@ import time
 
 import torch
 
-from ringattn.train.loop import TrainConfig, run_train
+from ringattn.train.config import TrainConfig
+from ringattn.train.main import run_train
 
 
 def measure(cfg: TrainConfig) -> dict:

@@ -198,11 +198,13 @@ def test_rank_failure_is_named_and_the_same_command_resumes(tmp_path, capfd):
 
 def test_generate_from_checkpoint(tmp_path, capfd):
     """Train one process for a few steps, then greedy decoding from its checkpoint."""
-    from ringattn.train.loop import TrainConfig, train_loop
+    from ringattn.train.config import TrainConfig
+    from ringattn.train.loop import train
+    from ringattn.train.run import build_run
 
     cfg = TrainConfig(**_options(tmp_path, steps=2, nproc=1))
     with pytest.warns(UserWarning, match="single process"):  # DCP without a process group
-        train_loop(cfg, torch.device("cpu"))
+        train(build_run(cfg, torch.device("cpu")))
     checkpoints = str(tmp_path / "checkpoints")
     assert main(["generate", "--checkpoint", checkpoints]) == 0
     out = capfd.readouterr().out

@@ -9,10 +9,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ringattn.train.config import TrainConfig
 from ringattn.train.data import IGNORE, shard_batch
-from ringattn.train.loop import TrainConfig, forward_backward, train_loop
-from ringattn.train.mesh import build_mesh, parallelize
-from ringattn.train.model import Transformer
+from ringattn.train.loop import train as train_run
+from ringattn.train.run import build_run
+from ringattn.train.step import forward_backward
 
 CPU = torch.device("cpu")
 
@@ -28,7 +29,7 @@ def full_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def train(rank: int, world_size: int, options: dict) -> dict:
     """Train with TrainConfig(**options); losses and accuracies of rank 0, final parameters."""
-    run = train_loop(TrainConfig(**options), CPU)
+    run = train_run(build_run(TrainConfig(**options), CPU))
     params = full_parameters(run.model)
     return {
         "losses": [h["loss"] for h in run.history],
@@ -45,19 +46,17 @@ def global_mean_gradients(
     rank: int, world_size: int, options: dict, inputs: torch.Tensor, labels: torch.Tensor
 ) -> dict:
     """One forward/backward of the training code on a given global batch (dp*B, S), returning
-    the full gradients: rank (d, c) takes rows d*B..(d+1)*B of the batch and its cp shard."""
+    the full gradients: rank (d, c) takes rows d*B..(d+1)*B of the batch and its cp shard.
+    The model is the run's (build_run: seeded, CP attention, FSDP2), before any step."""
     cfg = TrainConfig(**options)
-    mesh = build_mesh(CPU, cfg.dp, cfg.cp, cfg.ulysses)
-    torch.manual_seed(cfg.seed)
-    model = parallelize(Transformer(cfg.model_config()), mesh, layout=cfg.layout,
-                        strategy=cfg.strategy)  # fmt: skip
-    model.loss_chunk = cfg.loss_chunk
+    run = build_run(cfg, CPU)
+    mesh = run.mesh
     rows = slice(mesh.dp_rank * cfg.batch_size, (mesh.dp_rank + 1) * cfg.batch_size)
     batch = shard_batch(inputs[rows], labels[rows], mesh.cp_group, cfg.layout, CPU)
     local_count = int((batch.labels != IGNORE).sum())
-    total_loss, total_count, _ = forward_backward(model, batch, CPU)
+    total_loss, total_count, _ = forward_backward(run.model, batch, CPU)
     grads = {}
-    for name, p in model.named_parameters():
+    for name, p in run.model.named_parameters():
         grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
         grads[name] = grad.clone()
     counts = [torch.zeros((), dtype=torch.int64) for _ in range(world_size)]
@@ -70,19 +69,16 @@ def global_mean_gradients(
 
 
 def sharded_batch(rank: int, world_size: int, options: dict) -> dict:
-    """What a rank gets from the data pipeline at step 0, with the full batch for comparison."""
-    from ringattn.train.data import get_dataset, global_batch
-
-    cfg = TrainConfig(**options)
-    mesh = build_mesh(CPU, cfg.dp, cfg.cp)
-    dataset = get_dataset(cfg.data, cfg.seq_len, cfg.seed, cfg.keys, cfg.copies, cfg.noisy)
-    inputs, labels = global_batch(dataset, 0, cfg.batch_size, mesh.dp_rank, mesh.dp)
-    batch = shard_batch(inputs, labels, mesh.cp_group, cfg.layout, CPU)
+    """What a rank gets from the run's data pipeline at step 0, with the full batch for
+    comparison."""
+    run = build_run(TrainConfig(**options), CPU)
+    inputs, labels = run.data.full(0)
+    batch = run.data.batch(0)
     return {
         "full_inputs": inputs,
         "full_labels": labels,
         "inputs": batch.inputs,
         "labels": batch.labels,
         "positions": batch.positions,
-        "dp_rank": mesh.dp_rank,
+        "dp_rank": run.mesh.dp_rank,
     }

@@ -330,8 +330,8 @@ def _run_train_demo(args: argparse.Namespace) -> int:
 
 
 def _train_parser(sub) -> None:
+    from ringattn.train.config import TrainConfig
     from ringattn.train.flags import add_arguments
-    from ringattn.train.loop import TrainConfig
 
     p = sub.add_parser(
         "train",
@@ -350,7 +350,7 @@ def _train_parser(sub) -> None:
 
 def _run_train(args: argparse.Namespace) -> int:
     from ringattn.train.flags import config_from_args
-    from ringattn.train.loop import run_train
+    from ringattn.train.main import run_train
 
     summary = run_train(config_from_args(args))
     if summary.get("checkpoint") and summary.get("rank", 0) == 0:

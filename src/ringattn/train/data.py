@@ -31,6 +31,14 @@ sample i is the window at a seeded random offset; every next byte is supervised.
 
 Labels are shifted on the GLOBAL sequence (label[t] = token[t + 1]) before sharding, so inputs,
 labels and positions taken with the same group and layout agree on every rank.
+
+From samples to one rank's batch (`Loader`, built once per run):
+
+    step --global_batch--> (B, S) inputs, labels of this rank's dp row
+         --shard_batch---> Batch: inputs, labels (B, S/cp), positions (S/cp,) of this cp rank
+
+Sharding uses only the public API (`ringattn.shard`, `ringattn.positions`, the layout by name),
+exactly as a user's own data pipeline would.
 """
 
 from __future__ import annotations
@@ -40,12 +48,13 @@ from dataclasses import dataclass
 
 import torch
 
-from ringattn.sharding import positions, shard
+import ringattn
 
 __all__ = [
     "IGNORE",
     "Batch",
     "KeyValueTask",
+    "Loader",
     "TextData",
     "get_dataset",
     "global_batch",
@@ -206,7 +215,31 @@ def shard_batch(
     """This CP rank's part of full (B, S) inputs and labels, with matching global positions."""
     seq_len = inputs.shape[1]
     return Batch(
-        shard(inputs, 1, group=group, layout=layout).to(device),  # (B, S/W)
-        shard(labels, 1, group=group, layout=layout).to(device),  # (B, S/W)
-        positions(seq_len, group=group, layout=layout, device=device),  # (S/W,)
+        ringattn.shard(inputs, 1, group=group, layout=layout).to(device),  # (B, S/W)
+        ringattn.shard(labels, 1, group=group, layout=layout).to(device),  # (B, S/W)
+        ringattn.positions(seq_len, group=group, layout=layout, device=device),  # (S/W,)
     )
+
+
+@dataclass(frozen=True)
+class Loader:
+    """The batches of one rank: `batch(step)` is its shard of its dp row's samples at `step`.
+
+    `group` is the rank's cp group (a process group or DeviceMesh; None for one process). A pure
+    function of the step, so resuming at step N needs no data state beyond N.
+    """
+
+    dataset: object
+    batch_size: int
+    dp_rank: int
+    dp: int
+    group: object
+    layout: str
+    device: torch.device
+
+    def full(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The full-length (inputs, labels), each (batch_size, S), before sharding."""
+        return global_batch(self.dataset, step, self.batch_size, self.dp_rank, self.dp)
+
+    def batch(self, step: int) -> Batch:
+        return shard_batch(*self.full(step), self.group, self.layout, self.device)

@@ -19,8 +19,8 @@ import os
 import shutil
 import time
 
-from ringattn.runtime.launch import running_under_torchrun
-from ringattn.train.loop import TrainConfig, run_train, validate
+from ringattn.train.config import TrainConfig, validate
+from ringattn.train.main import run_train, world_size
 from ringattn.train.progress import read_log
 
 __all__ = ["demo_config", "run_train_demo"]
@@ -79,8 +79,7 @@ def run_train_demo(cfg: TrainConfig, make_plot: bool = True) -> int:
             shutil.rmtree(old)
         elif os.path.exists(old):
             os.remove(old)
-    world_size = int(os.environ["WORLD_SIZE"]) if running_under_torchrun() else cfg.nproc
-    dp, cp = validate(cfg, world_size)
+    dp, cp = validate(cfg, world_size(cfg))
     mcfg = cfg.model_config()
     print(
         f"[demo] training a {mcfg.n_layers}-layer decoder (dim {mcfg.dim}, {mcfg.n_heads} heads, "

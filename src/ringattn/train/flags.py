@@ -9,16 +9,16 @@ from __future__ import annotations
 import argparse
 from dataclasses import fields
 
-from ringattn.train.loop import DTYPES, TrainConfig
+from ringattn.train.config import DTYPES, TrainConfig
 from ringattn.train.model import MODEL_SIZES
 
 __all__ = ["add_arguments", "config_from_args"]
 
 
-def add_arguments(p, d: TrainConfig, *, demo: bool = False) -> None:
+def add_arguments(p: argparse.ArgumentParser, d: TrainConfig, *, demo: bool = False) -> None:
     """The flags of `ringattn train` (and of `ringattn demo`, which hides a few) on parser `p`."""
+    from ringattn import LAYOUTS
     from ringattn.api import STRATEGIES
-    from ringattn.layout import LAYOUTS
 
     m = p.add_argument_group("model")
     m.add_argument(
@@ -197,6 +197,7 @@ def add_arguments(p, d: TrainConfig, *, demo: bool = False) -> None:
     o.add_argument("--fail-rank", type=int, default=d.fail_rank, help=argparse.SUPPRESS)
 
 
-def config_from_args(args) -> TrainConfig:
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """The TrainConfig of parsed flags (other entries of the namespace, e.g. `run`, are ignored)."""
     names = {f.name for f in fields(TrainConfig)}
     return TrainConfig(**{k: v for k, v in vars(args).items() if k in names})

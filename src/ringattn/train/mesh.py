@@ -18,6 +18,10 @@
   supervised tokens in the whole global batch, so the sum over ranks is the global mean.
 
 FSDP2 works with gloo on CPU in torch 2.13 (checked: reduce-scatter, all-gather, DCP state dicts).
+
+`parallelize` is the decoder's: `run.DECODER` pairs it with the model's constructor, and a
+model family with other layers (or tensor/pipeline parallelism) brings its own. `sum_over_world`
+and `gather_over_world` are the trainer's two scalar collectives (loss counts, memory figures).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from torch import nn
 
 from ringattn.train.model import Transformer, set_context_parallel
 
-__all__ = ["Mesh", "build_mesh", "parallelize"]
+__all__ = ["Mesh", "build_mesh", "gather_over_world", "parallelize", "sum_over_world"]
 
 
 @dataclass
@@ -121,3 +125,21 @@ def parallelize(
         module.set_gradient_divide_factor(1.0)
         module.set_force_sum_reduction_for_comms(True)
     return model
+
+
+def sum_over_world(values: list[float], device: torch.device) -> list[float]:
+    """Each value summed over every rank (float64); the values themselves on one process."""
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(t)
+    return t.tolist()
+
+
+def gather_over_world(value: float, device: torch.device) -> list[float]:
+    """Every rank's `value`, in rank order (a list of one on one process)."""
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    if not dist.is_initialized():
+        return [value]
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t)
+    return [x.item() for x in out]

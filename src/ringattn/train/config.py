@@ -1,0 +1,153 @@
+"""What a training run is: `TrainConfig` (one field per flag) and the checks made before any
+process starts.
+
+`validate(cfg, world_size)` is a pure function of the flags and the number of processes: the
+parent calls it before launching (so a bad flag is a ValueError in one process, not W tracebacks),
+and every rank calls it again in `build_run`, before its first collective, so a run started under
+torchrun fails the same way on every rank. It returns the (dp, cp) degrees.
+
+The config is read in one place only, `run.build_run`, which turns it into the objects of the run
+(mesh, model, optimizer, data, checkpoints); the loop reads the few schedule fields it needs
+(`steps`, `stop_at`, `lr`...) from `run.cfg`. `IDENTITY` lists the fields a checkpoint must share
+with the run that resumes from it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import ringattn
+from ringattn.train.data import get_dataset
+from ringattn.train.mesh import degrees
+from ringattn.train.model import MODEL_SIZES, ModelConfig, model_config
+
+__all__ = ["DTYPES", "IDENTITY", "TrainConfig", "validate"]
+
+DTYPES = ("float32", "bfloat16")
+
+# a checkpoint whose config differs in one of these is from another run: resuming is refused
+IDENTITY = ("model", "dim", "layers", "heads", "kv_heads", "data", "seq_len", "seed", "keys",
+            "copies", "noisy")  # fmt: skip
+
+
+@dataclass
+class TrainConfig:
+    """What `ringattn train` runs; each field is the flag of the same name (kebab-case)."""
+
+    model: str = "small"
+    """Model size preset: tiny, small, base, large (see model.MODEL_SIZES)."""
+    dim: int = 0
+    """Override the preset's model width (0 = keep)."""
+    layers: int = 0
+    heads: int = 0
+    kv_heads: int = 0
+    seq_len: int = 4096
+    """Tokens per sequence (the global length that CP splits)."""
+    batch_size: int = 1
+    """Sequences per data-parallel rank per step."""
+    nproc: int = 4
+    """Local processes to launch (ignored under torchrun: the world is used)."""
+    dp: int = 1
+    """Data-parallel degree (0 = the processes left over after cp)."""
+    cp: int = 0
+    """Context-parallel degree (0 = the processes left over after dp)."""
+    strategy: str = "ring"
+    ulysses: int = 0
+    """strategy=hybrid: the all-to-all (Ulysses) degree inside each cp group; ring across."""
+    layout: str = "zigzag"
+    steps: int = 200
+    lr: float = 3e-3
+    warmup: int = 20
+    """Steps of linear learning-rate warm-up; then cosine decay to lr/10 at `steps`."""
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    data: str = "key-value"
+    """`key-value` (the retrieval task) or `text:PATH` (bytes of a file or directory)."""
+    keys: int = 12
+    """key-value: keys per sequence (each queried once at the end), at most 12."""
+    copies: int = 8
+    """key-value: records of each key in a sequence."""
+    noisy: int = 0
+    """key-value: copies of each key with a wrong value (answer = majority)."""
+    seed: int = 0
+    out_dir: str = "runs/train"
+    checkpoint_dir: str = ""
+    """Where checkpoints go (default: OUT_DIR/checkpoints)."""
+    checkpoint_every: int = 50
+    """Save every N steps (and at the end); 0 = only at the end; -1 = never."""
+    keep: int = 2
+    """Complete checkpoints to keep."""
+    resume: bool = True
+    """Continue from the newest complete checkpoint in checkpoint_dir, if there is one."""
+    stop_at: int = 0
+    """Stop after this step (checkpointing it) without changing the schedule; 0 = at `steps`."""
+    log_every: int = 10
+    """Progress line every N steps when stdout is not a terminal."""
+    activation_checkpointing: bool = False
+    """Recompute each block in backward instead of keeping its activations."""
+    loss_chunk: int = 4096
+    """Tokens per chunk of the output projection + loss (0 = all at once)."""
+    dtype: str = "float32"
+    """Compute dtype: float32, or bfloat16 (float32 master weights and gradient reduction)."""
+    timeout_s: float = 600.0
+    """Process-group timeout: a dead peer turns into an error after at most this long."""
+    memory_warmup: bool = False
+    """Run one throwaway step of a tiny model before measuring memory (keeps code pages out)."""
+    fail_at_step: int = -1
+    """Testing only: rank `fail_rank` kills itself (SIGKILL) when it reaches this step."""
+    fail_rank: int = 0
+    quiet: bool = False
+    """No progress output (the JSON log is still written)."""
+
+    def model_config(self) -> ModelConfig:
+        return model_config(
+            self.model, dim=self.dim, n_layers=self.layers, n_heads=self.heads,
+            n_kv_heads=self.kv_heads,
+        )  # fmt: skip
+
+    @property
+    def checkpoint_path(self) -> str:
+        return self.checkpoint_dir or os.path.join(self.out_dir, "checkpoints")
+
+    @property
+    def log_path(self) -> str:
+        return os.path.join(self.out_dir, "train_log.jsonl")
+
+    @property
+    def last_step(self) -> int:
+        """The step this invocation stops after: `stop_at` when set (and earlier), else `steps`."""
+        return min(self.steps, self.stop_at) if self.stop_at > 0 else self.steps
+
+
+def validate(cfg: TrainConfig, world_size: int) -> tuple[int, int]:
+    """Raise ValueError (values and fix) before any process starts; return (dp, cp)."""
+    if cfg.model not in MODEL_SIZES:
+        raise ValueError(f"unknown --model {cfg.model!r}; choose from {', '.join(MODEL_SIZES)}")
+    cfg.model_config()
+    if cfg.dtype not in DTYPES:
+        raise ValueError(f"unknown --dtype {cfg.dtype!r}; choose from {', '.join(DTYPES)}")
+    if world_size < 1:
+        raise ValueError(f"--nproc must be >= 1, got {world_size}")
+    dp, cp = degrees(world_size, cfg.dp, cfg.cp)
+    if cfg.layout not in ringattn.LAYOUTS:
+        raise ValueError(f"unknown --layout {cfg.layout!r}; choose from {sorted(ringattn.LAYOUTS)}")
+    chunks = cp * ringattn.LAYOUTS[cfg.layout].chunks_per_rank
+    if cfg.seq_len % chunks:
+        fixed = -(-cfg.seq_len // chunks) * chunks
+        raise ValueError(
+            f"--seq-len {cfg.seq_len} is not divisible by {chunks} ({cfg.layout} layout on cp={cp} "
+            f"ranks); use {fixed}"
+        )
+    if cfg.strategy == "hybrid" and not (cfg.ulysses > 0 and cp % cfg.ulysses == 0):
+        raise ValueError(
+            f"--strategy hybrid needs --ulysses U, a divisor of cp={cp} (Ulysses "
+            f"inside groups of U ranks, a ring across them); got {cfg.ulysses}"
+        )
+    for name in ("steps", "batch_size"):
+        if getattr(cfg, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
+    if cfg.fail_at_step >= 0 and not 0 <= cfg.fail_rank < world_size:
+        raise ValueError(f"--fail-rank {cfg.fail_rank} is not a rank of {world_size}")
+    get_dataset(cfg.data, cfg.seq_len, cfg.seed, cfg.keys, cfg.copies, cfg.noisy)  # its own checks
+    return dp, cp

@@ -1,0 +1,186 @@
+"""Build a training run ONCE, on every rank: mesh, model, optimizer, data, checkpoint state.
+
+    build_run(cfg, device, recipe=DECODER)                         (one rank; collective)
+      validate(cfg, world_size)           config.py: the same ValueError on every rank, first
+      mesh     = build_mesh(dp, cp[, ulysses])                     mesh.py
+      [warm-up step of a tiny model]      --memory-warmup: code pages into the baseline
+      meter    = Meter(device).start()    every rank's baseline gathered
+      model    = recipe.build(cfg)        plain single-device model, seeded: same weights anywhere
+      model    = recipe.parallelize(model, mesh, cfg)    CP attention + FSDP2, from outside
+      optim    = AdamW(model)             step.py
+      resume   <- newest complete checkpoint, if its run is this one (model, optimizer, RNG, step)
+      data     = Loader(dataset, dp row, cp group, layout)                             data.py
+      -> Run                              what the loop (loop.py) takes, and all it takes
+
+`ModelRecipe` is the seam for other models and other parallelisms: `build(cfg)` makes the plain
+model, `parallelize(model, mesh, cfg)` applies parallelism to it from outside (gpt-fast and
+torchtitan style), so the model's code never mentions a process group. `DECODER` is the Llama-style
+decoder of model.py with mesh.py's dp x cp parallelism.
+
+Checkpoints are read here (resume) and written by `Run.save`, so the training state written
+beside the model (`train_state.json`: step, config, world size) is defined in one module. A
+checkpoint from another run (any field of config.IDENTITY differs) is refused with the
+differences listed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ringattn.runtime.meter import Meter
+from ringattn.train import checkpoint as ckpt
+from ringattn.train.config import IDENTITY, TrainConfig, validate
+from ringattn.train.data import Loader, get_dataset, shard_batch
+from ringattn.train.mesh import Mesh, build_mesh, gather_over_world, parallelize
+from ringattn.train.model import ModelConfig, Transformer
+from ringattn.train.step import build_optimizer
+
+__all__ = ["DECODER", "ModelRecipe", "Run", "build_run"]
+
+
+@dataclass(frozen=True)
+class ModelRecipe:
+    """How a run makes its model. Both are module-level functions (ranks are spawned).
+
+    `build(cfg)`: the plain single-device model, on CPU, initialised from the global RNG (seeded
+    with cfg.seed just before); `model(inputs, positions, labels)` must return (loss sum,
+    supervised tokens, right predictions), see step.py.
+    `parallelize(model, mesh, cfg)`: the same model made parallel over `mesh` (returns it).
+    """
+
+    build: Callable[[TrainConfig], nn.Module]
+    parallelize: Callable[[nn.Module, Mesh, TrainConfig], nn.Module]
+
+
+def build_decoder(cfg: TrainConfig) -> Transformer:
+    """model.Transformer of the --model preset and overrides, with --loss-chunk."""
+    return _decoder(cfg.model_config(), cfg)
+
+
+def _decoder(mcfg: ModelConfig, cfg: TrainConfig) -> Transformer:
+    model = Transformer(mcfg)
+    model.loss_chunk = cfg.loss_chunk
+    return model
+
+
+def parallelize_decoder(model: nn.Module, mesh: Mesh, cfg: TrainConfig) -> nn.Module:
+    """CP attention over mesh.cp (--layout, --strategy), FSDP2 over every rank (--dtype)."""
+    param_dtype = None if cfg.dtype == "float32" else getattr(torch, cfg.dtype)
+    return parallelize(
+        model, mesh, layout=cfg.layout, strategy=cfg.strategy,
+        checkpoint_blocks=cfg.activation_checkpointing, param_dtype=param_dtype,
+    )  # fmt: skip
+
+
+DECODER = ModelRecipe(build=build_decoder, parallelize=parallelize_decoder)
+
+
+@dataclass
+class Run:
+    """One rank's training run: built by `build_run`, advanced by `loop.train`."""
+
+    cfg: TrainConfig
+    device: torch.device
+    mesh: Mesh
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    data: Loader
+    meter: Meter
+    """Tracks this rank's peak memory since the model was about to be built."""
+    memory_method: str = ""
+    baseline_mb: list[float] = field(default_factory=list)
+    """Each rank's resident memory when the tracker started (CPU; 0 on CUDA)."""
+    start_step: int = 0
+    """Steps already done: the resumed checkpoint's step, or 0."""
+    resumed_from: str | None = None
+    history: list[dict] = field(default_factory=list)
+    """Rank 0: one record per step trained in this invocation (the JSON log's step records)."""
+    checkpoint: str | None = None
+    """The last checkpoint this invocation wrote."""
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank() if dist.is_initialized() else 0
+
+    def save(self, step: int) -> str:
+        """Checkpoint the state after `step` steps (collective); the newest `--keep` are kept."""
+        state = {"step": step, "config": asdict(self.cfg), "world_size": self.mesh.world_size}
+        self.checkpoint = ckpt.save(
+            self.cfg.checkpoint_path, step, self.model, self.optimizer, state, keep=self.cfg.keep
+        )
+        return self.checkpoint
+
+    def summary(self) -> dict:
+        """What a rank returns to the launcher (rank 0's is `run_train`'s result)."""
+        return {
+            "history": self.history, "start_step": self.start_step,
+            "checkpoint": self.checkpoint, "memory_method": self.memory_method,
+            "baseline_mb": self.baseline_mb,
+            "dp": self.mesh.dp, "cp": self.mesh.cp, "rank": self.rank,
+        }  # fmt: skip
+
+
+def build_run(cfg: TrainConfig, device: torch.device, recipe: ModelRecipe | None = None) -> Run:
+    """Everything the loop needs, built once (see the module docstring). Collective: every rank
+    of the default process group calls it (or one process, without a group)."""
+    recipe = recipe or DECODER
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    validate(cfg, world_size)
+    mesh = build_mesh(device, cfg.dp, cfg.cp, cfg.ulysses if cfg.strategy == "hybrid" else 0)
+    if cfg.memory_warmup:
+        _warm_up(cfg, mesh, device)
+    meter = Meter(device).start()
+    baselines = gather_over_world(meter.baseline_mb, device)
+    torch.manual_seed(cfg.seed)  # the same initial weights on every rank and every world size
+    model = recipe.parallelize(recipe.build(cfg).to(device), mesh, cfg)
+    optimizer = build_optimizer(model, cfg)
+    start_step, resumed_from = _resume(cfg, model, optimizer)
+    dataset = get_dataset(cfg.data, cfg.seq_len, cfg.seed, cfg.keys, cfg.copies, cfg.noisy)
+    data = Loader(dataset, cfg.batch_size, mesh.dp_rank, mesh.dp, mesh.cp_group, cfg.layout, device)
+    return Run(cfg, device, mesh, model, optimizer, data, meter, memory_method=meter.method,
+               baseline_mb=baselines, start_step=start_step, resumed_from=resumed_from)  # fmt: skip
+
+
+def _warm_up(cfg: TrainConfig, mesh: Mesh, device: torch.device) -> None:
+    """One step of a tiny decoder through the same code paths (CP attention, FSDP2, AdamW), then
+    freed: loads kernels' code pages and creates communication buffers before the memory
+    baseline is taken."""
+    torch.manual_seed(cfg.seed)
+    tiny = ModelConfig(dim=16, n_layers=1, n_heads=2, n_kv_heads=1)
+    model = parallelize_decoder(_decoder(tiny, cfg).to(device), mesh, cfg)
+    optimizer = build_optimizer(model, cfg)
+    tokens = torch.zeros(1, 8 * mesh.cp, dtype=torch.int64)
+    batch = shard_batch(tokens, tokens, mesh.cp_group, cfg.layout, device)
+    loss, _, _ = model(batch.inputs, batch.positions, batch.labels)
+    loss.backward()
+    optimizer.step()
+    del model, optimizer, loss
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _resume(
+    cfg: TrainConfig, model: nn.Module, optimizer: torch.optim.Optimizer
+) -> tuple[int, str | None]:
+    """(steps done, checkpoint path) after restoring the newest complete checkpoint, if any."""
+    path = ckpt.latest(cfg.checkpoint_path) if cfg.resume else None
+    if path is None:
+        return 0, None
+    _check_compatible(cfg, ckpt.read_state(path), path)
+    return ckpt.load(path, model, optimizer)["step"], path
+
+
+def _check_compatible(cfg: TrainConfig, state: dict, path: str) -> None:
+    saved = state.get("config", {})
+    diff = [f"{k}: {saved.get(k)!r} there, {getattr(cfg, k)!r} now" for k in IDENTITY
+            if k in saved and saved[k] != getattr(cfg, k)]  # fmt: skip
+    if diff:
+        raise ValueError(
+            f"the checkpoint {path} is from a different run ({'; '.join(diff)}); use another "
+            f"--checkpoint-dir, --no-resume, or the same flags"
+        )
