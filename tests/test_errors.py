@@ -134,3 +134,83 @@ def test_shard_and_unshard_errors(pools, world_size):
         exc_type=ValueError,
         match=r"ranks disagree.*shape",
     )
+
+
+ONE_RANK_WRONG = {
+    # data loaders produce exactly this: one rank's shard is short, one rank read another config
+    "short-shard": ({1: {"shapes": ((1, 4, 7, 16),) * 3}}, ValueError, r"length 7 must be"),
+    "heads": (
+        {2: {"shapes": ((1, 6, 8, 16), (1, 4, 8, 16), (1, 4, 8, 16))}},
+        ValueError,
+        r"query heads 6 must be a multiple of key/value heads 4",
+    ),
+    "window": ({1: {"window": (-5, 0)}}, ValueError, r"window"),
+    "strategy": ({1: {"strategy": "tree"}}, ValueError, r"unknown strategy 'tree'"),
+    "backend": ({3: {"backend": "cudnn"}}, ValueError, r"backend 'cudnn' cannot run"),
+    "dtype": ({0: {"dtypes": ("int64",) * 3}}, TypeError, r"q has dtype torch.int64"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ONE_RANK_WRONG))
+def test_one_wrong_rank_gives_every_rank_the_same_error(pools, case):
+    """Only one rank's arguments are bad: every rank raises the same error, naming that rank,
+    within seconds (not the process-group timeout), and the pool still works afterwards."""
+    per_rank, exc_type, match = ONE_RANK_WRONG[case]
+    pool = pools(4)
+    (bad,) = per_rank
+    messages = pool.run_expect_error(
+        FN, per_rank=per_rank, match=match, exc_type=exc_type, timeout=20
+    )
+    assert len(set(messages)) == 1, messages
+    valid = ", ".join(str(r) for r in range(4) if r != bad)
+    assert messages[0].startswith(f"rank {bad} of 4: "), messages[0]
+    assert messages[0].endswith(f"(ranks {valid}: arguments valid)"), messages[0]
+    assert max(pool.run("workers:after_error_still_works")) < 1e-12
+
+
+def test_one_wrong_rank_in_unshard(pools):
+    pool = pools(3)
+    messages = pool.run_expect_error(
+        "workers:call_unshard_one_rank_wrong", match=r"rank 2 of 3: dim 7 is out of range",
+        exc_type=ValueError, timeout=20,
+    )  # fmt: skip
+    assert len(set(messages)) == 1, messages
+    assert max(pool.run("workers:after_error_still_works")) < 1e-12
+
+
+def test_ranks_on_different_kernels_disagree(pools):
+    """The kernel `auto` picked is part of the agreement: a probe that fails on one rank only
+    must not leave the ranks on different kernels."""
+    pool = pools(2)
+    messages = pool.run_expect_error(
+        "workers:call_with_probe_failing_on", bad_rank=1, match=r"ranks disagree.*kernel",
+        exc_type=ValueError, timeout=20,
+    )  # fmt: skip
+    assert "rank 0: kernel='cpu_flash'; rank 1: kernel='reference'" in messages[0], messages[0]
+    assert max(pool.run("workers:after_error_still_works")) < 1e-12
+
+
+def test_a_mesh_world_is_refused_by_single_group_collectives():
+    """MeshInfo.group is the ulysses sub-group, for backend queries only: the ring and the
+    collectives that need one process group refuse it instead of talking to the wrong ranks."""
+    import torch
+
+    from ringattn.comm import (
+        GroupInfo,
+        MeshInfo,
+        RingComm,
+        all_gather_async,
+        all_to_all,
+        reduce_scatter,
+    )
+
+    mesh = MeshInfo(None, 1, 4, GroupInfo(None, 1, 2), GroupInfo(None, 0, 2))
+    x = torch.zeros(4, 3)
+    for call in (
+        lambda: RingComm(mesh),
+        lambda: all_gather_async(x, mesh),
+        lambda: reduce_scatter(x, mesh),
+        lambda: all_to_all([[x]] * 4, [[((4, 3), x.dtype)]] * 4, mesh),
+    ):
+        with pytest.raises(TypeError, match=r"needs one process group.*2-D mesh"):
+            call()

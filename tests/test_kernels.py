@@ -145,3 +145,67 @@ def test_single_process_without_distributed(dtype, causal):
     ]:
         assert compare(got, want).max <= tol
     assert not lse.requires_grad
+
+
+@pytest.mark.parametrize("kernel_name", CPU_KERNELS)
+def test_strided_last_dim_gives_the_same_result(kernel_name):
+    """A K (or Q, V, dout) whose last dim is strided: the raw CPU op silently got it wrong."""
+    kernel = KERNELS[kernel_name]
+    q, k, v, dout = _inputs(2, 2, 16, 8, torch.float64)
+    strided = [x.transpose(-1, -2).contiguous().transpose(-1, -2) for x in (q, k, v, dout)]
+    assert all(x.stride(-1) != 1 for x in strided)
+    want = kernel.forward(q, k, v, True, 0.3)
+    got = kernel.forward(*strided[:3], True, 0.3)
+    for a, b in zip(got, want):
+        assert compare(a, b).max < 1e-12
+    want_grads = kernel.backward(dout, q, k, v, *want, True, 0.3)
+    got_grads = kernel.backward(strided[3], *strided[:3], *want, True, 0.3)
+    for a, b in zip(got_grads, want_grads):
+        assert compare(a, b).max < 1e-12
+
+
+def test_flash_backward_passes_undefined_cum_seq(monkeypatch):
+    """aten's flash backward takes a *defined* cum_seq_q/k (even empty) as the variable-length
+    path; the dense backward must pass None (an undefined tensor), as SDPA's own autograd does."""
+    from ringattn.kernels import cuda
+
+    seen = {}
+
+    class Ops:
+        @staticmethod
+        def _scaled_dot_product_flash_attention_backward(*args, **kwargs):
+            seen["cum_seq"] = args[6:8]
+            return args[1], args[2], args[3]
+
+    monkeypatch.setattr(cuda, "aten", Ops)
+    monkeypatch.setattr(cuda, "_no_rng", lambda device: (None, None))
+    q, k, v, dout = _inputs(2, 2, 8, 8, torch.float32)
+    cuda.FlashKernel()._backward(dout, q, k, v, q, q[..., 0], True, 0.3)
+    assert seen["cum_seq"] == (None, None)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_flash_backend_backward_runs_on_cuda():
+    q, k, v, dout = _inputs(4, 2, 64, 64, torch.bfloat16, device="cuda")
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    out = ringattn.attention(q, k, v, causal=True, backend="flash")
+    out.backward(dout)
+    assert all(torch.isfinite(x.grad).all() for x in (q, k, v))
+
+
+def test_reference_fallback_on_cuda_warns(monkeypatch):
+    """float64 on CUDA has no fused kernel: the O(block^2) reference kernel is said, not silent."""
+    from ringattn import kernels
+
+    class FakeCuda:
+        type = "cuda"
+
+    class Q:
+        device = FakeCuda()
+        dtype = torch.float64
+        shape = (1, 2, 8, 16)
+
+    monkeypatch.setattr(kernels, "AUTO_ORDER", {"cuda": ("reference",)})
+    with pytest.warns(RuntimeWarning, match=r"reference kernel.*O\(block\^2\)"):
+        assert kernels.select_kernel("auto", Q(), Q()).name == "reference"

@@ -244,3 +244,25 @@ def after_error_still_works(rank, world_size):
     got = run_attention(q, k, v, dout, layout="zigzag", causal=True)
     ref = reference_attention(q, k, v, dout, causal=True)
     return compare(got["out"], ringattn.shard(ref.out, 2, layout="zigzag")).max
+
+
+def call_unshard_one_rank_wrong(rank, world_size):
+    """unshard where only the last rank passes a bad dim."""
+    dim = 7 if rank == world_size - 1 else 2
+    return ringattn.unshard(torch.randn(1, 2, 4, 4), dim, layout="zigzag")
+
+
+def call_with_probe_failing_on(rank, world_size, *, bad_rank):
+    """`auto` on `bad_rank` sees cpu_flash fail its probe (and picks the reference kernel)."""
+    from ringattn.kernels import probe
+
+    q, k, v = (torch.randn(1, 2, 8, 16) for _ in range(3))
+    key = ("cpu_flash", str(q.device), q.dtype, q.shape[-1], False)
+    saved = dict(probe._VERDICTS)
+    if rank == bad_rank:
+        probe._VERDICTS[key] = False
+    try:
+        return ringattn.attention(q, k, v, causal=True)
+    finally:
+        probe._VERDICTS.clear()
+        probe._VERDICTS.update(saved)

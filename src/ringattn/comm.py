@@ -5,6 +5,7 @@
     RingComm              send to rank+1, receive from rank-1, batched isend/irecv, non-blocking
     RingTransport         the ring strategy's transport seam (K/V and dK/dV messages) on RingComm
     all_gather_cat        concatenation of every rank's tensor along a dim
+    all_gather_json       every rank's JSON value (agreement checks: data, never pickles)
     all_gather_async      every rank's tensor stacked, posted without waiting (all-gather strategy)
     reduce_scatter        rank r gets the sum of every rank's r-th slice (NCCL native, else a ring)
     all_to_all            per-destination lists of tensors of any dtypes, as one all_to_all_single
@@ -19,8 +20,8 @@ after the transfer; it does not block the host.
 
 from __future__ import annotations
 
+import json
 import math
-import pickle
 from dataclasses import dataclass
 
 import torch
@@ -88,6 +89,7 @@ class RingComm:
 
     def __init__(self, info: GroupInfo):
         assert info.world_size > 1, "a ring of one rank has nothing to exchange"
+        single_group(info, "a ring")
         self.group = info.group
         self.rank, self.world_size = info.rank, info.world_size
         self.next = dist.get_global_rank(info.group, (info.rank + 1) % info.world_size)
@@ -198,23 +200,39 @@ def all_gather_ints(values: list[int], info: GroupInfo, device: torch.device) ->
     return [part.tolist() for part in _gather_list(local, info)]
 
 
-def all_gather_objects(obj: object, info: GroupInfo) -> list[object]:
-    """Every rank's picklable `obj` (used only to word error messages)."""
+def all_gather_json(obj: object, info: GroupInfo) -> list[object]:
+    """Every rank's JSON-serialisable `obj` (agreement checks and their error messages).
+
+    JSON, not pickle: a peer's bytes are data, never code (pickle.loads runs what it is given).
+    """
     if info.world_size == 1:
         return [obj]
     if isinstance(info, MeshInfo):  # two stages, as _gather_list
-        inner = all_gather_objects(obj, info.ulysses)
-        return [x for part in all_gather_objects(inner, info.ring) for x in part]
-    # pickled bytes in a uint8 tensor: dist.all_gather_object needs numpy, which torch does not
-    # install, and this runs only to word an error message
-    payload = pickle.dumps(obj)
+        inner = all_gather_json(obj, info.ulysses)
+        return [x for part in all_gather_json(inner, info.ring) for x in part]
+    payload = json.dumps(obj).encode()
     device = backend_device(info, torch.device("cpu"))
     sizes = [row[0] for row in all_gather_ints([len(payload)], info, device)]
     local = torch.zeros(max(sizes), dtype=torch.uint8, device=device)
     local[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
     parts = [torch.empty_like(local) for _ in range(info.world_size)]
     dist.all_gather(parts, local, group=info.group)
-    return [pickle.loads(bytes(part[:size].cpu().tolist())) for part, size in zip(parts, sizes)]
+    return [json.loads(bytes(part[:size].cpu().tolist())) for part, size in zip(parts, sizes)]
+
+
+def single_group(info: GroupInfo, what: str) -> GroupInfo:
+    """`info` itself, refusing a 2-D mesh's flattened world, which has no one process group.
+
+    (`MeshInfo.group` is the ulysses sub-group, kept for backend queries only: a collective on it
+    would silently talk to the wrong ranks.)
+    """
+    if isinstance(info, MeshInfo):
+        raise TypeError(
+            f"{what} needs one process group, but got the flattened world of a 2-D mesh "
+            f"({info.ring.world_size} x {info.ulysses.world_size}); pass its 'ring' or 'ulysses' "
+            f"sub-group (info.ring / info.ulysses)"
+        )
+    return info
 
 
 # ---- 2-D meshes: the hybrid strategy's "ulysses" x "ring" world --------------------------------
@@ -229,7 +247,7 @@ class MeshInfo(GroupInfo):
     order of the dims in the mesh. With the usual mesh `(R, U)`, dims `("ring", "ulysses")`, the
     flattened rank is the global rank. `group` is the ulysses sub-group, there only so backend
     queries (device, NCCL or gloo) work; collectives over the whole world go through
-    `_gather_list` / `all_gather_objects`, which gather in two stages.
+    `_gather_list` / `all_gather_json`, which gather in two stages.
     """
 
     ulysses: GroupInfo
@@ -288,6 +306,7 @@ def all_gather_async(x: torch.Tensor, info: GroupInfo) -> tuple[torch.Tensor, li
     """
     if info.world_size == 1:
         return x.unsqueeze(0), []
+    single_group(info, "all_gather_async")
     out = torch.empty((info.world_size, *x.shape), dtype=x.dtype, device=x.device)
     work = dist.all_gather_into_tensor(
         out.view(-1), x.contiguous().view(-1), group=info.group, async_op=True
@@ -316,6 +335,7 @@ def reduce_scatter(x: torch.Tensor, info: GroupInfo, *, native: bool | None = No
     assert x.shape[0] == world_size, (tuple(x.shape), world_size)
     if world_size == 1:
         return x[0]
+    single_group(info, "reduce_scatter")
     x = x.contiguous()
     if _is_nccl(info) if native is None else native:
         out = torch.empty(x.shape[1:], dtype=x.dtype, device=x.device)
@@ -352,6 +372,7 @@ def all_to_all(
     """
     if info.world_size == 1:
         return [list(sends[0])]
+    single_group(info, "all_to_all")
     device = sends[0][0].device
     send_sizes = [sum(_padded_bytes(tuple(x.shape), x.dtype) for x in xs) for xs in sends]
     recv_sizes = [sum(_padded_bytes(*spec) for spec in specs) for specs in recv_specs]

@@ -16,7 +16,7 @@ import torch
 from ringattn.comm import GroupInfo, all_gather_cat, resolve_group
 from ringattn.layout import Layout, get_layout
 from ringattn.packing import Placement, check_cu_seqlens, place
-from ringattn.validate import check_agreement
+from ringattn.validate import validated
 
 
 def resolve_placement(
@@ -124,20 +124,25 @@ def unshard(
     result as replicated: each rank's gradient is the rows of its own part (as for a DTensor going
     from Replicate to Shard).
     """
-    layout_obj = get_layout(layout)
-    dim = _check_dim(x_local, dim)
     info = resolve_group(group, allow_2d=True)
-    placement = local_placement(layout_obj, info, x_local.shape[dim], cu_seqlens)
-    signature = (
-        ("op", "unshard"),
-        ("shape", tuple(x_local.shape)),
-        ("dtype", str(x_local.dtype)),
-        ("dim", dim),
-        ("layout", layout_obj.name),
-        ("cu_seqlens", placement.bounds),
-    )
-    check_agreement(signature, info, x_local.device)
-    return _Unshard.apply(x_local, dim, info, placement)
+
+    def build() -> tuple[tuple[int, Placement], tuple]:
+        layout_obj = get_layout(layout)
+        checked_dim = _check_dim(x_local, dim)
+        placement = local_placement(layout_obj, info, x_local.shape[checked_dim], cu_seqlens)
+        signature = (
+            ("op", "unshard"),
+            ("shape", tuple(x_local.shape)),
+            ("dtype", str(x_local.dtype)),
+            ("dim", checked_dim),
+            ("layout", layout_obj.name),
+            ("cu_seqlens", placement.bounds),
+        )
+        return (checked_dim, placement), signature
+
+    device = x_local.device if isinstance(x_local, torch.Tensor) else None
+    checked_dim, placement = validated(info, device, build)
+    return _Unshard.apply(x_local, checked_dim, info, placement)
 
 
 def positions(

@@ -1,22 +1,28 @@
 """Checks on user input, run on every rank before any communication.
 
 Local checks (shapes, dtypes, devices, head counts, names, layout divisibility) are pure: each rank
-raises the same ValueError/TypeError from its own arguments. Agreement across ranks (one rank with a
-different local length, dtype, layout...) needs one small all-gather; it runs the first time a rank
-sees a call signature and is remembered per process group, so a training loop that repeats the same
-call pays it once, not per step.
+judges its own arguments. Their verdict is not raised at once: `validated` / `agree` share it with
+the other ranks, with a hash of the call signature, in one small all-gather, so that every rank
+raises the same error naming the rank(s) at fault (one rank with a short shard, another config)
+instead of the valid ranks hanging in their first collective. The exchange runs the first time a
+rank sees a call signature and is remembered per process group, so a training loop that repeats
+the same call pays it once, not per step.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
-from ringattn.comm import GroupInfo, all_gather_ints, all_gather_objects
+from ringattn.comm import GroupInfo, all_gather_ints, all_gather_json
 from ringattn.kernels import check_backend_name
 from ringattn.layout import Layout
+
+T = TypeVar("T")
 
 FLOAT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
@@ -84,41 +90,117 @@ def _code(value: object) -> int:
     return int.from_bytes(hashlib.blake2b(str(value).encode(), digest_size=7).digest(), "little")
 
 
-def check_agreement(signature: tuple, info: GroupInfo, device: torch.device) -> None:
-    """Raise the same ValueError on every rank if ranks called with different signatures.
+def validated(info: GroupInfo, device: object, build: Callable[[], tuple[T, tuple]]) -> T:
+    """Run the local checks in `build` (-> (result, signature)) and agree on them across ranks.
 
-    `signature` is a tuple of (name, value) pairs. The all-gather runs once per new signature per
-    group. All ranks must reach this call together the first time they use a signature: a rank
-    that silently changes its arguments while the others repeat an agreed call cannot be caught
-    without a collective on every call, and surfaces as the process-group timeout instead.
+    A ValueError/TypeError from `build` is not raised at once: it is this rank's verdict, which
+    `agree` shares with the others, so every rank raises the same error, naming the rank(s) at
+    fault, instead of the valid ranks waiting forever in their first collective.
+    """
+    try:
+        result, signature = build()
+        error = None
+    except (ValueError, TypeError) as err:
+        result, signature, error = None, None, err
+    agree(signature, info, device, error)
+    return result
+
+
+def agree(
+    signature: tuple | None,
+    info: GroupInfo,
+    device: object,
+    error: Exception | None = None,
+) -> None:
+    """Raise the same error on every rank if any rank's local checks failed (`error`) or the ranks
+    called with different signatures ((name, value) pairs).
+
+    Steady state costs one set lookup: a signature this group already agreed on, with no local
+    error, returns at once. Otherwise one all-gather of two integers per rank (the verdict and a
+    hash of the signature); only when they show a problem, a second gather of each rank's error
+    message and readable signature (as JSON) words the error, identically on every rank.
+
+    All ranks must reach this call together the first time they use a signature. A rank that
+    changes its arguments while the others repeat an agreed call cannot be caught without a
+    collective on every call: its error (or the transport's) then ends the job through the
+    launcher, which names the failing rank.
     """
     if info.world_size == 1:
+        if error is not None:
+            raise error
         return
     agreed = _AGREED.setdefault(info.key, set())
-    if signature in agreed:
+    if error is None and signature in agreed:
         return
-    codes = [_code(value) for _, value in signature]
-    gathered = all_gather_ints(codes, info, device)
-    differing = [
-        (name, index)
-        for index, (name, _) in enumerate(signature)
-        if len({row[index] for row in gathered}) > 1
-    ]
-    if differing:
-        # every rank saw the same gathered codes, so every rank takes this branch together
-        readable = all_gather_objects([value for _, value in signature], info)
-        per_rank = "; ".join(
-            f"rank {r}: " + ", ".join(f"{name}={row[i]!r}" for name, i in differing)
-            for r, row in enumerate(readable)
-        )
-        names = ", ".join(name for name, _ in differing)
-        raise ValueError(
-            f"ranks disagree on the attention call ({names}): {per_rank}. Every rank must pass "
-            f"tensors of the same local shape and dtype and the same keyword arguments"
-        )
+    device = device if isinstance(device, torch.device) else torch.device("cpu")
+    mine = [0 if error is None else 1, 0 if signature is None else _code(signature)]
+    gathered = all_gather_ints(mine, info, device)
+    failed = any(row[0] for row in gathered)
+    if failed or len({row[1] for row in gathered}) > 1:
+        # every rank saw the same gathered integers, so every rank takes this branch together
+        verdict = None if error is None else [type(error).__name__, str(error)]
+        readable = None if signature is None else [[n, _jsonable(v)] for n, v in signature]
+        rows = all_gather_json({"error": verdict, "signature": readable}, info)
+        raise _group_error(rows) if failed else _disagreement(rows)
     if len(agreed) >= _MAX_AGREED:
         agreed.clear()
     agreed.add(signature)
+
+
+def check_agreement(signature: tuple, info: GroupInfo, device: object) -> None:
+    """`agree` for a caller whose local checks have already passed."""
+    agree(signature, info, device)
+
+
+def _jsonable(value: object) -> object:
+    if isinstance(value, (bool, int, float, str)) or value is None:
+        return value
+    if isinstance(value, (tuple, list)):
+        return [_jsonable(v) for v in value]
+    return str(value)
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+def _group_error(rows: list[dict]) -> Exception:
+    """One error for the whole group from each rank's verdict; identical on every rank."""
+    by_message: dict[tuple[str, str], list[int]] = {}
+    for rank, row in enumerate(rows):
+        if row["error"] is not None:
+            by_message.setdefault(tuple(row["error"]), []).append(rank)
+    kinds = {kind for kind, _ in by_message}
+    cls = TypeError if kinds == {"TypeError"} else ValueError
+    if len(by_message) == 1 and len(next(iter(by_message.values()))) == len(rows):
+        return cls(next(iter(by_message))[1])  # every rank made the same mistake
+    world = len(rows)
+    parts = [f"{_ranks(ranks)} of {world}: {message}" for (_, message), ranks in by_message.items()]
+    valid = [r for r, row in enumerate(rows) if row["error"] is None]
+    tail = f" ({_ranks(valid)}: arguments valid)" if valid else ""
+    return cls("; ".join(parts) + tail)
+
+
+def _disagreement(rows: list[dict]) -> ValueError:
+    """The fields on which the ranks' signatures differ, with each rank's values."""
+    signatures = [{n: v for n, v in row["signature"]} for row in rows]
+    names = [n for n, _ in rows[0]["signature"]]
+    differing = [n for n in names if len({repr(s.get(n)) for s in signatures}) > 1]
+    per_rank = "; ".join(
+        f"rank {r}: " + ", ".join(f"{n}={_show(s.get(n))}" for n in differing)
+        for r, s in enumerate(signatures)
+    )
+    return ValueError(
+        f"ranks disagree on the call ({', '.join(differing)}): {per_rank}. Every rank must "
+        f"pass tensors of the same local shape and dtype and the same keyword arguments"
+    )
+
+
+def _show(value: object) -> str:
+    """A readable value: shapes as tuples, strings quoted (as repr of the original)."""
+    if isinstance(value, list):
+        return "(" + ", ".join(_show(v) for v in value) + ("," if len(value) == 1 else "") + ")"
+    return repr(value)
 
 
 def call_signature(

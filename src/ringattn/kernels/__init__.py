@@ -12,6 +12,8 @@ This module is the registry: `KERNELS` by name, and `select_kernel` for `backend
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from ringattn.kernels.base import Kernel
@@ -61,5 +63,17 @@ def select_kernel(backend: str, q: torch.Tensor, k: torch.Tensor) -> Kernel:
     for name in AUTO_ORDER.get(q.device.type, ("reference",)):
         kernel = KERNELS[name]
         if kernel.supports(q, k) is None and kernel_works(kernel, q, k):
-            return kernel
-    return KERNELS["reference"]
+            break
+    else:
+        kernel = KERNELS["reference"]
+    if kernel.name == "reference" and q.device.type == "cuda":
+        # the warnings module shows this once per call site, not once per block
+        warnings.warn(
+            f"no fused CUDA attention kernel runs {q.dtype} with head dim {q.shape[-1]}; "
+            f"ringattn falls back to the reference kernel, which keeps each block's full score "
+            f"matrix in memory (O(block^2)). Use bfloat16/float16 (cuDNN, flash) or float32 "
+            f"(efficient) for long sequences",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return kernel

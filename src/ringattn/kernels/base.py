@@ -91,5 +91,14 @@ def lse_3d(lse: torch.Tensor, q_len: int) -> torch.Tensor:
     return lse[..., :q_len].float()
 
 
+def dense_last(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """Each tensor with a unit stride in its last dim (copied only when it has not).
+
+    The fused ops assume it: SDPA checks before calling them, a direct op call does not, and the
+    CPU flash op silently returns wrong values for a K whose last dim is strided.
+    """
+    return [x if x.stride(-1) == 1 else x.contiguous() for x in tensors]
+
+
 def upcast_half(*tensors: torch.Tensor) -> list[torch.Tensor]:
     return [x.float() if x.dtype in HALF else x for x in tensors]

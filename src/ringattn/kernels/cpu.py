@@ -10,7 +10,15 @@ import math
 
 import torch
 
-from ringattn.kernels.base import Kernel, aten, band_mask, expand_kv, reduce_kv, upcast_half
+from ringattn.kernels.base import (
+    Kernel,
+    aten,
+    band_mask,
+    dense_last,
+    expand_kv,
+    reduce_kv,
+    upcast_half,
+)
 
 
 class CpuFlashKernel(Kernel):
@@ -37,14 +45,14 @@ class CpuFlashKernel(Kernel):
         return torch.zeros(visible.shape, dtype=q.dtype).masked_fill(~visible, -math.inf)
 
     def forward_band(self, q, k, v, band, scale):
-        q, k, v = upcast_half(q, k, v)
+        q, k, v = dense_last(*upcast_half(q, k, v))
         bias = self._bias(q, k, band)
         return aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, False, attn_mask=bias, scale=scale
         )
 
     def backward_band(self, dout, q, k, v, out, lse, band, scale):
-        dout, q, k, v, out = upcast_half(dout, q, k, v, out)
+        dout, q, k, v, out = dense_last(*upcast_half(dout, q, k, v, out))
         bias = self._bias(q, k, band)
         groups = q.shape[1] // k.shape[1]
         dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
@@ -62,14 +70,14 @@ class CpuFlashKernel(Kernel):
         return dq, reduce_kv(dk, groups), reduce_kv(dv, groups)
 
     def forward(self, q, k, v, causal, scale):
-        q, k, v = upcast_half(q, k, v)
+        q, k, v = dense_last(*upcast_half(q, k, v))
         return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
 
     def backward(self, dout, q, k, v, out, lse, causal, scale):
         # K/V are expanded for the backward only: torch 2.13's CPU flash backward with fewer K/V
         # heads than query heads runs ~30x slower than with equal heads (measured 81 s vs 2.5 s,
         # 16k tokens, 2:1 GQA); its forward has no such problem
-        dout, q, k, v, out = upcast_half(dout, q, k, v, out)
+        dout, q, k, v, out = dense_last(*upcast_half(dout, q, k, v, out))
         groups = q.shape[1] // k.shape[1]
         dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout,

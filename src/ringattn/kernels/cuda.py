@@ -105,10 +105,11 @@ class FlashKernel(_CudaKernel):
 
     def _backward(self, dout, q, k, v, out, lse, causal, scale):
         seed, offset = _no_rng(q.device)
-        empty = torch.empty(0, dtype=torch.int32, device=q.device)
         s_q, s_k = q.shape[2], k.shape[2]
+        # cum_seq_q/k: None (an undefined tensor), as the dense forward returns them. A defined
+        # tensor, even an empty one, selects aten's variable-length path and fails.
         return aten._scaled_dot_product_flash_attention_backward(
-            dout, q, k, v, out, lse, empty, empty, s_q, s_k, 0.0, causal, seed, offset, scale=scale
+            dout, q, k, v, out, lse, None, None, s_q, s_k, 0.0, causal, seed, offset, scale=scale
         )
 
 
