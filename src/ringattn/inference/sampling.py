@@ -1,0 +1,68 @@
+"""Choosing the next token: greedy, or sampling with temperature, top-k and top-p.
+
+Every rank holds the same logits (the decode merge gives every rank the same bits) and draws from
+a generator seeded with the same seed, so every rank picks the same token without communicating.
+
+    temperature 0     argmax (greedy)
+    otherwise         softmax(logits / temperature), keep the top_k most likely (0: all), then the
+                      smallest set of most likely tokens whose probability reaches top_p (1: all),
+                      renormalise and draw once with torch.multinomial
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How to pick each token; the defaults are greedy decoding."""
+
+    temperature: float = 0.0
+    """0 means greedy (argmax); otherwise logits are divided by it before the softmax."""
+    top_k: int = 0
+    """Keep only the k most likely tokens; 0 keeps all."""
+    top_p: float = 1.0
+    """Keep the smallest set of most likely tokens whose probability reaches top_p; 1 keeps all."""
+    seed: int = 0
+    """Seed of the generator every rank draws from (the same on every rank)."""
+
+    def check(self) -> None:
+        """Raise ValueError naming the field that is out of range."""
+        if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0):
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
+        if not math.isfinite(self.temperature):
+            raise ValueError(f"temperature must be finite, got {self.temperature!r}")
+        if not (isinstance(self.top_k, int) and self.top_k >= 0):
+            raise ValueError(f"top_k must be an int >= 0 (0 = no limit), got {self.top_k!r}")
+        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1] (1 = no limit), got {self.top_p!r}")
+        if not isinstance(self.seed, int):
+            raise TypeError(f"seed must be an int, got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def generator(self) -> torch.Generator:
+        return torch.Generator().manual_seed(self.seed)
+
+
+def next_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator) -> int:
+    """The next token from logits (vocab,) float32."""
+    if sampling.greedy:
+        return int(logits.argmax())
+    logits = logits.double() / sampling.temperature
+    if sampling.top_k and sampling.top_k < logits.numel():
+        kth = torch.topk(logits, sampling.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, -math.inf)
+    probs = torch.softmax(logits, dim=-1)
+    if sampling.top_p < 1:
+        sorted_probs, order = torch.sort(probs, descending=True, stable=True)
+        before = torch.cumsum(sorted_probs, dim=0) - sorted_probs  # mass of the likelier tokens
+        drop = order[before >= sampling.top_p]
+        probs = probs.index_fill(0, drop, 0.0)
+    return int(torch.multinomial(probs / probs.sum(), 1, generator=generator))
