@@ -1,0 +1,14 @@
+"""`ringattn.hf`: Hugging Face transformers models with context parallelism.
+
+    import ringattn.hf
+    ringattn.hf.parallelize(model, group=None, layout="zigzag", strategy="ring")
+    batch = ringattn.hf.shard_batch({"input_ids": ids, "labels": labels}, layout="zigzag")
+    model(**batch).loss.backward()
+
+A thin façade over ringattn.integrations.hf (see there and docs/hf.md). Importing it imports
+transformers (`pip install ringattn[hf]`); `import ringattn` alone does not.
+"""
+
+from ringattn.integrations.hf import parallelize, shard_batch
+
+__all__ = ["parallelize", "shard_batch"]

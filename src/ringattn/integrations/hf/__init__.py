@@ -1,0 +1,26 @@
+"""Hugging Face transformers models with context parallelism, through transformers' public seams.
+
+    ringattn.hf.parallelize(model, group=None, layout="zigzag", strategy="ring")  # in place
+    batch = ringattn.hf.shard_batch({"input_ids": ids, "labels": labels}, layout="zigzag")
+    out = model(**batch)          # this rank's tokens only
+    out.loss.backward()           # summed over the group: the single-device loss and gradients
+
+Nothing here patches transformers. `parallelize` registers one attention function under the name
+"ringattn" with `AttentionInterface.register` and one mask function with
+`AttentionMaskInterface.register` (ringattn applies causality, documents and windows itself, so the
+mask function builds no mask), switches the model to it with `set_attn_implementation`, and keeps
+the process group, layout and strategy on the model's own modules (no global state). The batch side
+is `shard_batch`: it shards the tokens, keeps global RoPE positions, shifts the labels on the
+global sequence before sharding and passes the whole sequence's supervised-token count, so that
+transformers' own causal-LM loss gives this rank's share of the single-device loss.
+
+Modules: attention.py (the attention and mask functions), batch.py (shard_batch), model.py
+(parallelize). transformers is imported here, so this package is imported only explicitly
+(`import ringattn.hf`); `import ringattn` never imports it.
+"""
+
+from ringattn.integrations.hf.attention import ATTENTION_NAME
+from ringattn.integrations.hf.batch import shard_batch
+from ringattn.integrations.hf.model import parallelize
+
+__all__ = ["ATTENTION_NAME", "parallelize", "shard_batch"]

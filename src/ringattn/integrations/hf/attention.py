@@ -1,0 +1,202 @@
+"""The attention and mask functions registered with transformers under the name "ringattn".
+
+A transformers decoder layer computes q, k, v for its local tokens and calls
+
+    attn_output, _ = attention_function(module, query, key, value, attention_mask,
+                                        dropout=..., scaling=..., sliding_window=..., **kwargs)
+
+with query (B, Hq, S_local, D) and key, value (B, Hkv, S_local, D), K/V not repeated for GQA. Here
+that call is `ringattn.attention` over the whole sequence: the group, layout, strategy and backend
+come from the `CPContext` that `parallelize` put on the module; the global document boundaries
+come from the forward kwargs (`cu_seq_lens_q`, set by `shard_batch`); the rest maps one to one:
+
+    transformers                      ringattn.attention
+    scaling                           scale
+    is_causal (kwarg or module)       causal
+    sliding_window = w                window = (w - 1, 0)       key visible when q - k < w
+                                      (w - 1, w - 1) when not causal: |q - k| < w
+    s_aux (per-head sink logits)      one more log-sum-exp term, see `_with_sinks`
+
+Masks. transformers would build a (S_local, S_local) mask from local positions, which is wrong for
+a sharded sequence; ringattn masks by global position itself. The registered mask function
+therefore returns None, or, when the user passed a 2-D padding mask, that mask unchanged, so that
+the attention function can insist (on every rank at once) that it is all ones.
+
+Everything unsupported raises ValueError naming the model's setting, before any communication and
+on every rank (the checks depend only on the config and the call, which all ranks share).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+import ringattn
+from ringattn.comm import all_gather_ints, resolve_group
+
+ATTENTION_NAME = "ringattn"
+CONTEXT_ATTR = "ringattn_context"
+
+
+@dataclass(frozen=True)
+class CPContext:
+    """What `parallelize` fixes for one model: passed to every `ringattn.attention` call."""
+
+    group: object
+    layout: str
+    strategy: str
+    backend: str
+
+
+def _where(module: torch.nn.Module) -> str:
+    layer = getattr(module, "layer_idx", None)
+    return type(module).__name__ + ("" if layer is None else f" (layer {layer})")
+
+
+def _check_call(module, query, key, attention_mask, dropout, kwargs) -> None:
+    """ValueErrors for what ringattn cannot do, each naming the setting and the fix."""
+    where = _where(module)
+    if dropout:
+        raise ValueError(
+            f"{where}: attention dropout {dropout} in training (config.attention_dropout) is not "
+            f"supported by ringattn.hf; set config.attention_dropout = 0.0 before parallelize, "
+            f"or call model.eval()"
+        )
+    if kwargs.get("softcap") is not None:
+        raise ValueError(
+            f"{where}: attention logit softcapping {kwargs['softcap']} "
+            f"(config.attn_logit_softcapping) is not supported by ringattn.hf; set "
+            f"config.attn_logit_softcapping = None"
+        )
+    if kwargs.get("position_bias") is not None:
+        raise ValueError(f"{where}: an additive position_bias is not supported by ringattn.hf")
+    if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() != 2:
+        raise ValueError(
+            f"{where}: got a {attention_mask.dim()}-D attention_mask of shape "
+            f"{tuple(attention_mask.shape)}; ringattn.hf masks by global position itself and "
+            f"takes no dense mask: pass documents as position_ids or cu_seqlens to "
+            f"ringattn.hf.shard_batch"
+        )
+    if query.shape[2] != key.shape[2]:
+        raise ValueError(
+            f"{where}: {query.shape[2]} queries against {key.shape[2]} keys (a KV cache?); "
+            f"ringattn.hf trains and scores whole sequences: call the model with use_cache=False"
+        )
+    if kwargs.get("cu_seq_lens_q") is None:
+        raise ValueError(
+            f"{where}: the model was parallelized with ringattn.hf.parallelize but the batch has "
+            f"no cu_seq_lens_q; build it with ringattn.hf.shard_batch (the same group and layout)"
+        )
+
+
+def _check_padding_mask(mask: torch.Tensor, context: CPContext, where: str) -> None:
+    """A 2-D padding mask must be all ones on every rank; all ranks agree before raising."""
+    info = resolve_group(context.group)
+    bad = int(not bool(mask.all()))
+    if info.world_size > 1:
+        bad = max(row[0] for row in all_gather_ints([bad], info, mask.device))
+    if bad:
+        raise ValueError(
+            f"{where}: the attention_mask has zeros (padding) on some rank; ringattn.hf takes no "
+            f"dense attention_mask: drop the padding, or pack the sequences as documents "
+            f"(position_ids that restart at 0, or cu_seqlens) through ringattn.hf.shard_batch"
+        )
+
+
+def ringattn_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    sliding_window: int | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature on top of `ringattn.attention`.
+
+    Returns (out (B, S_local, Hq, D), None); attention weights are never materialised.
+    """
+    context = getattr(module, CONTEXT_ATTR, None)
+    if context is None:
+        raise ValueError(
+            f"{_where(module)} uses attn_implementation={ATTENTION_NAME!r} but its model was not "
+            f"prepared with ringattn.hf.parallelize(model, ...)"
+        )
+    _check_call(module, query, key, attention_mask, dropout, kwargs)
+    if attention_mask is not None:
+        _check_padding_mask(attention_mask, context, _where(module))
+    causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
+    window = None
+    if sliding_window is not None and sliding_window > 0:
+        window = (sliding_window - 1, 0 if causal else sliding_window - 1)
+    sinks = kwargs.get("s_aux")
+
+    def attend(q, k, v, return_lse):
+        return ringattn.attention(
+            q,
+            k,
+            v,
+            causal=causal,
+            scale=scaling,
+            group=context.group,
+            layout=context.layout,
+            strategy=context.strategy,
+            backend=context.backend,
+            cu_seqlens=kwargs["cu_seq_lens_q"],
+            window=window,
+            return_lse=return_lse,
+        )
+
+    if sinks is None:
+        out = attend(query, key, value, False)
+    else:
+        out = _with_sinks(attend, query, key, value, sinks, scaling)
+    return out.transpose(1, 2).contiguous(), None  # (B, S_local, Hq, D)
+
+
+def _with_sinks(attend, query, key, value, sinks, scaling) -> torch.Tensor:
+    """Attention with one sink logit per head (gpt-oss's `s_aux`) as one more log-sum-exp term.
+
+    A sink adds exp(s_h) to every row's softmax denominator and nothing to its numerator:
+        out_sink = out * exp(lse) / (exp(lse) + exp(s_h)) = out * sigmoid(lse - s_h).
+    ringattn returns lse without a gradient, so lse is made differentiable with a surrogate whose
+    gradient is the true one: d lse_i / d q_i = scale * sum_j p_ij k_j and d lse_i / d k_j =
+    scale * p_ij q_i, which is the gradient of scale * q_i . a_i where a = attention(q, k, values=k)
+    with q and k detached in the scores (p fixed) and k live as the values. It costs one more
+    attention call; padding rows have out = 0 and stay 0.
+    """
+    out, lse = attend(query, key, value, True)  # lse (B, Hq, S) float32, no gradient
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    keys_as_values = attend(query.detach(), key.detach(), key, False)  # (B, Hq, S, D)
+    surrogate = (query.float() * keys_as_values.float()).sum(-1) * scale
+    lse = lse + (surrogate - surrogate.detach())
+    gate = torch.sigmoid(lse - sinks.float().view(1, -1, 1))  # (B, Hq, S)
+    return (out.float() * gate.unsqueeze(-1)).to(out.dtype)
+
+
+def ringattn_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    *args,
+    attention_mask: torch.Tensor | None = None,
+    **kwargs,
+) -> torch.Tensor | None:
+    """The mask function for "ringattn": no mask (ringattn masks by global position).
+
+    A user's 2-D padding mask is passed through untouched, so that the attention function, which
+    knows the process group, can require it to be all ones on every rank.
+    """
+    return attention_mask
+
+
+def register() -> None:
+    """Register the attention and mask functions with transformers (idempotent)."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+
+    AttentionInterface.register(ATTENTION_NAME, ringattn_attention)
+    AttentionMaskInterface.register(ATTENTION_NAME, ringattn_mask)
