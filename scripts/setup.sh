@@ -51,8 +51,10 @@ else
     pip_install "$TORCH_PIN"
 fi
 
-echo "[setup] installing ringattn (editable) with dev and plot extras"
-pip_install -e ".[dev,plot]"
+# transformers goes in pinned, like torch, so that the hf extra's range resolves to a tested version
+TRANSFORMERS_PIN="transformers==5.23.0"
+echo "[setup] installing ringattn (editable) with dev, plot and hf extras ($TRANSFORMERS_PIN)"
+pip_install -e ".[dev,plot,hf]" "$TRANSFORMERS_PIN"
 
 # Optional: Triton, whose CPU interpreter runs the fused merge kernel's tests
 # (tests/test_merge_triton.py, skipped without it). The interpreter imports numpy, which ringattn
