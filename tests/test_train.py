@@ -218,6 +218,37 @@ def test_generate_from_checkpoint(tmp_path, capfd):
     assert info.value.code == 2
 
 
+def test_model_recipe_is_where_the_model_comes_from(tmp_path):
+    """build_run makes the model with recipe.build (after seeding) and recipe.parallelize, each
+    once, and the loop trains what parallelize returned: wrapping DECODER changes nothing."""
+    from ringattn.train.config import TrainConfig
+    from ringattn.train.loop import train
+    from ringattn.train.run import DECODER, ModelRecipe, build_run
+
+    calls = []
+
+    def build(cfg):
+        calls.append(("build", torch.rand(()).item()))  # the RNG was seeded with cfg.seed
+        torch.manual_seed(cfg.seed)  # undo this test's draw
+        model = DECODER.build(cfg)
+        calls.append(model)
+        return model
+
+    def parallelize(model, mesh, cfg):
+        calls.append(("parallelize", model, mesh.world_size))
+        return DECODER.parallelize(model, mesh, cfg)
+
+    cfg = TrainConfig(**_options(tmp_path, steps=2, nproc=1, checkpoint_every=-1))
+    run = train(build_run(cfg, torch.device("cpu"), ModelRecipe(build, parallelize)))
+    torch.manual_seed(cfg.seed)
+    assert calls[0] == ("build", torch.rand(()).item())
+    assert calls[1:] == [calls[1], ("parallelize", calls[1], 1)] and run.model is calls[1]
+    want = train(build_run(TrainConfig(**{**vars(cfg), "out_dir": str(tmp_path / "default")}),
+                           torch.device("cpu")))  # fmt: skip
+    assert [h["loss"] for h in run.history] == [h["loss"] for h in want.history]
+    assert len(run.history) == 2 and run.history[0]["loss"] != run.history[1]["loss"]
+
+
 def test_demo_smoke(tmp_path, capfd):
     """`ringattn demo` at a tiny size: trains on 2 processes and writes log, checkpoint, plot."""
     out_dir = tmp_path / "demo"

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ringattn.api import attention
+from ringattn import attention
 from ringattn.train.data import IGNORE
 
 __all__ = ["MODEL_SIZES", "ModelConfig", "Transformer", "model_config", "set_context_parallel"]
