@@ -92,7 +92,6 @@ class Run:
     data: Loader
     meter: Meter
     """Tracks this rank's peak memory since the model was about to be built."""
-    memory_method: str = ""
     baseline_mb: list[float] = field(default_factory=list)
     """Each rank's resident memory when the tracker started (CPU; 0 on CUDA)."""
     start_step: int = 0
@@ -106,6 +105,11 @@ class Run:
     @property
     def rank(self) -> int:
         return dist.get_rank() if dist.is_initialized() else 0
+
+    @property
+    def memory_method(self) -> str:
+        """How the peak memory is measured (RSS on CPU, max_memory_allocated on CUDA)."""
+        return self.meter.method
 
     def save(self, step: int) -> str:
         """Checkpoint the state after `step` steps (collective); the newest `--keep` are kept."""
@@ -142,8 +146,8 @@ def build_run(cfg: TrainConfig, device: torch.device, recipe: ModelRecipe | None
     start_step, resumed_from = _resume(cfg, model, optimizer)
     dataset = get_dataset(cfg.data, cfg.seq_len, cfg.seed, cfg.keys, cfg.copies, cfg.noisy)
     data = Loader(dataset, cfg.batch_size, mesh.dp_rank, mesh.dp, mesh.cp_group, cfg.layout, device)
-    return Run(cfg, device, mesh, model, optimizer, data, meter, memory_method=meter.method,
-               baseline_mb=baselines, start_step=start_step, resumed_from=resumed_from)  # fmt: skip
+    return Run(cfg, device, mesh, model, optimizer, data, meter, baseline_mb=baselines,
+               start_step=start_step, resumed_from=resumed_from)  # fmt: skip
 
 
 def _warm_up(cfg: TrainConfig, mesh: Mesh, device: torch.device) -> None:
