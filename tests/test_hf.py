@@ -4,9 +4,10 @@ For Llama, Qwen2 (attention bias), Qwen3 (q/k norms), Mistral (sliding window), 
 (local/global layers) and gpt-oss (attention sinks, MoE), tiny random-weight models: the loss summed
 over the CP group equals the single-device loss (relative 1e-5) and the summed gradients equal the
 single-device gradients (1e-4 of each tensor's largest entry), in float32, for CP = 2, 3, 4, every
-layout, the ring and all-gather strategies, a dense sequence and packed documents (position_ids
-restarting at 0, and cu_seqlens), at a length (37) that no 2W divides. The single-device side is
-transformers' own eager attention; the windows are shorter than the documents, so they matter.
+layout, the ring and all-gather strategies (and Ulysses at CP = 2), a dense sequence and packed
+documents (position_ids restarting at 0, and cu_seqlens), at a length (37) that no 2W divides. The
+single-device side is transformers' own eager attention; the windows are shorter than the
+documents, so they matter.
 """
 
 from __future__ import annotations
@@ -29,18 +30,20 @@ STRATEGIES = ["ring", "allgather"]
 LOSS_RTOL, GRAD_RTOL = 1e-5, 1e-4
 
 
-def _cases():
-    cases = [
-        (layout, s, kind) for layout in LAYOUTS for s in STRATEGIES for kind in ("dense", "packed")
-    ]
-    return cases + [("zigzag", "ring", "cu_seqlens"), ("striped", "allgather", "cu_seqlens")]
+def _cases(world_size):
+    cases = [(lay, s, kind) for lay in LAYOUTS for s in STRATEGIES for kind in ("dense", "packed")]
+    cases += [("zigzag", "ring", "cu_seqlens"), ("striped", "allgather", "cu_seqlens")]
+    if world_size == 2:  # Ulysses splits the 2 K/V heads: W = 2 only
+        cases += [("zigzag", "ulysses", "packed"), ("striped", "ulysses", "dense")]
+    return cases
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 @pytest.mark.parametrize("arch", ARCHS)
 def test_matches_single_device(pools, arch, world_size):
-    rows = pools(world_size).run("workers_hf:compare_cases", arch=arch, cases=_cases())[0]
-    assert [row[0] for row in rows] == _cases()
+    cases = _cases(world_size)
+    rows = pools(world_size).run("workers_hf:compare_cases", arch=arch, cases=cases)[0]
+    assert [row[0] for row in rows] == cases
     failures = []
     for case, loss_error, grad_error, name, logits_shape, smallest in rows:
         if not loss_error <= LOSS_RTOL:
@@ -171,6 +174,10 @@ def test_parallelize_errors():
         ringattn.hf.parallelize(model, strategy="tree")
     with pytest.raises(TypeError, match="PreTrainedModel"):
         ringattn.hf.parallelize(torch.nn.Linear(2, 2))
+    config.attention_chunk_size = 8
+    with pytest.raises(ValueError, match=r"config\.attention_chunk_size=8"):
+        ringattn.hf.parallelize(model)
+    config.attention_chunk_size = None
     assert ringattn.hf.parallelize(model) is model
     assert model.config._attn_implementation == "ringattn"
 

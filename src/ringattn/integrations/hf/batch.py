@@ -141,7 +141,9 @@ def shard_batch(
     index = ringattn.positions(seq_len, group=group, layout=layout, cu_seqlens=bounds)
     if position_ids is None:
         position_ids = _default_positions(bounds, batch.get("cu_seqlens") is not None)
-    cu = torch.tensor(bounds, dtype=torch.int32, device=ids.device)
+    # kept on the CPU: the attention function reads the bounds on the host (a CUDA copy would
+    # cost a device sync in every layer)
+    cu = torch.tensor(bounds, dtype=torch.int32)
     local = {
         "input_ids": _take(ids, index, 0),
         "position_ids": _take(position_ids.to(ids.device), index, 0),

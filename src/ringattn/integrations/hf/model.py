@@ -44,6 +44,16 @@ def parallelize(
         raise TypeError(
             f"parallelize takes a transformers PreTrainedModel, got {type(model).__name__}"
         )
+    text_config = (
+        model.config.get_text_config() if hasattr(model.config, "get_text_config") else None
+    )
+    for config in {id(c): c for c in (model.config, text_config) if c is not None}.values():
+        chunk = getattr(config, "attention_chunk_size", None)
+        if chunk is not None:
+            raise ValueError(
+                f"{type(model).__name__}: chunked attention (config.attention_chunk_size={chunk}) "
+                f"is not supported by ringattn.hf; transformers applies it only through its masks"
+            )
     register()
     context = CPContext(group, layout, strategy, backend)
     for module in model.modules():
