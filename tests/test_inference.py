@@ -61,6 +61,15 @@ def test_window_decoding_equals_windowed_prefill(pools):
     assert sum(r[0]["cache_tokens"] for r in results) == window + 1
 
 
+def test_generation_stops_after_eos(pools):
+    model, prompt = build_model(), _prompt(26, seed=6)
+    want = generate_without_cache(model, prompt, 8)
+    eos = next(t for i, t in enumerate(want) if i >= 2 and t not in want[:i])
+    case = {"prompt": prompt, "new": 8, "layout": "zigzag", "eos": eos}
+    for rank_results in pools(2).run("workers_inference:greedy", [case]):
+        assert rank_results[0]["tokens"] == want[: want.index(eos) + 1]
+
+
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("merge", ["allgather", "allreduce"])
 def test_decode_merge_is_exact(pools, world_size, merge):

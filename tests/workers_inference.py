@@ -34,7 +34,7 @@ def greedy(rank: int, world_size: int, cases: list[dict]) -> list[dict]:
     for case in cases:
         session = Session(model, layout=case["layout"], window=case.get("window"),
                           merge=case.get("merge", "allgather"))  # fmt: skip
-        tokens, stats = session.generate(case["prompt"], case["new"])
+        tokens, stats = session.generate(case["prompt"], case["new"], eos_id=case.get("eos"))
         results.append({"tokens": tokens, "cache_bytes": stats.cache_bytes,
                         "cache_tokens": stats.cache_tokens})  # fmt: skip
     return results

@@ -2,7 +2,7 @@
 
     ringattn demo            train a small decoder with CP = 4 on CPU: loss, accuracy, memory, plot
     ringattn train           train the decoder over a dp x cp mesh (local processes or torchrun)
-    ringattn generate        greedy decoding from a training checkpoint, on one process
+    ringattn generate        decoding from a checkpoint over a KV cache sharded across ranks
     ringattn attention-demo  one long sequence on W processes: time, memory, error vs 1 process
     ringattn check    the correctness matrix against a float64 reference
     ringattn layout   per-rank tokens and attention work for a layout, documents and window
@@ -365,10 +365,13 @@ def _generate_parser(sub) -> None:
     p = sub.add_parser(
         "generate",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        help="greedy decoding from a training checkpoint, on one process",
-        description="Load a checkpoint written by `ringattn train` or `ringattn demo` into one "
-        "process and continue a prompt greedily. Without --prompt, a run trained on the key-value "
-        "task is asked a fresh sample's last query, and the right answer is shown.",
+        help="decoding from a training checkpoint over a KV cache sharded across --nproc ranks",
+        description="Load a checkpoint written by `ringattn train` or `ringattn demo` on --nproc "
+        "local processes (or torchrun's ranks), prefill the prompt context-parallel (each rank "
+        "keeps its shard of the KV cache) and decode, streaming the tokens; prints the time to "
+        "first token, decode tokens/s and each rank's KV-cache MB. Without --prompt or "
+        "--prompt-file, a run trained on the key-value task is asked a fresh sample's last "
+        "query, and the right answer is shown.",
     )
     p.add_argument(
         "--checkpoint",
@@ -376,6 +379,7 @@ def _generate_parser(sub) -> None:
         help="a step-N checkpoint or a directory of them (the newest is used)",
     )
     p.add_argument("--prompt", default=d.prompt, help="text to continue (bytes are tokens)")
+    p.add_argument("--prompt-file", default=d.prompt_file, help="a file whose bytes are the prompt")
     p.add_argument(
         "--max-new-tokens", type=int, default=d.max_new_tokens, help="tokens to generate"
     )
@@ -385,19 +389,31 @@ def _generate_parser(sub) -> None:
         default=d.sample,
         help="which fresh key-value sample to ask (without --prompt)",
     )
+    p.add_argument("--nproc", type=int, default=d.nproc, help="ranks the KV cache is sharded over")
+    p.add_argument("--layout", choices=_LAYOUTS, default=d.layout, help="how the prompt is sharded")
+    p.add_argument(
+        "--merge",
+        choices=("allgather", "allreduce"),
+        default=d.merge,
+        help="the one collective per layer that merges the ranks' partial attention per token",
+    )
+    p.add_argument("--temperature", type=float, default=d.temperature, help="0 = greedy")
+    p.add_argument(
+        "--top-k", type=int, default=d.top_k, help="sample among the k likeliest (0: all)"
+    )
+    p.add_argument("--top-p", type=float, default=d.top_p, help="nucleus sampling mass (1: all)")
+    p.add_argument("--seed", type=int, default=d.seed, help="sampling seed, shared by all ranks")
+    p.add_argument("--eos-id", type=int, default=d.eos_id, help="stop after this token id")
     p.set_defaults(run=_run_generate)
 
 
 def _run_generate(args: argparse.Namespace) -> int:
+    from dataclasses import fields
+
     from ringattn.train.generate import GenerateConfig, run_generate
 
     return run_generate(
-        GenerateConfig(
-            checkpoint=args.checkpoint,
-            prompt=args.prompt,
-            max_new_tokens=args.max_new_tokens,
-            sample=args.sample,
-        )
+        GenerateConfig(**{f.name: getattr(args, f.name) for f in fields(GenerateConfig)})
     )
 
 

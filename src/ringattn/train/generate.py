@@ -1,26 +1,39 @@
-"""`ringattn generate`: greedy decoding from a training checkpoint, on one process.
+"""`ringattn generate`: decoding from a training checkpoint over a sharded KV cache.
 
-    checkpoint (sharded by FSDP over W ranks) --DCP, resharded to 1 process--> plain Transformer
-    prompt bytes -> repeat: logits of the last position -> argmax -> append
+    parent (ringattn generate --nproc W)       rank r of W (launched here, or torchrun's ranks)
+    ------------------------------------       --------------------------------------------------
+    launch(generate_worker, W) ------------->  load the checkpoint (DCP, resharded to 1 process)
+                                               join the group; Session(model, group, layout)
+                                               prefill: the prompt sharded by the layout; each
+                                                 rank keeps its shard of every layer's K/V
+                                               decode: every rank computes each new token; its K/V
+                                                 goes to one rank; partials merge exactly
+                                               rank 0 streams the tokens, then prints the time to
+                                                 first token, decode tokens/s, each rank's cache MB
 
-The checkpoint's train_state.json gives the model shape. Without `--prompt`, and when the run
-trained on the key-value task, the prompt is a fresh sample of that task (never seen in training)
-cut after its last query's key, so the next token is the model's answer, printed with the right
-one. There is no KV cache: each new token re-runs the whole prefix (fine for a few tokens).
+The checkpoint's train_state.json gives the model shape. The prompt is --prompt TEXT or
+--prompt-file FILE (bytes are tokens); without either, and when the run trained on the key-value
+task, it is a fresh sample of that task (never seen in training) cut after its last query's key,
+so the next token is the model's answer, printed with the right one. `generate` below is the old
+path without a cache (the whole sequence re-run per token): the tests' reference.
 """
 
 from __future__ import annotations
 
+import os
+import sys
+import time
 import warnings
 from dataclasses import dataclass
 
 import torch
 
+from ringattn.runtime.launch import init_distributed, launch, running_under_torchrun
 from ringattn.train import checkpoint as ckpt
 from ringattn.train.data import KeyValueTask, render
 from ringattn.train.model import Transformer, model_config
 
-__all__ = ["GenerateConfig", "generate", "load_model", "run_generate"]
+__all__ = ["GenerateConfig", "generate", "generate_worker", "load_model", "run_generate"]
 
 
 @dataclass
@@ -31,9 +44,23 @@ class GenerateConfig:
     """A checkpoint directory (step-N) or a directory of them (the newest is used)."""
     prompt: str | None = None
     """Text to continue; default: a fresh sample of the key-value task, if the run used it."""
+    prompt_file: str | None = None
+    """A file whose bytes are the prompt (instead of --prompt)."""
     max_new_tokens: int = 1
     sample: int = 0
     """Which fresh key-value sample to use as the prompt."""
+    nproc: int = 1
+    """Ranks the prompt and the KV cache are sharded over (ignored under torchrun)."""
+    layout: str = "zigzag"
+    merge: str = "allgather"
+    """How the ranks' partial attention merges at each decoded token: allgather or allreduce."""
+    temperature: float = 0.0
+    """0: greedy."""
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    eos_id: int | None = None
+    """Stop after this token id (a byte value)."""
 
 
 def _resolve(path: str) -> str:
@@ -71,7 +98,8 @@ def load_model(path: str) -> tuple[Transformer, dict]:
 
 @torch.no_grad()
 def generate(model: Transformer, tokens: list[int], max_new_tokens: int) -> list[int]:
-    """Greedy continuation of `tokens` by `max_new_tokens` tokens."""
+    """Greedy continuation of `tokens` by `max_new_tokens` tokens, without a KV cache: the whole
+    sequence runs again for every token (one process; the reference for the cached path)."""
     out = list(tokens)
     for _ in range(max_new_tokens):
         x = torch.tensor([out])  # (1, S)
@@ -80,17 +108,13 @@ def generate(model: Transformer, tokens: list[int], max_new_tokens: int) -> list
     return out[len(tokens) :]
 
 
-def run_generate(cfg: GenerateConfig) -> int:
-    if cfg.max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens must be >= 1, got {cfg.max_new_tokens}")
-    model, state = load_model(cfg.checkpoint)
-    train_cfg = state["config"]
-    print(f"model from {cfg.checkpoint} (step {state['step']}, {train_cfg['model']} size)")
+def _prompt(cfg: GenerateConfig, train_cfg: dict) -> tuple[list[int], int | None]:
+    """The prompt tokens, and the right answer when it is a key-value sample (else None)."""
+    if cfg.prompt_file is not None:
+        with open(cfg.prompt_file, "rb") as f:
+            return list(f.read()), None
     if cfg.prompt is not None:
-        prompt = list(cfg.prompt.encode())
-        new = generate(model, prompt, cfg.max_new_tokens)
-        print(render(prompt) + "|" + render(new))
-        return 0
+        return list(cfg.prompt.encode()), None
     if train_cfg["data"] != "key-value":
         raise ValueError(f"the run trained on {train_cfg['data']!r}; pass --prompt TEXT")
     task = KeyValueTask(
@@ -99,12 +123,88 @@ def run_generate(cfg: GenerateConfig) -> int:
     )  # fmt: skip
     inputs, labels = task.sample(cfg.sample)
     answer_at = int((labels >= 0).nonzero()[-1])  # the last query's key
-    prompt = inputs[: answer_at + 1].tolist()
-    new = generate(model, prompt, cfg.max_new_tokens)
-    print(f"prompt: a fresh key-value sample, {len(prompt)} tokens; records of the queried key:")
+    return inputs[: answer_at + 1].tolist(), int(labels[answer_at])
+
+
+def check_config(cfg: GenerateConfig) -> None:
+    """ValueErrors for flags that cannot work, before any process starts."""
+    if not isinstance(cfg.max_new_tokens, int) or cfg.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {cfg.max_new_tokens}")
+    if cfg.nproc < 1:
+        raise ValueError(f"--nproc must be >= 1, got {cfg.nproc}")
+    if cfg.prompt is not None and cfg.prompt_file is not None:
+        raise ValueError("pass --prompt or --prompt-file, not both")
+    if cfg.prompt_file is not None and not os.path.isfile(cfg.prompt_file):
+        raise ValueError(f"--prompt-file {cfg.prompt_file!r} is not a file")
+    if cfg.prompt == "" or (cfg.prompt_file is not None and os.path.getsize(cfg.prompt_file) == 0):
+        raise ValueError("the prompt is empty; pass at least one byte")
+    _resolve(cfg.checkpoint)
+
+
+def generate_worker(cfg: GenerateConfig) -> dict:
+    """One rank: load, join the group, generate; rank 0 prints as the tokens come."""
+    from ringattn.comm import all_gather_ints, resolve_group
+    from ringattn.inference import Sampling, Session
+
+    model, state = load_model(cfg.checkpoint)  # before the group exists: a plain local load
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        init_distributed()
+    info = resolve_group(None)
+    lead = info.rank == 0
+    prompt, answer = _prompt(cfg, state["config"])
+    if lead:
+        print(f"model from {cfg.checkpoint} (step {state['step']}, {state['config']['model']} "
+              f"size), {len(prompt)} prompt tokens on {info.world_size} ranks ({cfg.layout})",
+              flush=True)  # fmt: skip
+        _print_head(prompt, answer)
+
+    def on_prefill(done: int, total: int) -> None:
+        if lead:
+            print(f"[prefill] layer {done}/{total}", file=sys.stderr, flush=True)
+
+    def on_token(token: int) -> None:
+        if lead:
+            print(render([token]), end="", flush=True)
+
+    sampling = Sampling(cfg.temperature, cfg.top_k, cfg.top_p, cfg.seed)
+    session = Session(model, layout=cfg.layout, merge=cfg.merge)
+    start = time.perf_counter()
+    tokens, stats = session.generate(prompt, cfg.max_new_tokens, sampling=sampling,
+                                     eos_id=cfg.eos_id, on_token=on_token,
+                                     on_prefill=on_prefill)  # fmt: skip
+    total_s = time.perf_counter() - start
+    cache_bytes = [
+        row[0] for row in all_gather_ints([stats.cache_bytes], info, torch.device("cpu"))
+    ]
+    if lead:
+        tail = "" if answer is None else f"    (right answer: {render([answer])})"
+        print(tail, flush=True)
+        per_rank = ", ".join(f"{b / 2**20:.3f}" for b in cache_bytes)
+        print(f"[generate] time to first token {stats.first_token_s * 1e3:.1f} ms (prefill of "
+              f"{len(prompt)} tokens), {stats.new_tokens} tokens in {total_s:.2f} s, decode "
+              f"{stats.decode_tokens_per_s:.1f} tokens/s; KV cache per rank: {per_rank} MB",
+              file=sys.stderr, flush=True)  # fmt: skip
+    return {"tokens": tokens, "cache_bytes": stats.cache_bytes, "rank": info.rank}
+
+
+def _print_head(prompt: list[int], answer: int | None) -> None:
+    """What precedes the streamed tokens: the prompt (text) or the key-value sample's records."""
+    if answer is None:
+        print(render(prompt) + "|", end="", flush=True)
+        return
     key = prompt[-1]
     records = [render([t]) for t in prompt if render([t]).startswith(f"{{{chr(key)}=")]
+    print(f"prompt: a fresh key-value sample, {len(prompt)} tokens; records of the queried key:")
     print(f"  {' '.join(records)}")
     print(f"prompt ends: ...{render(prompt[-30:])}")
-    print(f"generated:   {render(new)}    (right answer: {chr(int(labels[answer_at]))})")
+    print("generated:   ", end="", flush=True)
+
+
+def run_generate(cfg: GenerateConfig) -> int:
+    """`ringattn generate`: launch the ranks (or join torchrun's world, or run in-process)."""
+    check_config(cfg)
+    if running_under_torchrun() or cfg.nproc == 1:
+        generate_worker(cfg)
+    else:
+        launch(generate_worker, cfg.nproc, cfg)
     return 0
