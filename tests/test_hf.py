@@ -123,6 +123,15 @@ def test_shard_batch_documents_from_position_ids():
     assert "labels" not in batch
 
 
+def test_shard_batch_mrope_positions_are_not_documents():
+    """3-D M-RoPE position_ids (3, 1, S) are sharded, never read as packed documents."""
+    ids = torch.arange(8).unsqueeze(0)
+    pos = torch.stack([torch.tensor([[0, 1, 2, 0, 0, 1, 5, 6]])] * 3)  # (3, 1, 8), not increasing
+    batch = ringattn.hf.shard_batch({"input_ids": ids, "position_ids": pos}, layout="contiguous")
+    assert batch["cu_seq_lens_q"].tolist() == [0, 8]
+    assert batch["position_ids"].tolist() == pos.tolist()
+
+
 @pytest.mark.parametrize(
     ("batch", "match"),
     [
