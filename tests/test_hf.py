@@ -93,6 +93,11 @@ def test_dropout_is_fine_in_eval(pools):
     assert results == [None, None]
 
 
+def test_deepcopy_of_parallelized_model(pools):
+    for loss, copied in pools(2).run("workers_hf:deepcopy_parallelized"):
+        assert loss == copied
+
+
 def test_shard_batch_single_process():
     """One process: global shift, document ends unsupervised, padding rows, the global count."""
     ids = torch.arange(10, 17).unsqueeze(0)  # 7 tokens: zigzag on 1 rank pads to 8

@@ -229,3 +229,12 @@ def unsupported(rank, world_size, *, arch, overrides=None, mode="train", batch_e
         model(**batch)
     finally:
         model.train()
+
+
+def deepcopy_parallelized(rank, world_size):
+    """A deep copy of a parallelized model runs on the same group and gives the same loss."""
+    model = copy.deepcopy(build("llama"))
+    ringattn.hf.parallelize(model, group=dist.group.WORLD)  # an explicit group: copied by reference
+    batch = ringattn.hf.shard_batch(data("packed"), layout="zigzag")
+    with torch.no_grad():
+        return model(**batch).loss.item(), copy.deepcopy(model)(**batch).loss.item()

@@ -48,6 +48,9 @@ class CPContext:
     strategy: str
     backend: str
 
+    def __deepcopy__(self, memo: dict) -> CPContext:
+        return self  # a copied model shares the process group (which cannot be copied)
+
 
 def _where(module: torch.nn.Module) -> str:
     layer = getattr(module, "layer_idx", None)
