@@ -304,58 +304,15 @@ def _run_bench(args: argparse.Namespace) -> int:
 
 
 def _train_demo_parser(sub) -> None:
-    from ringattn.train.demo import demo_config
-    from ringattn.train.flags import add_arguments
+    from ringattn.train.flags import add_demo_command  # the trainer's flags live with it
 
-    p = sub.add_parser(
-        "demo",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        help="start here: train a small decoder with context parallelism (CP = 4) on CPU",
-        description="Train a small Llama-style decoder on a long-range retrieval task, every "
-        "sequence split over 4 local processes (context parallelism, exact ring attention). "
-        "Shows the loss falling and the retrieval accuracy rising, each rank's peak memory, "
-        "and writes the JSON log, a checkpoint and a PNG plot under --out-dir (a few minutes "
-        "on 2 CPU cores). Any `ringattn train` flag changes the run.",
-    )
-    add_arguments(p, demo_config(), demo=True)
-    p.add_argument("--no-plot", action="store_true", help="do not write the PNG plot")
-    p.set_defaults(run=_run_train_demo)
-
-
-def _run_train_demo(args: argparse.Namespace) -> int:
-    from ringattn.train.demo import run_train_demo
-    from ringattn.train.flags import config_from_args
-
-    return run_train_demo(config_from_args(args), make_plot=not args.no_plot)
+    add_demo_command(sub)
 
 
 def _train_parser(sub) -> None:
-    from ringattn.train.config import TrainConfig
-    from ringattn.train.flags import add_arguments
+    from ringattn.train.flags import add_train_command
 
-    p = sub.add_parser(
-        "train",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        help="train the decoder over a dp x cp mesh of local processes (or under torchrun)",
-        description="Train a Llama-style decoder whose sequences are split over cp ranks "
-        "(context parallelism) and whose batch is split over dp groups; parameters sharded with "
-        "FSDP2 over all ranks. Launches --nproc local processes (gloo on CPU, NCCL with a GPU "
-        "each), or joins the world when run under torchrun. Prints a progress line, appends a "
-        "JSON log to OUT_DIR/train_log.jsonl, checkpoints atomically, and resumes from the "
-        "newest checkpoint when rerun.",
-    )
-    add_arguments(p, TrainConfig())
-    p.set_defaults(run=_run_train)
-
-
-def _run_train(args: argparse.Namespace) -> int:
-    from ringattn.train.flags import config_from_args
-    from ringattn.train.main import run_train
-
-    summary = run_train(config_from_args(args))
-    if summary.get("checkpoint") and summary.get("rank", 0) == 0:
-        print(f"checkpoint: {summary['checkpoint']}")
-    return 0
+    add_train_command(sub)
 
 
 def _generate_parser(sub) -> None:
@@ -430,6 +387,7 @@ def build_parser() -> argparse.ArgumentParser:
     _check_parser(sub)
     _layout_parser(sub)
     _bench_parser(sub)
+    __import__("ringattn.cli.plan", fromlist=["add_parser"]).add_parser(sub)
     return parser
 
 

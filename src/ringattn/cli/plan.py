@@ -1,0 +1,128 @@
+"""`ringattn plan`: predict memory and step time of (dp, cp, tp, pp, strategy, layout) plans for a
+model on a hardware, and recommend the fastest that fits. Degrees, strategy and layout left out
+are searched. `--hardware cpu` is this machine as `--calibrate` measured it; `--gpus` is then the
+number of local processes. The cost model is in ringattn/planner/ (see docs/plan.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+__all__ = ["add_parser", "run_plan"]
+
+_STRATEGIES = ("ring", "allgather", "ulysses", "hybrid")
+_LAYOUTS = ("zigzag", "striped", "contiguous")
+
+
+def add_parser(sub) -> None:
+    """The `plan` subcommand on the subparsers `sub`; sets `run` to run_plan."""
+    from ringattn.planner.calibrate import DEFAULT_PATH
+
+    p = sub.add_parser(
+        "plan",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        help="predict memory and step time of parallel plans and recommend one",
+        description="Price every (dp, cp, tp, pp, strategy, layout) plan of a training job "
+        "(or the ones fixed by flags) with an analytic cost model: compute, the communication "
+        "that does not hide behind it, pipeline bubble, and memory per GPU by kind. Prints a "
+        'table, fastest first, or with --json one object {"plans": [...]}. Only plans that '
+        "fit in memory are listed, unless none does.",
+    )
+    p.add_argument("--model", help="llama2-7b, llama3-8b, llama3-70b, llama3-405b, the trainer's "
+                   "tiny/small/base/large, or the path of a Hugging Face config.json")  # fmt: skip
+    p.add_argument("--hardware", help="h100, h800, h200, a100, b200, or cpu (this machine, "
+                   "as measured by --calibrate)")  # fmt: skip
+    p.add_argument("--gpus", type=int, help="devices in the job (cpu: local processes)")
+    p.add_argument("--seq-len", type=int, help="tokens per sequence")
+    p.add_argument("--batch-size", type=int, default=1, help="sequences per dp group per step")
+    for name in ("dp", "cp", "tp", "pp"):
+        p.add_argument(f"--{name}", type=int, default=None, help=f"{name} degree (default: search)")
+    p.add_argument("--strategy", choices=_STRATEGIES, default=None, help="default: search")
+    p.add_argument("--layout", choices=_LAYOUTS, default=None, help="default: search")
+    p.add_argument("--dtype", choices=("bf16", "fp8", "fp32"), default=None,
+                   help="matmul precision (fp8: attention stays bf16); default bf16, "
+                   "fp32 on cpu (what the trainer runs there)")  # fmt: skip
+    p.add_argument("--activation-checkpointing", action="store_true",
+                   help="recompute each block in backward")  # fmt: skip
+    p.add_argument("--json", action="store_true", help='print one JSON object {"plans": [...]}')
+    p.add_argument("--tflops", type=float, default=None, help="override peak bf16 TFLOP/s")
+    p.add_argument("--intra-bw", type=float, default=None, help="override NVLink GB/s")
+    p.add_argument("--inter-bw", type=float, default=None, help="override inter-node GB/s per GPU")
+    p.add_argument("--gpus-per-node", type=int, default=None, help="override GPUs per node")
+    p.add_argument("--calibrate", action="store_true",
+                   help="measure this CPU (kernels by size, gloo) and cache it for --hardware "
+                   "cpu; alone, only calibrates")  # fmt: skip
+    p.add_argument("--calibration", default=DEFAULT_PATH, metavar="PATH",
+                   help="the calibration cache file")  # fmt: skip
+    p.add_argument("--top", type=int, default=12, help="rows of the table (not --json)")
+    p.set_defaults(run=run_plan)
+
+
+def _job(args: argparse.Namespace, calibration: dict | None):
+    from ringattn.planner.hardware import get_hardware
+    from ringattn.planner.models import get_model
+    from ringattn.planner.search import Job
+
+    missing = [f"--{k.replace('_', '-')}" for k in ("model", "hardware", "gpus", "seq_len")
+               if getattr(args, k) is None]  # fmt: skip
+    if missing:
+        raise ValueError(f"missing {', '.join(missing)} (or run --calibrate alone)")
+    if args.hardware == "cpu" and calibration is None:
+        from ringattn.planner.calibrate import load_calibration
+
+        calibration = load_calibration(args.calibration)
+    hw = get_hardware(args.hardware, tflops=args.tflops, intra_bw=args.intra_bw,
+                      inter_bw=args.inter_bw, gpus_per_node=args.gpus_per_node,
+                      calibration=calibration if args.hardware == "cpu" else None)  # fmt: skip
+    dtype = args.dtype or ("fp32" if hw.is_cpu else "bf16")
+    return Job(get_model(args.model), hw, args.gpus, args.seq_len, args.batch_size, args.dp,
+               args.cp, args.tp, args.pp, args.strategy, args.layout, dtype,
+               args.activation_checkpointing)  # fmt: skip
+
+
+def _table(plans: list[dict], top: int) -> str:
+    head = (f"{'dp':>4} {'cp':>4} {'tp':>3} {'pp':>3} {'strategy':<10} {'layout':<11} "
+            f"{'step s':>9} {'tok/s/gpu':>10} {'GiB/gpu':>8} {'fits':>4} {'exposed':>8} "
+            f"{'bubble':>7}")  # fmt: skip
+    lines = [head]
+    for p in plans[:top]:
+        b = p["breakdown"]
+        strategy = p["strategy"] + (f" U{p['ulysses']}" if p["ulysses"] else "")
+        lines.append(
+            f"{p['dp']:>4} {p['cp']:>4} {p['tp']:>3} {p['pp']:>3} {strategy:<10} "
+            f"{p['layout']:<11} {p['step_time_s']:>9.4g} {p['tokens_per_s_per_gpu']:>10.4g} "
+            f"{p['memory_gib_per_gpu']:>8.3g} {'yes' if p['fits'] else 'NO':>4} "
+            f"{b['exposed_comm_s'] / p['step_time_s']:>8.1%} "
+            f"{b['pipeline_bubble_s'] / p['step_time_s']:>7.1%}"
+        )
+    if len(plans) > top:
+        lines.append(f"... {len(plans) - top} more (--top N, or --json for all)")
+    return "\n".join(lines)
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    from ringattn.planner.search import explain, rank_key, search
+
+    calibration = None
+    if args.calibrate:
+        from ringattn.planner.calibrate import calibrate
+
+        log = (lambda text: print(text, file=sys.stderr)) if args.json else print
+        calibration = calibrate(args.calibration, log=log)
+        if args.model is None and args.hardware is None:
+            return 0
+    job = _job(args, calibration)
+    plans = search(job)
+    fitting = [p for p in plans if p["fits"]]
+    shown = sorted(fitting or plans, key=rank_key)
+    if args.json:
+        print(json.dumps({"plans": shown}))
+        return 0
+    ac = ", activation checkpointing" if job.activation_checkpointing else ""
+    print(f"{job.model.name} on {args.gpus} x {job.hw.name}, {job.seq_len} tokens x batch "
+          f"{job.batch_size}, {job.dtype}{ac}: {len(plans)} plans, {len(fitting)} fit")  # fmt: skip
+    print(_table(shown, args.top))
+    print(explain(plans))
+    return 0

@@ -1,0 +1,222 @@
+"""Step time of one plan: compute, the communication it cannot hide, and the pipeline bubble.
+
+Per transformer block and microbatch on one rank (n = S / cp tokens, heads and MLP split by tp):
+
+    forward   matmuls 2 * tokens * block_params / tp          (fp8 rate with --dtype fp8)
+              elementwise passes (norms, RoPE, SwiGLU, residuals) at memory bandwidth
+              attention by strategy (below), always at the bf16 rate
+              tensor parallel: 2 all-gathers + 2 reduce-scatters of the activations (exposed)
+    backward  2x the matmuls and elementwise work, attention backward (2.5x the forward's
+              flops), the same TP traffic; + one more forward with activation checkpointing
+
+Attention per strategy (bytes from docs/strategies.md; work from the layouts' schedules, work.py):
+
+    ring       sum over steps of max(step compute, one K/V hop); backward hops carry K/V and
+               the float32 dK/dV, and the last dK/dV hop is exposed
+    allgather  max(all-gather, local block) + the other blocks; backward adds the reduce-scatter
+    ulysses    all-to-alls (exposed) + attention over the whole sequence for heads / cp
+    hybrid     all-to-alls inside groups of U (exposed) + a ring of R = cp / U group steps
+
+The ring's merge reads and writes the float32 accumulator at every step (~10 bytes per output
+element, 20 for half blocks): elementwise work added to each step's compute.
+
+Per step: pipeline 1F1B over m = batch microbatches, (m + pp - 1) stage slots; FSDP2 all-gathers
+(forward and backward) and reduce-scatters overlap the compute, the part longer than it plus the
+first all-gather and last reduce-scatter is exposed; AdamW and gradient clipping at memory speed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ringattn.planner.hardware import Hardware
+from ringattn.planner.models import ModelSpec
+from ringattn.planner.work import StepWork, allgather_work, group_ring_steps
+
+__all__ = ["PlanSpec", "step_time"]
+
+
+@dataclass(frozen=True)
+class PlanSpec:
+    """One candidate: a model on a hardware, degrees, strategy, layout and precision."""
+
+    model: ModelSpec
+    hw: Hardware
+    seq_len: int
+    batch_size: int
+    """Sequences per data-parallel group per step (the trainer's --batch-size)."""
+    dp: int
+    cp: int
+    tp: int
+    pp: int
+    strategy: str
+    layout: str
+    dtype: str = "bf16"
+    activation_checkpointing: bool = False
+    ulysses: int = 1
+    """hybrid: the Ulysses (all-to-all) degree U inside each cp group; the ring has cp / U."""
+    loss_chunk: int = 4096
+    """Tokens per chunk of the output projection + loss, recomputed in backward (the trainer's)."""
+
+    @property
+    def gpus(self) -> int:
+        return self.dp * self.cp * self.tp * self.pp
+
+    @property
+    def elem_bytes(self) -> int:
+        return 4 if self.dtype == "fp32" else 2
+
+    @property
+    def microbatches(self) -> int:
+        return self.batch_size if self.pp > 1 else 1
+
+    @property
+    def micro_batch(self) -> int:
+        """Sequences in one microbatch."""
+        return 1 if self.pp > 1 else self.batch_size
+
+    def spans_nodes(self, inner: int) -> bool:
+        """Whether a group made of `inner` consecutive ranks crosses a node boundary."""
+        return inner > self.hw.gpus_per_node
+
+    @property
+    def threads(self) -> int:
+        return self.hw.threads_per_process(self.gpus)
+
+
+def _attention(spec: PlanSpec, backward: bool) -> tuple[float, float, float]:
+    """(compute s, exposed comm s, comm bytes) of one attention layer, forward or backward."""
+    m, hw, w = spec.model, spec.hw, spec.cp
+    b, e, d = spec.micro_batch, spec.elem_bytes, m.d_head
+    hq, hkv = m.n_heads // spec.tp, m.n_kv_heads // spec.tp
+    n = spec.seq_len // w
+    q_bytes, kv_bytes = b * hq * n * d * e, 2 * b * hkv * n * d * e
+    kv32, lse = kv_bytes * 4 // e, b * hq * n * 4
+    flop_scale = 2.5 if backward else 1.0
+    slow = hw.slowdown(spec.gpus)
+    threads = spec.threads
+
+    def compute(work: StepWork, heads: float, rows: int) -> float:
+        """Kernels of one step plus its merge, on `rows` query rows per position."""
+        unit = 4 * b * heads * d * rows * rows * flop_scale
+        block = max(1, int(work.block * rows))
+        t = hw.attention_s(unit * work.full, block, d, False, backward, threads)
+        t += hw.attention_s(unit * work.causal, block, d, True, backward, threads)
+        merge = 0 if backward else 10 * b * heads * rows * d * work.calls * (2 if work.block < 1
+                                                                            else 1)  # fmt: skip
+        return (t + hw.elementwise_s(merge, threads)) * slow
+
+    cp_inter = spec.spans_nodes(spec.cp * spec.tp)  # then at least one hop crosses nodes
+    if w == 1 or spec.strategy in ("ring", "hybrid"):
+        u = spec.ulysses if spec.strategy == "hybrid" else 1
+        steps = group_ring_steps(spec.layout, w, u)
+        rings = len(steps)
+        hop = kv_bytes + (kv32 if backward else 0)  # backward: K/V and a dK/dV partial per hop
+        hop_s = hw.transfer_s(hop, cp_inter) if rings > 1 else 0.0
+        total = exposed = 0.0
+        for i, work in enumerate(steps):
+            c = compute(work, hq / u, n)
+            total += c
+            if i < rings - 1:  # the next step's K/V travel while this step computes
+                exposed += max(0.0, hop_s - c)
+        sent = hop * (rings - 1)
+        if backward and rings > 1:  # the last dK/dV partial returns to its owner after the loop
+            exposed += hw.transfer_s(kv32, cp_inter)
+            sent += kv32
+        if u > 1:  # the all-to-alls inside each group, nothing to hide them behind
+            a2a = (u - 1) / u * (2 * q_bytes + kv_bytes + (0 if backward else lse))
+            exposed += hw.transfer_s(a2a, spec.spans_nodes(u * spec.tp), messages=2 * (u - 1))
+            sent += a2a
+        return total, exposed, sent
+    if spec.strategy == "allgather":
+        work = allgather_work(spec.layout, w)
+        c = compute(work, hq, n)
+        local = compute(StepWork(0.0, 0.5, 1.0, 1), hq, n)
+        gather = hw.transfer_s((w - 1) * kv_bytes, cp_inter, messages=w - 1)
+        exposed = max(0.0, gather - local)
+        sent = (w - 1) * kv_bytes
+        if backward:
+            scatter = hw.transfer_s((w - 1) * kv32, cp_inter, messages=w - 1)
+            exposed, sent = exposed + scatter, sent + (w - 1) * kv32
+        return c, exposed, sent
+    # ulysses: K/V heads replicated when they do not split over cp (docs/strategies.md)
+    steps = group_ring_steps(spec.layout, w, w)
+    c = compute(steps[0], hq / w, n)
+    if hkv % w == 0:
+        sent = (w - 1) / w * (2 * q_bytes + kv_bytes + (0 if backward else lse))
+    else:
+        sent = (w - 1) / w * (2 * q_bytes + (0 if backward else lse))
+        sent += (2 if backward else 1) * (w - 1) * kv_bytes
+    return c, hw.transfer_s(sent, cp_inter, messages=2 * (w - 1)), sent
+
+
+def _elementwise_bytes(spec: PlanSpec, tokens: int) -> float:
+    """Forward bytes of the memory-bound ops of one block: passes over each activation (each pass
+    reads and writes it): RMSNorm ~6 x 2, RoPE ~8 on q and k, SwiGLU ~4 on the hidden, residual
+    adds and layout copies ~4 on the width. Backward is taken as twice this."""
+    m, tp = spec.model, spec.tp
+    passes = 16 * m.dim / tp + 8 * (m.q_dim + m.kv_dim) / tp + 4 * m.hidden_dim / tp
+    return 2 * tokens * passes * spec.elem_bytes
+
+
+def step_time(spec: PlanSpec) -> dict:
+    """Seconds of one optimizer step and where they go (see the module docstring)."""
+    m, hw = spec.model, spec.hw
+    slow, threads = hw.slowdown(spec.gpus), spec.threads
+    fp8 = spec.dtype == "fp8"
+    n = spec.seq_len // spec.cp
+    tokens = spec.micro_batch * n  # rows of every matmul on this rank, per microbatch
+    mm_params = m.layer_params() - 2 * m.dim
+    mm_f = hw.matmul_s(2 * tokens * mm_params / spec.tp, tokens, m.dim, fp8, threads) * slow
+    ew_f = hw.elementwise_s(_elementwise_bytes(spec, tokens), threads) * slow
+    att_f, att_f_exp, att_f_bytes = _attention(spec, backward=False)
+    att_b, att_b_exp, att_b_bytes = _attention(spec, backward=True)
+    tp_bytes = 4 * (spec.tp - 1) / spec.tp * tokens * m.dim * spec.elem_bytes
+    tp_s = hw.transfer_s(tp_bytes, spec.spans_nodes(spec.tp), 4) if spec.tp > 1 else 0.0
+    fwd = mm_f + ew_f + att_f
+    bwd = 2 * mm_f + 2 * ew_f + att_b + (fwd if spec.activation_checkpointing else 0)
+    exposed_layer = att_f_exp + att_b_exp + 2 * tp_s
+    if spec.activation_checkpointing:
+        exposed_layer += att_f_exp + tp_s
+    layers = m.n_layers / spec.pp
+    # output projection + loss (last stage): forward, backward, and the chunk recompute
+    head_f = hw.matmul_s(2 * tokens * m.dim * m.vocab_size / spec.tp, tokens, m.dim, fp8, threads)
+    head_f += hw.elementwise_s(tokens * m.vocab_size / spec.tp * 4 * 6, threads)
+    head = head_f * (4 if tokens > spec.loss_chunk > 0 else 3) * slow
+    stage_compute = layers * (fwd + bwd) + head
+    stage_exposed = layers * exposed_layer
+    pp_s = 0.0
+    if spec.pp > 1:  # activations (and their gradients) to the next stage, per microbatch
+        pp_s = 2 * hw.transfer_s(tokens * m.dim * spec.elem_bytes, spec.gpus > hw.gpus_per_node)
+    slots = spec.microbatches + spec.pp - 1
+    compute = spec.microbatches * stage_compute
+    bubble = (spec.pp - 1) * (stage_compute + stage_exposed)
+    exposed = spec.microbatches * (stage_exposed + pp_s)
+    # FSDP2 over dp x cp: per block and the root, all-gather (fwd, bwd) and reduce-scatter
+    shards = spec.dp * spec.cp
+    fsdp_exposed = fsdp_s = 0.0
+    local_params = (layers * m.layer_params() + m.embedding_params()) / spec.tp
+    if shards > 1:
+        inter = spec.spans_nodes(shards * spec.tp)
+        frac = (shards - 1) / shards
+        units = layers + 1
+        gather = local_params * frac * spec.elem_bytes
+        scatter = local_params * frac * 4
+        msgs = int(units * (shards - 1))
+        fsdp_s = 2 * hw.transfer_s(gather, inter, msgs) + hw.transfer_s(scatter, inter, msgs)
+        first_last = fsdp_s / units
+        fsdp_exposed = max(0.0, fsdp_s - slots * stage_compute) + first_last
+    # AdamW (param, grad, two moments, fp32) and gradient clipping: ~12 passes of 4 bytes
+    optim_s = hw.elementwise_s(local_params / shards * 4 * 12, threads) * slow
+    total = compute + bubble + exposed + fsdp_exposed + optim_s
+    return {
+        "step_time_s": total,
+        "compute_s": compute,
+        "attention_s": spec.microbatches * layers * (att_f + att_b),
+        "exposed_comm_s": exposed + fsdp_exposed,
+        "exposed_cp_comm_s": spec.microbatches * layers * (att_f_exp + att_b_exp),
+        "pipeline_bubble_s": bubble,
+        "optimizer_s": optim_s,
+        "fsdp_comm_s": fsdp_s,
+        "cp_bytes_per_layer": att_f_bytes + att_b_bytes,
+    }

@@ -1,0 +1,179 @@
+"""Hardware the planner prices plans on: GPU presets from data sheets, and `cpu`, this machine as
+measured by `ringattn plan --calibrate` (calibrate.py).
+
+A device turns work into seconds through four rates:
+
+    matmul      flops / (peak x efficiency(tokens per call))       fp8 peak for fp8 matmuls
+    attention   flops / (peak x efficiency(block length))          always bf16: fp8 attention is
+                                                                   not what these kernels run
+    elementwise bytes / memory bandwidth                            norms, RoPE, SwiGLU, merges
+    transfer    latency + bytes / link bandwidth                   intra-node or inter-node link
+
+GPU efficiencies are a saturating curve eff_max * n / (n + n_half): a kernel on a short block
+cannot fill the machine. eff_max values come from DESIGN.md §6 (H200: cuDNN attention at
+553-683 of 989 TFLOP/s forward, 534-601 forward+backward; an 8192^3 matmul at 787) and are used
+for every Hopper/Blackwell/Ampere preset alike. On `cpu` the rates are tables measured on this
+machine (calibrate.py) and interpolated in log space instead.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field, replace
+
+__all__ = ["HARDWARE", "Hardware", "get_hardware"]
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One accelerator (or one CPU process slot) and its links. Bandwidths in GB/s per device
+    per direction, as NCCL's bus bandwidth sees them."""
+
+    name: str
+    bf16_tflops: float
+    """Dense bf16 peak per device."""
+    fp8_tflops: float
+    """Dense fp8 peak; 0 when the device has no fp8 matmul units."""
+    memory_gib: float
+    """Memory per device (HBM; on cpu: RAM shared by the local processes)."""
+    mem_bw_gbs: float
+    intra_bw_gbs: float
+    """Link inside a node (NVLink)."""
+    inter_bw_gbs: float
+    """Link between nodes, per device (one 400 Gb/s NIC per GPU = 50 GB/s)."""
+    gpus_per_node: int
+    intra_latency_s: float = 10e-6
+    inter_latency_s: float = 20e-6
+    matmul_eff: float = 0.78
+    attn_fwd_eff: float = 0.62
+    attn_bwd_eff: float = 0.56
+    fp8_matmul_eff: float = 0.60
+    n_half: int = 256
+    """Tokens per kernel call at which a kernel reaches half its best efficiency."""
+    usable_fraction: float = 0.92
+    """Of memory_gib, what a job can allocate (CUDA context, NCCL buffers, fragmentation)."""
+    calibration: dict | None = field(default=None, compare=False)
+    """cpu: the measured tables (see calibrate.py); None on GPUs."""
+
+    @property
+    def is_cpu(self) -> bool:
+        return self.calibration is not None
+
+    def matmul_s(
+        self, flops: float, tokens: int, width: int, fp8: bool = False, threads: int = 1
+    ) -> float:
+        """Seconds for matmuls of `flops` whose calls have `tokens` rows and inner size `width`."""
+        if flops <= 0:
+            return 0.0
+        if self.is_cpu:
+            return flops / (_interp(self.calibration["matmul"][str(threads)], width) * 1e9)
+        peak, eff = (self.fp8_tflops, self.fp8_matmul_eff) if fp8 else (
+            self.bf16_tflops, self.matmul_eff)  # fmt: skip
+        return flops / (peak * 1e12 * eff * tokens / (tokens + self.n_half / 4))
+
+    def attention_s(
+        self, flops: float, block: int, head_dim: int, causal: bool, backward: bool, threads: int
+    ) -> float:
+        """Seconds for attention kernels of `flops` (counted without masked-out pairs) on blocks
+        of `block` keys, forward or backward, causal (square diagonal) or full."""
+        if flops <= 0:
+            return 0.0
+        if self.is_cpu:
+            table = self.calibration["attention"][str(threads)]
+            key = f"{'bwd' if backward else 'fwd'}_{'causal' if causal else 'full'}"
+            dims = sorted(int(d) for d in table[key])
+            d = min(dims, key=lambda x: abs(math.log(x / head_dim)))
+            return flops / (_interp(table[key][str(d)], block) * 1e9)
+        eff = self.attn_bwd_eff if backward else self.attn_fwd_eff
+        eff *= block / (block + self.n_half) * (0.9 if causal else 1.0) * min(1.0, head_dim / 128)
+        return flops / (self.bf16_tflops * 1e12 * eff)
+
+    def elementwise_s(self, nbytes: float, threads: int = 1) -> float:
+        if self.is_cpu:
+            return nbytes / (self.calibration["elementwise_gbs"][str(threads)] * 1e9)
+        return nbytes / (self.mem_bw_gbs * 1e9 * 0.8)
+
+    def transfer_s(self, nbytes: float, inter: bool, messages: int = 1) -> float:
+        """Seconds to move `nbytes` (per device) in `messages` dependent messages."""
+        if nbytes <= 0:
+            return 0.0
+        if self.is_cpu:
+            gloo = self.calibration["gloo"]
+            return messages * gloo["latency_s"] + nbytes / (gloo["bandwidth_gbs"] * 1e9)
+        bw, lat = (self.inter_bw_gbs, self.inter_latency_s) if inter else (
+            self.intra_bw_gbs, self.intra_latency_s)  # fmt: skip
+        return messages * lat + nbytes / (bw * 1e9)
+
+    def threads_per_process(self, nproc: int) -> int:
+        """cpu: OpenMP threads each local process gets (the launcher's rule, cores // nproc)."""
+        if not self.is_cpu:
+            return 1
+        return max(1, self.calibration["cores"] // max(1, nproc))
+
+    def slowdown(self, nproc: int) -> float:
+        """cpu: more busy processes than cores share them (compute stretched by this factor)."""
+        if not self.is_cpu:
+            return 1.0
+        cores = self.calibration["cores"]
+        return max(1.0, nproc * self.threads_per_process(nproc) / cores)
+
+
+def _interp(table: dict, x: float) -> float:
+    """Piecewise-linear interpolation of a {size: rate} table in log(size), clamped at the ends."""
+    points = sorted((int(k), v) for k, v in table.items())
+    if x <= points[0][0]:
+        return points[0][1]
+    for (x0, y0), (x1, y1) in itertools.pairwise(points):
+        if x <= x1:
+            t = math.log(x / x0) / math.log(x1 / x0)
+            return y0 + t * (y1 - y0)
+    return points[-1][1]
+
+
+# Data-sheet figures (dense, no sparsity). Inter-node: one NIC per GPU (H800 clusters: 8 x 400 Gb/s
+# InfiniBand per node, as DeepSeek-V3 describes; H800's NVLink is 400 GB/s bidirectional).
+HARDWARE: dict[str, Hardware] = {
+    h.name: h
+    for h in (
+        Hardware("h100", 989, 1979, 80, 3350, 450, 50, 8),
+        Hardware("h800", 989, 1979, 80, 3350, 200, 50, 8),
+        Hardware("h200", 989, 1979, 141, 4800, 450, 50, 8),
+        Hardware("a100", 312, 0, 80, 2039, 300, 25, 8),
+        Hardware("b200", 2250, 4500, 180, 8000, 900, 50, 8),
+    )
+}
+HARDWARE_NAMES = (*HARDWARE, "cpu")
+
+
+def get_hardware(
+    name: str,
+    *,
+    tflops: float | None = None,
+    intra_bw: float | None = None,
+    inter_bw: float | None = None,
+    gpus_per_node: int | None = None,
+    calibration: dict | None = None,
+) -> Hardware:
+    """The preset `name` with the given overrides; `cpu` needs the calibration tables."""
+    if name == "cpu":
+        if calibration is None:
+            raise ValueError("hardware 'cpu' needs a calibration; run `ringattn plan --calibrate`")
+        # one machine: every local process is in the same "node", all links are gloo's
+        hw = Hardware("cpu", 0, 0, calibration["memory_gib"], 0, 0, 0, 1 << 20,
+                      calibration=calibration)  # fmt: skip
+    elif name in HARDWARE:
+        hw = HARDWARE[name]
+    else:
+        raise ValueError(f"unknown hardware {name!r}; choose one of {', '.join(HARDWARE_NAMES)}")
+    for flag, value in (("--tflops", tflops), ("--intra-bw", intra_bw), ("--inter-bw", inter_bw),
+                        ("--gpus-per-node", gpus_per_node)):  # fmt: skip
+        if value is not None and value <= 0:
+            raise ValueError(f"{flag} must be > 0, got {value}")
+    if hw.is_cpu and (tflops or intra_bw or inter_bw):
+        raise ValueError("--tflops/--intra-bw/--inter-bw apply to GPU presets; cpu is measured")
+    changes = {"bf16_tflops": tflops, "intra_bw_gbs": intra_bw, "inter_bw_gbs": inter_bw,
+               "gpus_per_node": gpus_per_node}  # fmt: skip
+    if tflops and hw.fp8_tflops:
+        changes["fp8_tflops"] = 2 * tflops
+    return replace(hw, **{k: v for k, v in changes.items() if v is not None})

@@ -1,0 +1,99 @@
+"""Peak memory per rank of one training step, by kind.
+
+    parameters, gradients   float32, sharded by FSDP2 over dp x cp (and split by tp, pp)
+    optimizer               AdamW's two float32 moments, sharded the same way
+    fsdp buffers            the all-gathered compute-dtype copy of the current and the prefetched
+                            block, their float32 gradients before the reduce-scatter, and the root
+                            unit (embeddings, output) unsharded for the whole step
+    activations             what autograd keeps per block and token (counted in the trainer's
+                            model with saved-tensor hooks: 11.7 KB per token per block for `small`
+                            in float32, this count gives 10.3 KB + the per-model tensors):
+                              RMSNorm input and output, 2 x dim each
+                              rotated q, k, v; attention out and lse; the (B, S, H*D) copy for wo
+                              w1 and w3 outputs, silu, their product: 4 x hidden
+                            with activation checkpointing only each block's input (dim), plus
+                            one block's worth while it is recomputed
+    backward transient      gradients in flight inside the block being differentiated: about
+                            one block's activations
+    attention buffers       per strategy (docs/strategies.md): ring 2 K/V + 2 float32 dK/dV,
+                            allgather W K/V + W dK/dV, ulysses ~2 (Q + K/V), plus the float32
+                            out/dq accumulators
+    loss                    a chunk of float32 logits (and their gradient) of the chunked loss
+
+1F1B pipelining keeps up to pp microbatches' activations on the first stage.
+"""
+
+from __future__ import annotations
+
+from ringattn.planner.cost import PlanSpec
+
+__all__ = ["memory_bytes"]
+
+GIB = 1024**3
+
+
+def _block_activation_elems(spec: PlanSpec) -> float:
+    """Elements autograd keeps per token for one block (see the module docstring)."""
+    m, tp = spec.model, spec.tp
+    width = 4 * m.dim / tp  # sequence-parallel norms: split by tp as well
+    attention = (3 * m.q_dim + 2 * m.kv_dim) / tp + (m.n_heads / tp) * 4 / spec.elem_bytes
+    return width + attention + 4 * m.hidden_dim / tp
+
+
+def memory_bytes(spec: PlanSpec) -> dict:
+    """Peak bytes per rank by kind, and their sum under "total"."""
+    m, e = spec.model, spec.elem_bytes
+    layers = m.n_layers / spec.pp
+    shards = spec.dp * spec.cp
+    # the heaviest stage: its blocks, and the embeddings at both ends when pp == 1
+    vocab_params = m.vocab_size * m.dim * (1 if spec.pp > 1 or m.tied_embeddings else 2)
+    local = (layers * m.layer_params() + vocab_params) / spec.tp
+    layer_local = m.layer_params() / spec.tp
+    params = 4 * local / shards
+    grads = 4 * local / shards
+    optimizer = 8 * local / shards
+    fsdp = 0.0
+    if shards > 1:
+        fsdp = 2 * layer_local * (e + 4) + vocab_params / spec.tp * e
+    tokens = spec.micro_batch * (spec.seq_len // spec.cp)
+    per_block = _block_activation_elems(spec) * e * tokens
+    in_flight = min(spec.microbatches, spec.pp)
+    if spec.activation_checkpointing:
+        kept = layers * tokens * m.dim / spec.tp * e + per_block
+    else:
+        kept = layers * per_block
+    activations = in_flight * (kept + 3 * tokens * m.dim / spec.tp * e)  # + embedding, norm out
+    transient = per_block
+    # attention buffers of the layer being run
+    hq, hkv, d, w = m.n_heads / spec.tp, m.n_kv_heads / spec.tp, m.d_head, spec.cp
+    q_bytes = tokens * hq * d * e
+    kv_bytes = 2 * tokens * hkv * d * e
+    kv32 = kv_bytes * 4 / e
+    accumulators = 2 * q_bytes * 4 / e
+    if w == 1:
+        buffers = 0.0
+    elif spec.strategy == "ring":
+        buffers = 2 * kv_bytes + 2 * kv32
+    elif spec.strategy == "allgather":
+        buffers = w * (kv_bytes + kv32)
+    elif spec.strategy == "ulysses":
+        buffers = 2 * (q_bytes + kv_bytes)
+    else:
+        u = spec.ulysses
+        buffers = 2 * (q_bytes + kv_bytes) + 2 * u * kv_bytes + 2 * u * kv32
+    if spec.hw.is_cpu and hq != hkv:  # cpu_flash expands GQA K/V for its backward
+        buffers += 2 * tokens * hq * d * 4
+    loss_rows = min(tokens, spec.loss_chunk) if spec.loss_chunk > 0 else tokens
+    loss = 3 * loss_rows * m.vocab_size / spec.tp * 4
+    kinds = {
+        "parameters": params,
+        "gradients": grads,
+        "optimizer": optimizer,
+        "fsdp_buffers": fsdp,
+        "activations": activations,
+        "backward_transient": transient,
+        "attention_buffers": buffers + accumulators,
+        "loss": loss,
+    }
+    kinds["total"] = sum(kinds.values())
+    return kinds

@@ -1,0 +1,211 @@
+"""Enumerate the plans for a job and rank them: every (dp, cp, tp, pp) whose product is the GPU
+count, every strategy and layout, unless the caller fixed them; the ones the library cannot run
+are left out (with the reason, when the caller asked for exactly that plan).
+
+Ranking: plans that fit in memory first, then the most training tokens per second per GPU (the
+step time alone would favour small dp: a step of dp x batch sequences), then the least memory.
+The text explanation compares the winner with the best plan of another strategy and the best of
+another cp degree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from ringattn.planner.cost import PlanSpec, step_time
+from ringattn.planner.hardware import Hardware
+from ringattn.planner.memory import GIB, memory_bytes
+from ringattn.planner.models import ModelSpec
+
+__all__ = ["Job", "check_plan", "evaluate", "search"]
+
+STRATEGIES = ("ring", "allgather", "ulysses", "hybrid")
+LAYOUTS = ("zigzag", "striped", "contiguous")
+DTYPES = ("bf16", "fp8", "fp32")
+
+
+@dataclass(frozen=True)
+class Job:
+    """What the user asked: fixed values, or None for "search"."""
+
+    model: ModelSpec
+    hw: Hardware
+    gpus: int
+    seq_len: int
+    batch_size: int
+    dp: int | None = None
+    cp: int | None = None
+    tp: int | None = None
+    pp: int | None = None
+    strategy: str | None = None
+    layout: str | None = None
+    dtype: str = "bf16"
+    activation_checkpointing: bool = False
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _hybrid_degree(spec: PlanSpec) -> int:
+    """U for hybrid: the largest divisor of cp below cp that fits in a node and splits the heads;
+    0 when there is none (then hybrid is not a plan)."""
+    heads = spec.model.n_heads // spec.tp
+    for u in sorted(_divisors(spec.cp), reverse=True):
+        if 1 < u < spec.cp and u * spec.tp <= spec.hw.gpus_per_node and heads % u == 0:
+            return u
+    return 0
+
+
+def check_plan(spec: PlanSpec) -> PlanSpec:
+    """The spec with the hybrid degree filled in; ValueError with the reason it cannot run."""
+    m = spec.model
+    if spec.gpus <= 0 or min(spec.dp, spec.cp, spec.tp, spec.pp) < 1:
+        raise ValueError(f"degrees must be >= 1, got dp={spec.dp} cp={spec.cp} tp={spec.tp} "
+                         f"pp={spec.pp}")  # fmt: skip
+    if m.n_heads % spec.tp or m.n_kv_heads % spec.tp:
+        raise ValueError(
+            f"{m.name}: {m.n_heads} heads / {m.n_kv_heads} kv heads are not divisible by "
+            f"tp={spec.tp}; pick tp among the divisors of {m.n_kv_heads}"
+        )
+    if m.n_layers % spec.pp:
+        raise ValueError(f"{m.name}: {m.n_layers} layers are not divisible by pp={spec.pp}; "
+                         f"pick pp among {_divisors(m.n_layers)}")  # fmt: skip
+    chunks = 2 * spec.cp if spec.layout == "zigzag" else spec.cp
+    if spec.seq_len % chunks:
+        raise ValueError(
+            f"sequence length {spec.seq_len} is not divisible by {chunks} "
+            f"({spec.layout}, cp={spec.cp}); pad it to a multiple of {chunks}"
+        )
+    heads = m.n_heads // spec.tp
+    if spec.strategy == "ulysses" and heads % spec.cp:
+        raise ValueError(f"ulysses needs the {heads} heads per tp rank to be divisible by "
+                         f"cp={spec.cp}; use ring, allgather or hybrid")  # fmt: skip
+    if spec.strategy == "hybrid" and spec.cp > 1:
+        u = _hybrid_degree(spec)
+        if not u:
+            raise ValueError(
+                f"hybrid needs a Ulysses degree 1 < U < cp={spec.cp} dividing cp and the "
+                f"{heads} heads, with U x tp <= {spec.hw.gpus_per_node} GPUs per node; "
+                "use ring or ulysses"
+            )
+        spec = replace(spec, ulysses=u)
+    if spec.dtype == "fp8" and not spec.hw.fp8_tflops:
+        raise ValueError(f"{spec.hw.name} has no fp8 matmuls; use --dtype bf16")
+    return spec
+
+
+def evaluate(spec: PlanSpec) -> dict:
+    """One plan as the CLI prints it (the `plans` entries of --json)."""
+    time = step_time(spec)
+    mem = memory_bytes(spec)
+    tokens = spec.dp * spec.batch_size * spec.seq_len
+    usable = spec.hw.memory_gib * spec.hw.usable_fraction
+    if spec.hw.is_cpu:  # the processes share the machine's memory
+        usable /= spec.gpus
+    return {
+        "dp": spec.dp, "cp": spec.cp, "tp": spec.tp, "pp": spec.pp,
+        "strategy": spec.strategy, "layout": spec.layout,
+        "ulysses": spec.ulysses if spec.strategy == "hybrid" else None,
+        "step_time_s": time["step_time_s"],
+        "tokens_per_s_per_gpu": tokens / time["step_time_s"] / spec.gpus,
+        "memory_gib_per_gpu": mem["total"] / GIB,
+        "fits": mem["total"] / GIB <= usable,
+        "breakdown": {
+            "compute_s": time["compute_s"],
+            "attention_s": time["attention_s"],
+            "exposed_comm_s": time["exposed_comm_s"],
+            "exposed_cp_comm_s": time["exposed_cp_comm_s"],
+            "pipeline_bubble_s": time["pipeline_bubble_s"],
+            "optimizer_s": time["optimizer_s"],
+            "cp_bytes_per_layer": time["cp_bytes_per_layer"],
+            "memory_gib": {k: v / GIB for k, v in mem.items() if k != "total"},
+        },
+    }  # fmt: skip
+
+
+MAX_SEARCHED_CP = 64
+"""Searched cp degrees stop here (a given --cp may be larger, up to MAX_CP)."""
+MAX_CP = 256
+
+
+def _degrees(job: Job):
+    """Every (dp, cp, tp, pp) with product --gpus that agrees with the fixed ones."""
+    for tp in [job.tp] if job.tp else _divisors(job.gpus):
+        for pp in [job.pp] if job.pp else _divisors(job.gpus):
+            for cp in [job.cp] if job.cp else _divisors(job.gpus):
+                if not job.cp and cp > MAX_SEARCHED_CP:
+                    continue
+                dp, rest = divmod(job.gpus, tp * pp * cp)
+                if rest == 0 and dp >= 1 and (not job.dp or job.dp == dp):
+                    yield dp, cp, tp, pp
+
+
+def _candidates(job: Job):
+    for dp, cp, tp, pp in _degrees(job):
+        strategies = [job.strategy] if job.strategy else STRATEGIES if cp > 1 else ("ring",)
+        for strategy in strategies:
+            for layout in [job.layout] if job.layout else LAYOUTS:
+                yield PlanSpec(job.model, job.hw, job.seq_len, job.batch_size, dp, cp, tp, pp,
+                               strategy, layout, job.dtype,
+                               job.activation_checkpointing)  # fmt: skip
+
+
+def rank_key(plan: dict) -> tuple[float, float]:
+    """Fastest first: the most tokens per second per GPU (with a fixed dp that is the shortest
+    step), then the least memory."""
+    return -plan["tokens_per_s_per_gpu"], plan["memory_gib_per_gpu"]
+
+
+def search(job: Job) -> list[dict]:
+    """Every plan the job allows, ranked; ValueError when none is possible (with why)."""
+    if job.gpus < 1 or job.seq_len < 1 or job.batch_size < 1:
+        raise ValueError(f"--gpus, --seq-len and --batch-size must be >= 1, got {job.gpus}, "
+                         f"{job.seq_len}, {job.batch_size}")  # fmt: skip
+    fixed = [(k, v) for k, v in (("dp", job.dp), ("cp", job.cp), ("tp", job.tp),
+                                 ("pp", job.pp)) if v]  # fmt: skip
+    product = 1
+    for _, v in fixed:
+        product *= v
+    if len(fixed) == 4 and product != job.gpus or job.gpus % product:
+        text = " x ".join(f"{k}={v}" for k, v in fixed)
+        raise ValueError(f"{text} = {product} does not divide into --gpus {job.gpus}; the "
+                         f"degrees must multiply to {job.gpus}")  # fmt: skip
+    if job.cp and job.cp > MAX_CP:
+        raise ValueError(f"--cp {job.cp} is beyond what the planner models (at most {MAX_CP})")
+    if job.dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {job.dtype!r}; choose one of {', '.join(DTYPES)}")
+    plans, reasons = [], []
+    for spec in _candidates(job):
+        try:
+            plans.append(evaluate(check_plan(spec)))
+        except ValueError as err:
+            reasons.append(str(err))
+    if not plans:
+        why = reasons[0] if reasons else "no degrees multiply to --gpus"
+        raise ValueError(f"no plan can run: {why}")
+    plans.sort(key=lambda p: (not p["fits"], *rank_key(p)))
+    return plans
+
+
+def explain(plans: list[dict]) -> str:
+    """One line: why the first plan wins."""
+    best = plans[0]
+    name = (f"dp={best['dp']} cp={best['cp']} tp={best['tp']} pp={best['pp']} "
+            f"{best['strategy']}/{best['layout']}")  # fmt: skip
+    if not best["fits"]:
+        return (
+            f"no plan fits in memory; the fastest is {name} ({best['memory_gib_per_gpu']:.1f} GiB)"
+        )
+    parts = [f"{name} wins: {best['tokens_per_s_per_gpu']:.0f} tokens/s per GPU"]
+    b = best["breakdown"]
+    parts.append(f"{b['exposed_comm_s'] / best['step_time_s']:.0%} of its step is exposed comm")
+    for key, label in (("strategy", "strategy"), ("cp", "cp degree")):
+        rival = next((p for p in plans if p[key] != best[key] and p["fits"]), None)
+        if rival:
+            slower = best["tokens_per_s_per_gpu"] / rival["tokens_per_s_per_gpu"]
+            parts.append(f"best other {label} ({rival[key]}) is {slower:.2f}x slower")
+    unfit = sum(not p["fits"] for p in plans)
+    if unfit:
+        parts.append(f"{unfit} of {len(plans)} plans do not fit")
+    return "; ".join(parts)
