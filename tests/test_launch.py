@@ -82,3 +82,75 @@ def test_running_under_torchrun(monkeypatch):
     assert running_under_torchrun()
     monkeypatch.setenv("RINGATTN_LAUNCHED", "1")
     assert not running_under_torchrun()
+
+
+def _listening_sockets_of_the_launch() -> list[str]:
+    """Local addresses of every listening TCP socket held by this launch's processes (the agent,
+    our parent, and every rank it spawned), read from /proc."""
+    init_distributed(timeout_s=30)
+    dist.barrier()  # every rank has joined: its sockets exist
+    agent = os.getppid()
+    pids = {agent} | {
+        int(p) for p in os.listdir("/proc") if p.isdigit() and _parent(int(p)) == agent
+    }
+    inodes = set()
+    for pid in pids:
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if link.startswith("socket:["):
+                    inodes.add(link[8:-1])
+        except OSError:
+            continue
+    found = []
+    for table, width in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                    found.append(fields[1][:width])
+    dist.barrier()
+    return found
+
+
+def _parent(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError):
+        return -1
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="reads Linux's /proc")
+def test_a_local_launch_listens_on_loopback_only():
+    """No store or rendezvous reachable from the network: every listening socket of the agent and
+    the ranks is bound to 127.0.0.1 or ::1 (hex in /proc: 0100007F, ...0001)."""
+    loopback = ("0100007F", "00000000000000000000000001000000")
+    for rank, addresses in launch(_listening_sockets_of_the_launch, 2).items():
+        assert all(a in loopback for a in addresses), (rank, addresses)
+
+
+def _freeze_rank_one() -> None:
+    import signal
+
+    from ringattn.runtime.heartbeat import report_progress
+
+    init_distributed(timeout_s=120)
+    report_progress(step=3, phase="forward")
+    dist.barrier()
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)  # frozen, not dead: the agent cannot see it
+    dist.barrier()  # rank 0 waits here; without the heartbeat, for the whole 120 s timeout
+
+
+def test_a_frozen_rank_is_named_within_seconds():
+    import time
+
+    start = time.perf_counter()
+    with pytest.raises(LaunchError) as info:
+        launch(_freeze_rank_one, 2, stall_s=4.0)
+    elapsed = time.perf_counter() - start
+    message = str(info.value)
+    assert "rank 1 (pid" in message and "stopped responding" in message, message
+    assert "step 3, phase forward" in message, message
+    assert elapsed < 30, elapsed  # the process-group timeout is 120 s

@@ -16,6 +16,14 @@ failed rank, its exit code and the first lines of its error; the elastic agent t
 Inside `fn`, call `init_distributed()` to join the process group (gloo on CPU, NCCL when there is
 a GPU per rank). Under a real `torchrun`, `running_under_torchrun()` is true and callers should use
 the world they are in instead of launching a new one.
+
+Nothing listens beyond loopback. torchrun's c10d rendezvous and the workers' env:// store are
+TCPStores, which bind every interface, unauthenticated. A local launch needs neither: the agent
+rendezvouses through a FileStore in a private run directory (mode 0700), the ranks join their
+process group through another file there, and gloo is pinned to the loopback interface. Multi-node
+runs use torchrun itself (its rendezvous, documented in docs/training.md).
+
+A rank that freezes (stopped, hung) is named within `stall_s` seconds: see heartbeat.py.
 """
 
 from __future__ import annotations
@@ -23,13 +31,18 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import shutil
 import socket
+import sys
+import tempfile
 import uuid
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from ringattn.runtime.heartbeat import RUN_DIR_ENV, STALL_S, Watchdog, start_beating
 
 __all__ = ["LaunchError", "init_distributed", "launch", "running_under_torchrun"]
 
@@ -100,29 +113,53 @@ def _failure_text(failure: Any) -> str:
     return "exited without a Python traceback (see that rank's output above)"
 
 
-def _launch_error(err: Exception, nproc: int, name: str) -> LaunchError:
+def _launch_error(err: Exception, nproc: int, name: str, verdicts: list[str]) -> LaunchError:
     failures = getattr(err, "failures", {}) or {}
-    parts = [f"{name}: {len(failures)} of {nproc} ranks failed"]
+    parts = [f"{name}: {len(failures)} of {nproc} ranks failed", *verdicts]
     for rank in sorted(failures):
         failure = failures[rank]
         parts.append(f"rank {rank} (exit code {failure.exitcode}): {_failure_text(failure)}")
     return LaunchError("\n".join(parts))
 
 
-def _child_env(nproc: int) -> None:
+_STORE_FILE = "process-group-store"
+_SAVED_ENV = (_CHILD_ENV, "OMP_NUM_THREADS", RUN_DIR_ENV, "GLOO_SOCKET_IFNAME",
+              "TORCH_DISABLE_SHARE_RDZV_TCP_STORE")  # fmt: skip
+
+
+def _child_env(nproc: int, run_dir: str) -> None:
     """Environment the children inherit (spawned children copy the parent's os.environ)."""
     os.environ[_CHILD_ENV] = "1"
+    os.environ[RUN_DIR_ENV] = run_dir
+    # no TCPStore in the agent: its rendezvous is a FileStore (see the module docstring)
+    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    if sys.platform == "linux" and os.path.exists("/sys/class/net/lo"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     # Each rank gets its share of the cores; W ranks x all cores each would oversubscribe.
     threads = max(1, (os.cpu_count() or 1) // nproc)
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
 
 
-def launch(fn: Callable[..., Any], nproc: int, *args: Any) -> dict[int, Any]:
+def _run_rank(fn: Callable[..., Any], *args: Any) -> Any:
+    """A child's entry point: `fn(*args)`, then its heartbeat stops (a finished rank is not a
+    frozen one)."""
+    from ringattn.runtime.heartbeat import stop_beating
+
+    try:
+        return fn(*args)
+    finally:
+        stop_beating()
+
+
+def launch(
+    fn: Callable[..., Any], nproc: int, *args: Any, stall_s: float = STALL_S
+) -> dict[int, Any]:
     """Run `fn(*args)` on `nproc` local processes and return `{rank: fn's return value}`.
 
     `fn` must be a module-level function (children are spawned), and it should call
     `init_distributed()` before any collective. Arguments and return values are pickled.
-    Raises `LaunchError` naming the failed ranks when any rank raises or dies.
+    Raises `LaunchError` naming the failed ranks when any rank raises or dies, or stops
+    responding for `stall_s` seconds (it is then killed, and the message says where it was).
     """
     if not isinstance(nproc, int) or nproc < 1:
         raise ValueError(f"nproc must be a positive int, got {nproc!r}")
@@ -132,31 +169,36 @@ def launch(fn: Callable[..., Any], nproc: int, *args: Any) -> dict[int, Any]:
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     _quiet_elastic_logs()
+    run_dir = tempfile.mkdtemp(prefix="ringattn-run-")  # mode 0700: this user only
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
         nproc_per_node=nproc,
         run_id=f"ringattn-{uuid.uuid4().hex[:12]}",
         rdzv_backend="c10d",
-        rdzv_endpoint=f"127.0.0.1:{_free_port()}",
-        rdzv_configs={"timeout": 60},
+        rdzv_endpoint=os.path.join(run_dir, "rendezvous"),
+        rdzv_configs={"timeout": 60, "store_type": "file"},
+        local_addr="127.0.0.1",
         max_restarts=0,
         monitor_interval=0.1,
         start_method="spawn",
     )
-    saved = {name: os.environ.get(name) for name in (_CHILD_ENV, "OMP_NUM_THREADS")}
-    _child_env(nproc)
+    saved = {name: os.environ.get(name) for name in _SAVED_ENV}
+    _child_env(nproc, run_dir)
     name = getattr(fn, "__qualname__", repr(fn))
+    watchdog = Watchdog(run_dir, stall_s)
     try:
-        results = elastic_launch(config, fn)(*args)
+        with watchdog:
+            results = elastic_launch(config, _run_rank)(fn, *args)
     except ChildFailedError as err:
-        raise _launch_error(err, nproc, name) from None
+        raise _launch_error(err, nproc, name, watchdog.verdicts) from None
     finally:
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+        shutil.rmtree(run_dir, ignore_errors=True)
     return dict(sorted(results.items()))
 
 
@@ -181,7 +223,16 @@ def init_distributed(backend: str | None = None, timeout_s: float = 300.0) -> to
         kwargs: dict[str, Any] = {}
         if backend == "nccl":
             kwargs["device_id"] = device  # lets NCCL bind eagerly and fail fast on a bad setup
+        run_dir = os.environ.get(RUN_DIR_ENV)
+        if run_dir is not None and os.environ.get(_CHILD_ENV) == "1":
+            # our launch: join through a file in the private run directory, so no TCPStore
+            # listens on any interface (torchrun's env:// store would)
+            kwargs["init_method"] = "file://" + os.path.join(run_dir, _STORE_FILE)
+            kwargs["rank"] = int(os.environ["RANK"])
+            kwargs["world_size"] = world_size
         dist.init_process_group(
             backend=backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs
         )
+    if os.environ.get(_CHILD_ENV) == "1":
+        start_beating(int(os.environ["RANK"]))
     return device
