@@ -1,7 +1,8 @@
 """`ringattn plan`: JSON contract, search, the modelled effects, errors, and the CPU calibration.
 
 No training runs here: the prediction-vs-measurement check is scripts/plan_check.py (results in
-BENCHMARKS.md). The calibration test measures with a stubbed-out gloo step and one repeat.
+BENCHMARKS.md). The calibration test measures the kernels at a few sizes, with the gloo and
+trainer-floor steps stubbed out (plan_check.py runs them for real).
 """
 
 from __future__ import annotations
@@ -193,6 +194,7 @@ def test_calibration_cache_is_reused(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(calib_mod, "BLOCKS", (64, 128))
     monkeypatch.setattr(calib_mod, "_gloo", lambda repeats: calls.append(1) or {
         "latency_s": 1e-4, "bandwidth_gbs": 2.0})  # fmt: skip
+    monkeypatch.setattr(calib_mod, "_step_floor", lambda: 0.01)  # a real trainer run: plan_check
     path = str(tmp_path / "calib.json")
     args = ["--model", "tiny", "--hardware", "cpu", "--gpus", "2", "--seq-len", "1024",
             "--calibration", path]  # fmt: skip

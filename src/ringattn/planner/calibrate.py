@@ -10,6 +10,10 @@ the two thread counts the local launcher gives its processes):
     elementwise   GB/s of activation-sized multiply and add passes
     gloo          latency and bandwidth of send/recv ping-pong between two local processes
                   (torch.distributed gloo, launched by ringattn.runtime.launch)
+    step floor    the median step time of `ringattn train` at a size where the kernels cost
+                  almost nothing (tiny model, 2 processes, cp 2, 256 tokens): what the trainer
+                  spends per step outside the kernels (Python and autograd dispatch, FSDP hooks
+                  and their small collectives, the data, the optimizer's per-tensor calls)
 
 The result is a JSON file (default ~/.cache/ringattn/calibration-cpu.json, or --calibration
 PATH). `ringattn plan --hardware cpu` reads it; it is re-measured only with --calibrate. A cache
@@ -29,7 +33,7 @@ import torch
 __all__ = ["DEFAULT_PATH", "calibrate", "load_calibration", "machine_key"]
 
 DEFAULT_PATH = os.path.join(os.path.expanduser("~"), ".cache", "ringattn", "calibration-cpu.json")
-VERSION = 1
+VERSION = 2
 WIDTHS = (16, 32, 64, 128, 256, 512, 1024)
 HEAD_DIMS = (16, 32, 64, 128)
 BLOCKS = (128, 512, 2048)
@@ -150,6 +154,24 @@ def _gloo(repeats: int) -> dict:
     return {"latency_s": small, "bandwidth_gbs": bandwidth, "one_way_s": one_way}
 
 
+def _step_floor(steps: int = 10) -> float:
+    """Median seconds of a `ringattn train` step of the tiny model on 256 tokens (see above);
+    run through the CLI, as a user would, in a temporary directory."""
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="ringattn-calibrate-") as tmp:
+        cmd = [sys.executable, "-m", "ringattn", "train", "--model", "tiny", "--nproc", "2",
+               "--cp", "2", "--seq-len", "256", "--steps", str(steps), "--warmup", "1",
+               "--checkpoint-every", "-1", "--no-resume", "--quiet", "--out-dir", tmp]  # fmt: skip
+        env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+        subprocess.run(cmd, check=True, capture_output=True, env=env, timeout=300)
+        with open(os.path.join(tmp, "train_log.jsonl")) as f:
+            seconds = [r["seconds"] for r in map(json.loads, f) if "seconds" in r]
+    return statistics.median(seconds[1:])
+
+
 def _memory_gib() -> float:
     try:
         with open("/proc/meminfo") as f:
@@ -179,6 +201,9 @@ def calibrate(path: str = DEFAULT_PATH, repeats: int = 5, log=print) -> dict:
         torch.set_num_threads(saved)
     log("[calibrate] gloo send/recv between 2 processes...")
     result["gloo"] = _gloo(repeats * 3)
+    log("[calibrate] the trainer's per-step floor (tiny model, 256 tokens, 2 processes)...")
+    result["step_floor_s"] = _step_floor()
+    result["step_floor_nproc"] = 2
     result["seconds"] = time.perf_counter() - start
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.tmp-{os.getpid()}"

@@ -208,7 +208,15 @@ def step_time(spec: PlanSpec) -> dict:
         fsdp_exposed = max(0.0, fsdp_s - slots * stage_compute) + first_last
     # AdamW (param, grad, two moments, fp32) and gradient clipping: ~12 passes of 4 bytes
     optim_s = hw.elementwise_s(local_params / shards * 4 * 12, threads) * slow
-    total = compute + bubble + exposed + fsdp_exposed + optim_s
+    # cpu: what the trainer spends per step outside the kernels, measured (calibrate.py) for the
+    # 2-layer tiny model on 2 processes; taken as proportional to the blocks (each brings its
+    # autograd ops and FSDP unit) and to the processes sharing a core
+    floor_s = 0.0
+    if hw.is_cpu and "step_floor_s" in hw.calibration:
+        ref = hw.slowdown(hw.calibration["step_floor_nproc"])
+        floor_s = hw.calibration["step_floor_s"] * (m.n_layers + 1) / 3 * slow / ref
+        floor_s *= slots / spec.pp
+    total = compute + bubble + exposed + fsdp_exposed + optim_s + floor_s
     return {
         "step_time_s": total,
         "compute_s": compute,
@@ -217,6 +225,7 @@ def step_time(spec: PlanSpec) -> dict:
         "exposed_cp_comm_s": spec.microbatches * layers * (att_f_exp + att_b_exp),
         "pipeline_bubble_s": bubble,
         "optimizer_s": optim_s,
+        "overhead_s": floor_s,
         "fsdp_comm_s": fsdp_s,
         "cp_bytes_per_layer": att_f_bytes + att_b_bytes,
     }

@@ -118,6 +118,7 @@ def evaluate(spec: PlanSpec) -> dict:
             "exposed_cp_comm_s": time["exposed_cp_comm_s"],
             "pipeline_bubble_s": time["pipeline_bubble_s"],
             "optimizer_s": time["optimizer_s"],
+            "overhead_s": time["overhead_s"],
             "cp_bytes_per_layer": time["cp_bytes_per_layer"],
             "memory_gib": {k: v / GIB for k, v in mem.items() if k != "total"},
         },
