@@ -15,7 +15,7 @@ import subprocess
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "src" / "ringattn"
-CORE_PACKAGES = ("kernels", "strategies")
+CORE_PACKAGES = ("comm", "kernels", "strategies")
 APPLICATIONS = ("train", "bench", "cli", "integrations", "runtime", "testing", "inference",
                 "planner", "hf")  # fmt: skip
 
