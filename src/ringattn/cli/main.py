@@ -19,123 +19,11 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ringattn.cli.correctness import add_check_command, add_demo_command
+from ringattn.cli.options import LAYOUTS as _LAYOUTS
+from ringattn.cli.options import int_list as _int_list
+from ringattn.cli.options import name_list as _name_list
 from ringattn.runtime.launch import LaunchError
-
-_LAYOUTS = ("contiguous", "zigzag", "striped")
-_STRATEGIES = ("ring", "allgather", "ulysses", "hybrid")
-
-
-def _int_list(text: str) -> list[int]:
-    try:
-        return [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None
-
-
-def _name_list(choices: tuple[str, ...]):
-    def parse(text: str) -> list[str]:
-        return list(choices) if text == "all" else [p.strip() for p in text.split(",") if p.strip()]
-
-    return parse
-
-
-def _demo_parser(sub) -> None:
-    from ringattn.cli.attention_demo import DemoConfig
-
-    d = DemoConfig()
-    p = sub.add_parser(
-        "attention-demo",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        help="attention over one long sequence on W local processes, checked against 1 process",
-        description="Shard one long sequence over W local processes (gloo on CPU, NCCL with >= W "
-        "GPUs), run ringattn.attention forward and backward, print per-rank time and memory, and "
-        "compare outputs and gradients with single-process SDPA. Exits 1 when they disagree.",
-    )
-    p.add_argument("--nproc", type=int, default=d.nproc, help="number of local processes (ranks)")
-    p.add_argument("--seq-len", type=int, default=d.seq_len, help="total tokens in the sequence")
-    p.add_argument("--heads", type=int, default=d.heads, help="query heads")
-    p.add_argument("--kv-heads", type=int, default=d.kv_heads, help="key/value heads (GQA/MQA)")
-    p.add_argument("--head-dim", type=int, default=d.head_dim, help="dimension per head")
-    p.add_argument(
-        "--dtype",
-        default=d.dtype,
-        choices=("float64", "float32", "bfloat16", "float16"),
-        help="dtype of q, k, v",
-    )
-    p.add_argument("--layout", default=d.layout, choices=_LAYOUTS, help="token-to-rank layout")
-    p.add_argument("--strategy", default=d.strategy, choices=_STRATEGIES, help="CP strategy")
-    p.add_argument(
-        "--causal",
-        action=argparse.BooleanOptionalAction,
-        default=d.causal,
-        help="causal mask (--no-causal for full attention)",
-    )
-    p.add_argument("--backend", default=d.backend, help="kernel backend: auto or a kernel name")
-    p.add_argument("--seed", type=int, default=d.seed, help="seed for q, k, v and dout")
-    p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
-    p.set_defaults(run=_run_demo)
-
-
-def _check_parser(sub) -> None:
-    from ringattn.cli.check import CheckConfig
-
-    c = CheckConfig()
-    p = sub.add_parser(
-        "check",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        help="correctness matrix vs a float64 reference (exit 1 on any failure)",
-        description="For each world size, layout, strategy, causal flag, head shape (MHA, GQA, "
-        "MQA) and dtype, compare out, lse, dq, dk, dv with float64 attention on the full tensors. "
-        "Under torchrun the current world is used and --world-sizes is ignored.",
-    )
-    p.add_argument(
-        "--nproc", type=int, default=None, help="run only this world size (same as --world-sizes N)"
-    )
-    p.add_argument(
-        "--world-sizes",
-        type=_int_list,
-        default=c.world_sizes,
-        help="comma-separated world sizes to launch, e.g. 1,2,3,4",
-    )
-    p.add_argument(
-        "--dtypes",
-        type=_name_list(("float64", "float32", "bfloat16", "float16")),
-        default=c.dtypes,
-        help="comma-separated dtypes, or all (float64,float32,bfloat16,float16)",
-    )
-    p.add_argument(
-        "--layouts",
-        type=_name_list(_LAYOUTS),
-        default=c.layouts,
-        help="comma-separated layouts, or all",
-    )
-    p.add_argument(
-        "--strategies",
-        type=_name_list(_STRATEGIES),
-        default=c.strategies,
-        help="comma-separated strategies, or all (cases a strategy refuses are listed as N/A)",
-    )
-    p.add_argument("--seq-local", type=int, default=c.seq_local, help="tokens per rank")
-    p.add_argument("--head-dim", type=int, default=c.head_dim, help="dimension per head")
-    p.add_argument("--backend", default=c.backend, help="kernel backend: auto or a kernel name")
-    p.add_argument("--seed", type=int, default=c.seed, help="seed for the inputs")
-    p.set_defaults(run=_run_check)
-
-
-def _run_demo(args: argparse.Namespace) -> int:
-    from ringattn.cli.attention_demo import DemoConfig, run_demo
-
-    options = {k: v for k, v in vars(args).items() if k not in ("command", "json", "run")}
-    return run_demo(DemoConfig(**options), json_path=args.json)
-
-
-def _run_check(args: argparse.Namespace) -> int:
-    from ringattn.cli.check import CheckConfig, run_check
-
-    options = {k: v for k, v in vars(args).items() if k not in ("command", "nproc", "run")}
-    if args.nproc is not None:
-        options["world_sizes"] = [args.nproc]
-    return run_check(CheckConfig(**options))
 
 
 def _layout_parser(sub) -> None:
@@ -316,62 +204,9 @@ def _train_parser(sub) -> None:
 
 
 def _generate_parser(sub) -> None:
-    from ringattn.train.generate import GenerateConfig
+    from ringattn.train.generate import add_generate_command  # its flags live with it
 
-    d = GenerateConfig()
-    p = sub.add_parser(
-        "generate",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        help="decoding from a training checkpoint over a KV cache sharded across --nproc ranks",
-        description="Load a checkpoint written by `ringattn train` or `ringattn demo` on --nproc "
-        "local processes (or torchrun's ranks), prefill the prompt context-parallel (each rank "
-        "keeps its shard of the KV cache) and decode, streaming the tokens; prints the time to "
-        "first token, decode tokens/s and each rank's KV-cache MB. Without --prompt or "
-        "--prompt-file, a run trained on the key-value task is asked a fresh sample's last "
-        "query, and the right answer is shown.",
-    )
-    p.add_argument(
-        "--checkpoint",
-        default=d.checkpoint,
-        help="a step-N checkpoint or a directory of them (the newest is used)",
-    )
-    p.add_argument("--prompt", default=d.prompt, help="text to continue (bytes are tokens)")
-    p.add_argument("--prompt-file", default=d.prompt_file, help="a file whose bytes are the prompt")
-    p.add_argument(
-        "--max-new-tokens", type=int, default=d.max_new_tokens, help="tokens to generate"
-    )
-    p.add_argument(
-        "--sample",
-        type=int,
-        default=d.sample,
-        help="which fresh key-value sample to ask (without --prompt)",
-    )
-    p.add_argument("--nproc", type=int, default=d.nproc, help="ranks the KV cache is sharded over")
-    p.add_argument("--layout", choices=_LAYOUTS, default=d.layout, help="how the prompt is sharded")
-    p.add_argument(
-        "--merge",
-        choices=("allgather", "allreduce"),
-        default=d.merge,
-        help="the one collective per layer that merges the ranks' partial attention per token",
-    )
-    p.add_argument("--temperature", type=float, default=d.temperature, help="0 = greedy")
-    p.add_argument(
-        "--top-k", type=int, default=d.top_k, help="sample among the k likeliest (0: all)"
-    )
-    p.add_argument("--top-p", type=float, default=d.top_p, help="nucleus sampling mass (1: all)")
-    p.add_argument("--seed", type=int, default=d.seed, help="sampling seed, shared by all ranks")
-    p.add_argument("--eos-id", type=int, default=d.eos_id, help="stop after this token id")
-    p.set_defaults(run=_run_generate)
-
-
-def _run_generate(args: argparse.Namespace) -> int:
-    from dataclasses import fields
-
-    from ringattn.train.generate import GenerateConfig, run_generate
-
-    return run_generate(
-        GenerateConfig(**{f.name: getattr(args, f.name) for f in fields(GenerateConfig)})
-    )
+    add_generate_command(sub)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -383,8 +218,8 @@ def build_parser() -> argparse.ArgumentParser:
     _train_demo_parser(sub)
     _train_parser(sub)
     _generate_parser(sub)
-    _demo_parser(sub)
-    _check_parser(sub)
+    add_demo_command(sub)
+    add_check_command(sub)
     _layout_parser(sub)
     _bench_parser(sub)
     __import__("ringattn.cli.plan", fromlist=["add_parser"]).add_parser(sub)
