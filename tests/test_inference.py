@@ -79,13 +79,14 @@ def test_decode_merge_is_exact(pools, world_size, merge):
     q = torch.randn(1, 4, 1, 24, generator=gen)
     k, v = torch.randn(2, 1, 2, 53, 24, generator=gen).unbind(0)
     split = [0, 20, 33] if world_size == 3 else [41, 12]
-    want, _ = reference_forward(q.double(), k.double(), v.double(), None, 24**-0.5)
+    want, want_lse = reference_forward(q.double(), k.double(), v.double(), None, 24**-0.5)
     for shift in (0.0, 300.0) if merge == "allreduce" else (0.0,):
         outs = pools(world_size).run("workers_inference:merge_case", q, k, v, split, merge, shift)
-        for out in outs:
+        for out, lse in outs:
             assert out.dtype == torch.float32
             torch.testing.assert_close(out.double(), want, atol=2e-6, rtol=1e-5)
-        assert all(torch.equal(out, outs[0]) for out in outs)  # every rank the same bits
+            torch.testing.assert_close(lse.double(), want_lse, atol=2e-6, rtol=1e-5)
+        assert all(torch.equal(out, outs[0][0]) for out, _ in outs)  # every rank the same bits
 
 
 @pytest.mark.parametrize("world_size", [2, 3])

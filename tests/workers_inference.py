@@ -90,7 +90,7 @@ def merge_case(rank: int, world_size: int, q, k, v, split: list[int], merge: str
         groups = q.shape[1] // k.shape[1]
         scores = q.double() @ k.double().repeat_interleave(groups, 1).transpose(-1, -2) * scale
         ref = (scores.amax(-1) - shift).float()
-    return merge_across_ranks(out, lse, info, merge, ref)
+    return merge_across_ranks(out, lse, info, merge, ref, return_lse=True)
 
 
 def bad_input(rank: int, world_size: int, case: str) -> str:
@@ -112,3 +112,16 @@ def bad_input(rank: int, world_size: int, case: str) -> str:
     except ValueError as err:
         return f"ValueError: {err}"
     return "no error"
+
+
+def hf_generate(rank: int, world_size: int, cases: list[dict]) -> list[torch.Tensor]:
+    """ringattn.hf.generate for each (arch, prompt, new, layout) case on this rank."""
+    import ringattn.hf
+    import workers_hf
+
+    return [
+        ringattn.hf.generate(
+            workers_hf.build(case["arch"]), case["prompt"], case["new"], layout=case["layout"]
+        )
+        for case in cases
+    ]

@@ -10,5 +10,6 @@ transformers (`pip install ringattn[hf]`); `import ringattn` alone does not.
 """
 
 from ringattn.integrations.hf import parallelize, shard_batch
+from ringattn.integrations.hf.generate import generate  # decoding over a sharded KV cache
 
-__all__ = ["parallelize", "shard_batch"]
+__all__ = ["generate", "parallelize", "shard_batch"]

@@ -71,24 +71,28 @@ def merge_across_ranks(
     info: GroupInfo,
     merge: str = "allgather",
     ref: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The exact attention output (B, H, Sq, D) float32 from every rank's partial (out, lse).
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """The exact attention output (B, H, Sq, D) float32 from every rank's partial (out, lse),
+    and with `return_lse` the merged lse (B, H, Sq) too (attention sinks need it).
 
     `ref` (B, H, Sq): a per-row score every rank knows, at most each row's true lse (allreduce).
     """
     if info.world_size == 1:
-        return out
-    if merge == "allgather":
+        merged, merged_lse = out, lse
+    elif merge == "allgather":
         payload = torch.cat([out, lse.unsqueeze(-1)], dim=-1)  # (B, H, Sq, D + 1)
         gathered, works = all_gather_async(payload, info)  # (W, B, H, Sq, D + 1)
         wait(works)
-        merged, _ = merge_stacked(gathered[..., :-1], gathered[..., -1])
-        return merged
-    assert merge == "allreduce" and ref is not None
-    total = all_reduce(_weighted(out, lse, ref), info)
-    if not bool(torch.isfinite(total).all()):  # the same on every rank: all take this branch
-        total = all_reduce(_weighted(out, lse, all_reduce(lse, info, "max")), info)
-    return total[..., :-1] / total[..., -1:]
+        merged, merged_lse = merge_stacked(gathered[..., :-1], gathered[..., -1])
+    else:
+        assert merge == "allreduce" and ref is not None
+        total = all_reduce(_weighted(out, lse, ref), info)
+        if not bool(torch.isfinite(total).all()):  # the same on every rank: all take this branch
+            ref = all_reduce(lse, info, "max")
+            total = all_reduce(_weighted(out, lse, ref), info)
+        merged, merged_lse = total[..., :-1] / total[..., -1:], ref + total[..., -1].log()
+    return (merged, merged_lse) if return_lse else merged
 
 
 def _weighted(out: torch.Tensor, lse: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:

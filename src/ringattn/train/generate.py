@@ -20,20 +20,29 @@ path without a cache (the whole sequence re-run per token): the tests' reference
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
+from ringattn.layout import LAYOUTS
 from ringattn.runtime.launch import init_distributed, launch, running_under_torchrun
 from ringattn.train import checkpoint as ckpt
 from ringattn.train.data import KeyValueTask, render
 from ringattn.train.model import Transformer, model_config
 
-__all__ = ["GenerateConfig", "generate", "generate_worker", "load_model", "run_generate"]
+__all__ = [
+    "GenerateConfig",
+    "add_generate_command",
+    "generate",
+    "generate_worker",
+    "load_model",
+    "run_generate",
+]
 
 
 @dataclass
@@ -208,3 +217,62 @@ def run_generate(cfg: GenerateConfig) -> int:
     else:
         launch(generate_worker, cfg.nproc, cfg)
     return 0
+
+
+def add_generate_command(sub: argparse._SubParsersAction) -> None:
+    """The `generate` subcommand and its flags, for cli/main.py; defaults from GenerateConfig."""
+    d = GenerateConfig()
+    p = sub.add_parser(
+        "generate",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        help="decoding from a training checkpoint over a KV cache sharded across --nproc ranks",
+        description="Load a checkpoint written by `ringattn train` or `ringattn demo` on --nproc "
+        "local processes (or torchrun's ranks), prefill the prompt context-parallel (each rank "
+        "keeps its shard of the KV cache) and decode, streaming the tokens; prints the time to "
+        "first token, decode tokens/s and each rank's KV-cache MB. Without --prompt or "
+        "--prompt-file, a run trained on the key-value task is asked a fresh sample's last "
+        "query, and the right answer is shown.",
+    )
+    p.add_argument(
+        "--checkpoint",
+        default=d.checkpoint,
+        help="a step-N checkpoint or a directory of them (the newest is used)",
+    )
+    p.add_argument("--prompt", default=d.prompt, help="text to continue (bytes are tokens)")
+    p.add_argument("--prompt-file", default=d.prompt_file, help="a file whose bytes are the prompt")
+    p.add_argument(
+        "--max-new-tokens", type=int, default=d.max_new_tokens, help="tokens to generate"
+    )
+    p.add_argument(
+        "--sample",
+        type=int,
+        default=d.sample,
+        help="which fresh key-value sample to ask (without --prompt)",
+    )
+    p.add_argument("--nproc", type=int, default=d.nproc, help="ranks the KV cache is sharded over")
+    p.add_argument(
+        "--layout",
+        choices=tuple(LAYOUTS),
+        default=d.layout,
+        help="how the prompt is sharded",
+    )
+    p.add_argument(
+        "--merge",
+        choices=("allgather", "allreduce"),
+        default=d.merge,
+        help="the one collective per layer that merges the ranks' partial attention per token",
+    )
+    p.add_argument("--temperature", type=float, default=d.temperature, help="0 = greedy")
+    p.add_argument(
+        "--top-k", type=int, default=d.top_k, help="sample among the k likeliest (0: all)"
+    )
+    p.add_argument("--top-p", type=float, default=d.top_p, help="nucleus sampling mass (1: all)")
+    p.add_argument("--seed", type=int, default=d.seed, help="sampling seed, shared by all ranks")
+    p.add_argument("--eos-id", type=int, default=d.eos_id, help="stop after this token id")
+    p.set_defaults(run=_run_from_args)
+
+
+def _run_from_args(args: argparse.Namespace) -> int:
+    return run_generate(
+        GenerateConfig(**{f.name: getattr(args, f.name) for f in fields(GenerateConfig)})
+    )
