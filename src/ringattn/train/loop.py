@@ -26,6 +26,7 @@ from dataclasses import asdict
 
 import torch
 
+from ringattn.runtime.heartbeat import report_progress
 from ringattn.train.config import TrainConfig
 from ringattn.train.mesh import gather_over_world
 from ringattn.train.progress import JsonLog, ProgressBar
@@ -67,6 +68,7 @@ def train(run: Run) -> Run:
         if step == cfg.fail_at_step and run.rank == cfg.fail_rank:
             os.kill(os.getpid(), signal.SIGKILL)  # a crash, as abrupt as a real one
         t0 = time.perf_counter()
+        report_progress(step=step, phase="train step")  # named if this rank freezes here
         batch = run.data.batch(step)
         lr = learning_rate(cfg, step)
         stats = train_step(run.model, run.optimizer, batch, lr, cfg.grad_clip, device)
@@ -85,6 +87,7 @@ def train(run: Run) -> Run:
             if bar:
                 bar.update(done, stats.loss, stats.accuracy, record["tokens_per_s"], peaks)
         if _checkpoint_due(cfg, done):
+            report_progress(step=done, phase="checkpoint")
             run.save(done)
     if log:
         log.write({"event": "end", "step": last_step, "checkpoint": run.checkpoint})
