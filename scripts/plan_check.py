@@ -51,7 +51,9 @@ def _ringattn(*args: str, capture: bool = True) -> subprocess.CompletedProcess:
     env.pop("OMP_NUM_THREADS", None)  # the launcher gives each process cores // nproc threads
     done = subprocess.run(cmd, capture_output=capture, text=True, env=env, timeout=600, check=False)
     if done.returncode:
-        raise RuntimeError(f"{shlex.join(cmd)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+        raise RuntimeError(
+            f"{shlex.join(cmd)} failed ({done.returncode}):\n{(done.stderr or '')[-3000:]}"
+        )
     return done
 
 

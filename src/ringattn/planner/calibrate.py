@@ -11,7 +11,7 @@ the two thread counts the local launcher gives its processes):
     gloo          latency and bandwidth of send/recv ping-pong between two local processes
                   (torch.distributed gloo, launched by ringattn.runtime.launch)
     step floor    the median step time of `ringattn train` at a size where the kernels cost
-                  almost nothing (tiny model, 2 processes, cp 2, 256 tokens): what the trainer
+                  almost nothing (tiny model, 2 processes, cp 2, 512 tokens): what the trainer
                   spends per step outside the kernels (Python and autograd dispatch, FSDP hooks
                   and their small collectives, the data, the optimizer's per-tensor calls)
 
@@ -155,7 +155,7 @@ def _gloo(repeats: int) -> dict:
 
 
 def _step_floor(steps: int = 10) -> float:
-    """Median seconds of a `ringattn train` step of the tiny model on 256 tokens (see above);
+    """Median seconds of a `ringattn train` step of the tiny model on 512 tokens (see above);
     run through the CLI, as a user would, in a temporary directory."""
     import subprocess
     import sys
@@ -163,10 +163,14 @@ def _step_floor(steps: int = 10) -> float:
 
     with tempfile.TemporaryDirectory(prefix="ringattn-calibrate-") as tmp:
         cmd = [sys.executable, "-m", "ringattn", "train", "--model", "tiny", "--nproc", "2",
-               "--cp", "2", "--seq-len", "256", "--steps", str(steps), "--warmup", "1",
+               "--cp", "2", "--seq-len", "512", "--steps", str(steps), "--warmup", "1",
                "--checkpoint-every", "-1", "--no-resume", "--quiet", "--out-dir", tmp]  # fmt: skip
         env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
-        subprocess.run(cmd, check=True, capture_output=True, env=env, timeout=300)
+        done = subprocess.run(
+            cmd, capture_output=True, text=True, env=env, timeout=300, check=False
+        )
+        if done.returncode:
+            raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr[-2000:]}")
         with open(os.path.join(tmp, "train_log.jsonl")) as f:
             seconds = [r["seconds"] for r in map(json.loads, f) if "seconds" in r]
     return statistics.median(seconds[1:])
@@ -201,7 +205,7 @@ def calibrate(path: str = DEFAULT_PATH, repeats: int = 5, log=print) -> dict:
         torch.set_num_threads(saved)
     log("[calibrate] gloo send/recv between 2 processes...")
     result["gloo"] = _gloo(repeats * 3)
-    log("[calibrate] the trainer's per-step floor (tiny model, 256 tokens, 2 processes)...")
+    log("[calibrate] the trainer's per-step floor (tiny model, 512 tokens, 2 processes)...")
     result["step_floor_s"] = _step_floor()
     result["step_floor_nproc"] = 2
     result["seconds"] = time.perf_counter() - start

@@ -178,7 +178,7 @@ def step_time(spec: PlanSpec) -> dict:
     exposed_layer = att_f_exp + att_b_exp + 2 * tp_s
     if spec.activation_checkpointing:
         exposed_layer += att_f_exp + tp_s
-    layers = m.n_layers / spec.pp
+    layers = -(-m.n_layers // spec.pp)  # the heaviest stage (uneven splits allowed)
     # output projection + loss (last stage): forward, backward, and the chunk recompute
     head_f = hw.matmul_s(2 * tokens * m.dim * m.vocab_size / spec.tp, tokens, m.dim, fp8, threads)
     head_f += hw.elementwise_s(tokens * m.vocab_size / spec.tp * 4 * 6, threads)

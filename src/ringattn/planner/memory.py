@@ -43,7 +43,7 @@ def _block_activation_elems(spec: PlanSpec) -> float:
 def memory_bytes(spec: PlanSpec) -> dict:
     """Peak bytes per rank by kind, and their sum under "total"."""
     m, e = spec.model, spec.elem_bytes
-    layers = m.n_layers / spec.pp
+    layers = -(-m.n_layers // spec.pp)  # the heaviest stage
     shards = spec.dp * spec.cp
     # the heaviest stage: its blocks, and the embeddings at both ends when pp == 1
     vocab_params = m.vocab_size * m.dim * (1 if spec.pp > 1 or m.tied_embeddings else 2)
