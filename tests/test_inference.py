@@ -25,13 +25,15 @@ def _prompt(length: int, seed: int) -> list[int]:
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_greedy_equals_the_decoder_without_cache(pools, world_size):
-    """Every layout, prompt lengths that 2W does not divide (one shorter than W), both merges."""
+    """Every layout, prompt lengths that 2W does not divide (one shorter than W) and one it
+    does, both merges."""
     model = build_model()
     cases = [
         {"prompt": _prompt(length, seed=length), "new": 8, "layout": layout, "merge": merge}
         for length, layout, merge in [
             (37, "zigzag", "allgather"), (21, "striped", "allreduce"),
             (3, "contiguous", "allgather"), (50, "zigzag", "allreduce"),
+            (48, "zigzag", "allgather"),  # divisible by 2W: the dense schedule
         ]
     ]  # fmt: skip
     results = pools(world_size).run("workers_inference:greedy", cases)
@@ -87,6 +89,13 @@ def test_decode_merge_is_exact(pools, world_size, merge):
             torch.testing.assert_close(out.double(), want, atol=2e-6, rtol=1e-5)
             torch.testing.assert_close(lse.double(), want_lse, atol=2e-6, rtol=1e-5)
         assert all(torch.equal(out, outs[0][0]) for out, _ in outs)  # every rank the same bits
+
+
+def test_one_collective_per_layer_per_decoded_token(pools):
+    """5 decode steps of a 2-layer model at W = 3: 10 collectives with either merge (the
+    all-reduce's second pass only runs on overflow)."""
+    results = pools(3).run("workers_inference:count_collectives", _prompt(17, seed=2), 5)
+    assert all(r == {"allgather": 10, "allreduce": 10} for r in results), results
 
 
 @pytest.mark.parametrize("world_size", [2, 3])

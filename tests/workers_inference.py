@@ -125,3 +125,38 @@ def hf_generate(rank: int, world_size: int, cases: list[dict]) -> list[torch.Ten
         )
         for case in cases
     ]
+
+
+def count_collectives(rank: int, world_size: int, prompt: list[int], new: int) -> dict:
+    """Collectives issued by the inference modules per phase, counted at the names they call."""
+    import ringattn.inference.decoder as decoder_module
+    import ringattn.inference.partials as partials_module
+
+    counts = {"n": 0}
+
+    def counting(fn):
+        def wrapper(*args, **kwargs):
+            counts["n"] += 1
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    saved = {}
+    for module in (partials_module, decoder_module):
+        for name in ("all_gather_async", "all_reduce", "all_gather_ints"):
+            if hasattr(module, name):
+                saved[module, name] = getattr(module, name)
+                setattr(module, name, counting(saved[module, name]))
+    try:
+        out = {}
+        for merge in ("allgather", "allreduce"):
+            session = Session(build_model(), merge=merge)
+            session.generate(prompt, 1)  # prefill and the first token: no decode step yet
+            counts["n"] = 0
+            for token in range(new):
+                session.decoder.step(token)
+            out[merge] = counts["n"]
+        return out
+    finally:
+        for (module, name), fn in saved.items():
+            setattr(module, name, fn)

@@ -3,7 +3,7 @@
 The model's own modules do all the per-token work (embedding, norms, projections, RoPE, SwiGLU,
 output); only attention is replaced, layer by layer:
 
-    prefill(prompt)   the prompt sharded by the layout (cu_seqlens = [0, S]: any length), each
+    prefill(prompt)   the prompt sharded by the layout (any length: cu_seqlens = [0, S]), each
                       layer's attention = ringattn.attention over the whole prompt; each rank
                       stores the K/V (after RoPE) of its real rows. The last token's hidden row
                       lives on one rank: one all-reduce (zeros elsewhere) gives it to all.
@@ -105,7 +105,10 @@ class CachedDecoder:
         """
         assert self.next_pos == 0, "prefill starts a conversation; use extend for a follow-up"
         model, seq_len = self.model, tokens.numel()
-        bounds = [0, seq_len]
+        # a length the layout splits evenly takes the dense schedule (the training forward's:
+        # fewer, larger blocks); any other length goes through cu_seqlens = [0, S] and padding
+        multiple = self.info.world_size * get_layout(self.layout).chunks_per_rank
+        bounds = None if seq_len % multiple == 0 else [0, seq_len]
         common = {"group": self.group, "layout": self.layout, "cu_seqlens": bounds}
         local = ringattn.shard(tokens[None], 1, **common)  # (1, S_local), padding: token 0
         positions = ringattn.positions(seq_len, **common)  # (S_local,), padding: -1
