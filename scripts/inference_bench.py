@@ -4,12 +4,13 @@
     python scripts/inference_bench.py --seq-len 16384 --world-sizes 2 --json results/x.json
 
 Each W is a fresh launch of W processes (ringattn.runtime.launch), the same model (seeded) on
-every rank. In each launch, after one untimed warm-up of each path, with a barrier (one
-all-reduce) before each timed region and rank 0's wall time after the region's last collective
-(so the slowest rank's time):
+every rank, --threads torch threads per rank (default 1, at every W). In each launch, after one
+untimed warm-up of each path, with a barrier (one all-reduce) before each timed region and rank
+0's wall time after the region's last collective (so the slowest rank's time):
 
-    prefill      CachedDecoder.prefill of a --seq-len prompt (ring attention, cu_seqlens=[0, S]),
-                 each rank keeping its K/V shard; a fresh cache each time
+    prefill      CachedDecoder.prefill of a --seq-len prompt (ring attention; the dense schedule
+                 when the layout splits S evenly, else cu_seqlens = [0, S]), each rank keeping
+                 its K/V shard; a fresh cache each time
     train fwd    the training forward at the same length (set_context_parallel, dense zigzag
                  shards, logits of every token, no grad), timed alternately with the prefill;
                  medians of --repeats, and the median of the per-pair ratios
@@ -144,9 +145,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=5, help="timed prefills / training forwards")
     p.add_argument("--decode-tokens", type=int, default=16, help="timed decode steps per merge")
     p.add_argument("--json", default="results/inference_cpu.json", help="where to write results")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank, every W")
     args = p.parse_args(argv)
+    # the same per rank at every W (launch would give W = 1 all the cores): with other jobs on
+    # the machine, 2 threads per tiny decode op mostly wait for each other
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)
     options = {k: getattr(args, k) for k in ("seq_len", "model", "layout", "repeats")}
     options["decode_tokens"] = args.decode_tokens
+    options["threads"] = args.threads
     rows = [measure(int(w), options) for w in args.world_sizes.split(",")]
     single = next((r["cache_bytes_per_rank"][0] for r in rows if r["world_size"] == 1), None)
     print(f"{args.seq_len}-token prompt, model {args.model}, layout {args.layout}")
