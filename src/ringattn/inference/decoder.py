@@ -35,11 +35,12 @@ from ringattn.train.model import Attention, Transformer, apply_rope, rope_angles
 def _project(
     attn: Attention, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q (B, Hq, S, D), k, v (B, Hkv, S, D) of normed hidden states h (B, S, dim), RoPE applied."""
+    """q (B, Hq, S, D), k, v (B, Hkv, S, D) of normed hidden states h (B, S, dim), RoPE applied:
+    the first half of train/model.py's Attention.forward (heads from the projections' width)."""
     b, s, _ = h.shape
-    q = attn.wq(h).view(b, s, attn.n_heads, attn.head_dim).transpose(1, 2)  # (B, Hq, S, D)
-    k = attn.wk(h).view(b, s, attn.n_kv_heads, attn.head_dim).transpose(1, 2)  # (B, Hkv, S, D)
-    v = attn.wv(h).view(b, s, attn.n_kv_heads, attn.head_dim).transpose(1, 2)  # (B, Hkv, S, D)
+    q = attn.wq(h).view(b, s, -1, attn.head_dim).transpose(1, 2)  # (B, Hq, S, D)
+    k = attn.wk(h).view(b, s, -1, attn.head_dim).transpose(1, 2)  # (B, Hkv, S, D)
+    v = attn.wv(h).view(b, s, -1, attn.head_dim).transpose(1, 2)  # (B, Hkv, S, D)
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
