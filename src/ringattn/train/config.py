@@ -21,6 +21,7 @@ import ringattn
 from ringattn.train.data import get_dataset
 from ringattn.train.mesh import degrees
 from ringattn.train.model import MODEL_SIZES, ModelConfig, model_config
+from ringattn.train.tensor_parallel import check_tensor_parallel
 
 __all__ = ["DTYPES", "IDENTITY", "TrainConfig", "validate"]
 
@@ -28,7 +29,7 @@ DTYPES = ("float32", "bfloat16")
 
 # a checkpoint whose config differs in one of these is from another run: resuming is refused
 IDENTITY = ("model", "dim", "layers", "heads", "kv_heads", "data", "seq_len", "seed", "keys",
-            "copies", "noisy")  # fmt: skip
+            "copies", "noisy", "hf")  # fmt: skip
 
 
 @dataclass
@@ -37,6 +38,10 @@ class TrainConfig:
 
     model: str = "small"
     """Model size preset: tiny, small, base, large (see model.MODEL_SIZES)."""
+    hf: str = ""
+    """A local Hugging Face model directory or config.json to train instead (hf_recipe.py)."""
+    export: str = ""
+    """--hf: write the final checkpoint's weights here as a save_pretrained directory."""
     dim: int = 0
     """Override the preset's model width (0 = keep)."""
     layers: int = 0
@@ -52,6 +57,10 @@ class TrainConfig:
     """Data-parallel degree (0 = the processes left over after cp)."""
     cp: int = 0
     """Context-parallel degree (0 = the processes left over after dp)."""
+    tp: int = 1
+    """Tensor-parallel degree: ranks splitting each layer's heads and MLP (tensor_parallel.py)."""
+    pp: int = 1
+    """Pipeline-parallel degree: stages splitting the decoder's blocks."""
     strategy: str = "ring"
     ulysses: int = 0
     """strategy=hybrid: the all-to-all (Ulysses) degree inside each cp group; ring across."""
@@ -129,16 +138,19 @@ def validate(cfg: TrainConfig, world_size: int) -> tuple[int, int]:
         raise ValueError(f"unknown --dtype {cfg.dtype!r}; choose from {', '.join(DTYPES)}")
     if world_size < 1:
         raise ValueError(f"--nproc must be >= 1, got {world_size}")
-    dp, cp = degrees(world_size, cfg.dp, cfg.cp)
+    dp, cp = degrees(world_size, cfg.dp, cfg.cp, cfg.tp, cfg.pp)
     if cfg.layout not in ringattn.LAYOUTS:
         raise ValueError(f"unknown --layout {cfg.layout!r}; choose from {sorted(ringattn.LAYOUTS)}")
     chunks = cp * ringattn.LAYOUTS[cfg.layout].chunks_per_rank
-    if cfg.seq_len % chunks:
+    if cfg.seq_len % chunks and not cfg.hf:  # ringattn.hf pads any length
         fixed = -(-cfg.seq_len // chunks) * chunks
         raise ValueError(
             f"--seq-len {cfg.seq_len} is not divisible by {chunks} ({cfg.layout} layout on cp={cp} "
             f"ranks); use {fixed}"
         )
+    check_tensor_parallel(cfg.model_config(), cfg.tp, cfg.seq_len // cp)
+    if cfg.pp > 1:
+        raise ValueError(f"--pp {cfg.pp}: pipeline parallelism is not implemented yet; use --pp 1")
     if cfg.strategy == "hybrid" and not (cfg.ulysses > 0 and cp % cfg.ulysses == 0):
         raise ValueError(
             f"--strategy hybrid needs --ulysses U, a divisor of cp={cp} (Ulysses "
@@ -149,5 +161,12 @@ def validate(cfg: TrainConfig, world_size: int) -> tuple[int, int]:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
     if cfg.fail_at_step >= 0 and not 0 <= cfg.fail_rank < world_size:
         raise ValueError(f"--fail-rank {cfg.fail_rank} is not a rank of {world_size}")
-    get_dataset(cfg.data, cfg.seq_len, cfg.seed, cfg.keys, cfg.copies, cfg.noisy)  # its own checks
+    if cfg.hf:  # the model, its tokenizer and the text (transformers imported only here)
+        from ringattn.train.hf_recipe import check
+
+        check(cfg)
+    elif cfg.export:
+        raise ValueError("--export writes a Hugging Face model directory: it needs --hf DIR")
+    else:
+        get_dataset(cfg.data, cfg.seq_len, cfg.seed, cfg.keys, cfg.copies, cfg.noisy)
     return dp, cp

@@ -38,6 +38,15 @@ def add_arguments(p: argparse.ArgumentParser, d: TrainConfig, *, demo: bool = Fa
         default=d.kv_heads,
         help="key/value heads (GQA); 0 keeps the preset's",
     )
+    if not demo:
+        m.add_argument(
+            "--hf",
+            default=d.hf,
+            metavar="DIR",
+            help="train this local Hugging Face model directory (config.json, weights, "
+            "tokenizer) or bare config.json (random init) instead of the decoder; needs "
+            "--data text:PATH (packed documents)",
+        )
     g = p.add_argument_group("parallelism")
     g.add_argument(
         "--nproc",
@@ -56,6 +65,18 @@ def add_arguments(p: argparse.ArgumentParser, d: TrainConfig, *, demo: bool = Fa
         type=int,
         default=d.dp,
         help="data-parallel degree: groups reading different sequences (0 = nproc / cp)",
+    )
+    g.add_argument(
+        "--tp",
+        type=int,
+        default=d.tp,
+        help="tensor-parallel degree: ranks splitting each layer's heads and MLP",
+    )
+    g.add_argument(
+        "--pp",
+        type=int,
+        default=d.pp,
+        help="pipeline-parallel degree: stages splitting the decoder's blocks",
     )
     g.add_argument(
         "--strategy",
@@ -103,7 +124,8 @@ def add_arguments(p: argparse.ArgumentParser, d: TrainConfig, *, demo: bool = Fa
         "--data",
         default=d.data,
         help="key-value (the long-range retrieval task) or text:PATH (bytes of a file "
-        "or of every file in a directory)",
+        "or of every file in a directory; with --hf: one document per file of a directory or "
+        "per blank-line-separated block of a file)",
     )
     t.add_argument(
         "--seq-len",
@@ -158,6 +180,14 @@ def add_arguments(p: argparse.ArgumentParser, d: TrainConfig, *, demo: bool = Fa
         help="save every N steps and at the end (0 = only at the end, -1 = never)",
     )
     o.add_argument("--keep", type=int, default=d.keep, help="complete checkpoints to keep")
+    if not demo:
+        o.add_argument(
+            "--export",
+            default=d.export,
+            metavar="DIR",
+            help="--hf: after training, write the final checkpoint's model as a "
+            "save_pretrained directory (AutoModelForCausalLM.from_pretrained(DIR) loads it)",
+        )
     o.add_argument(
         "--stop-at",
         type=int,
@@ -250,7 +280,10 @@ def add_train_command(sub: argparse._SubParsersAction) -> None:
 def _run_train(args: argparse.Namespace) -> int:
     from ringattn.train.main import run_train
 
-    summary = run_train(config_from_args(args))
+    cfg = config_from_args(args)
+    if cfg.hf:  # a transformers model: says what it trains, then exports and plots
+        from ringattn.train.hf_run import run_hf_train as run_train
+    summary = run_train(cfg)
     if summary.get("checkpoint") and summary.get("rank", 0) == 0:
         print(f"checkpoint: {summary['checkpoint']}")
     return 0

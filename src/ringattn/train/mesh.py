@@ -1,6 +1,8 @@
-"""Parallelism applied to a plain model from outside: a dp x cp mesh, CP attention, FSDP2.
+"""Parallelism applied to a plain model from outside: one ("pp", "dp", "cp", "tp") DeviceMesh, CP
+attention, tensor parallelism, FSDP2.
 
-    world of W = dp * cp ranks, as a DeviceMesh ("dp", "cp"), rank = dp_rank * cp + cp_rank:
+    world of W = pp * dp * cp * tp ranks, rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp
+    + tp_rank (tp innermost: the ranks that talk most are neighbours). With pp = tp = 1:
 
               cp 0   cp 1   cp 2   cp 3
         dp 0  r0     r1     r2     r3      <- one sequence, its tokens sharded over a cp row
@@ -9,19 +11,24 @@
 - cp: the ranks of a row hold the shards of the same sequences; attention layers are given the
   row's group (`set_context_parallel`), everything else is per token and untouched.
 - dp: rows read different samples.
-- Parameters are sharded with FSDP2 (`fully_shard`) over ALL W ranks, dp and cp together, as
-  torchtitan does. The parameters are the same on every rank of a cp row, and each rank's
-  gradient is only its tokens' share, so the gradients must be summed over cp as well as over dp:
-  FSDP's reduce-scatter over the whole world does exactly that, and sharding over cp too divides
-  parameter, gradient and optimizer memory by W instead of by dp. The reduction is a SUM
-  (divide factor 1): each rank's loss is already its sum of token losses divided by the number of
-  supervised tokens in the whole global batch, so the sum over ranks is the global mean.
+- tp: the ranks of a tp group hold the same tokens and split each layer's heads and MLP columns
+  (tensor_parallel.py); between layers the residual stream is split over tp by sequence.
+- pp: the decoder's blocks split into stages (pipeline.py).
+- Parameters are sharded with FSDP2 (`fully_shard`) over the flattened dp x cp sub-mesh
+  ("dp_cp"), as torchtitan does; with tp > 1 they are already TP DTensors and FSDP shards them
+  again over dp_cp (2-D parameters on the ("dp_cp", "tp") mesh). The parameters are the same on
+  every rank of a cp row, and each rank's gradient is only its tokens' share, so the gradients
+  must be summed over cp as well as over dp: FSDP's reduce-scatter over dp_cp does exactly that,
+  and sharding over cp too divides parameter, gradient and optimizer memory by dp x cp instead of
+  by dp. The reduction is a SUM (divide factor 1): each rank's loss is already its sum of token
+  losses divided by the number of supervised tokens in the whole global batch, so the sum over
+  ranks is the global mean.
 
 FSDP2 works with gloo on CPU in torch 2.13 (checked: reduce-scatter, all-gather, DCP state dicts).
 
 `parallelize` is the decoder's: `run.DECODER` pairs it with the model's constructor, and a
-model family with other layers (or tensor/pipeline parallelism) brings its own. `sum_over_world`
-and `gather_over_world` are the trainer's two scalar collectives (loss counts, memory figures).
+model family with other layers brings its own. `sum_over_world` and `gather_over_world` are the
+trainer's two scalar collectives (loss counts, memory figures).
 """
 
 from __future__ import annotations
@@ -34,7 +41,18 @@ from torch import nn
 
 from ringattn.train.model import Transformer, set_context_parallel
 
-__all__ = ["Mesh", "build_mesh", "gather_over_world", "parallelize", "sum_over_world"]
+__all__ = [
+    "DIMS",
+    "Mesh",
+    "build_mesh",
+    "degrees",
+    "gather_over_world",
+    "parallelize",
+    "sum_over_world",
+]
+
+DIMS = ("pp", "dp", "cp", "tp")
+"""The mesh's dimension names, outermost first."""
 
 
 @dataclass
@@ -45,54 +63,78 @@ class Mesh:
     cp: int
     dp_rank: int
     cp_rank: int
-    cp_group: object  # 1-D DeviceMesh of this rank's cp row, or None for one process
-    fsdp_mesh: object  # 1-D DeviceMesh of all ranks, or None
+    cp_group: object  # 1-D DeviceMesh of this rank's cp row (2-D for hybrid), or None
+    fsdp_mesh: object  # 1-D DeviceMesh "dp_cp" of the ranks FSDP shards over, or None
+    tp: int = 1
+    pp: int = 1
+    tp_rank: int = 0
+    pp_rank: int = 0
+    tp_mesh: object = None  # 1-D DeviceMesh "tp", or None
+    pp_group: object = None  # process group of this rank's pipeline, or None
+    device_mesh: object = None  # the whole ("pp", "dp", "cp", "tp") DeviceMesh, or None
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.cp
+        return self.pp * self.dp * self.cp * self.tp
 
 
-def degrees(world_size: int, dp: int, cp: int) -> tuple[int, int]:
-    """(dp, cp) for `world_size` ranks; 0 means "what is left". ValueError when they do not fit."""
+def degrees(world_size: int, dp: int, cp: int, tp: int = 1, pp: int = 1) -> tuple[int, int]:
+    """(dp, cp) for `world_size` ranks given tp and pp; dp or cp 0 means "what is left".
+    ValueError when the four degrees do not multiply to the world size."""
+    if tp < 1 or pp < 1:
+        raise ValueError(f"--tp and --pp must be >= 1, got tp={tp}, pp={pp}")
     if dp < 0 or cp < 0:
         raise ValueError(f"--dp and --cp must be >= 0 (0 = the rest), got dp={dp}, cp={cp}")
+    rest = world_size // (tp * pp) if world_size % (tp * pp) == 0 else 0
     if dp == 0 and cp == 0:
         dp = 1
     if dp == 0:
-        dp = world_size // cp if cp and world_size % cp == 0 else 0
+        dp = rest // cp if cp and rest % cp == 0 else 0
     if cp == 0:
-        cp = world_size // dp if world_size % dp == 0 else 0
-    if dp * cp != world_size:
+        cp = rest // dp if rest % dp == 0 else 0
+    if pp * dp * cp * tp != world_size:
         raise ValueError(
-            f"dp x cp must equal the number of processes: dp={dp or '?'} x cp={cp or '?'} != "
-            f"{world_size}; pick degrees whose product is {world_size}"
+            f"pp x dp x cp x tp must equal the number of processes: pp={pp} x dp={dp or '?'} x "
+            f"cp={cp or '?'} x tp={tp} != {world_size}; pick degrees whose product is {world_size}"
         )
     return dp, cp
 
 
-def build_mesh(device: torch.device, dp: int, cp: int, ulysses: int = 0) -> Mesh:
-    """The dp x cp mesh over the default process group (or a single process without one).
+def build_mesh(
+    device: torch.device, dp: int, cp: int, ulysses: int = 0, *, tp: int = 1, pp: int = 1
+) -> Mesh:
+    """The ("pp", "dp", "cp", "tp") mesh over the default process group (or a single process
+    without one).
 
-    `ulysses` > 0 splits each cp row into (cp / ulysses) x ulysses, the 2-D "ring" x "ulysses"
+    `ulysses` > 0 splits the cp dim into (cp / ulysses) x ulysses, the 2-D "ring" x "ulysses"
     mesh that strategy="hybrid" takes as its group.
     """
     world_size = dist.get_world_size() if dist.is_initialized() else 1
-    dp, cp = degrees(world_size, dp, cp)
+    dp, cp = degrees(world_size, dp, cp, tp, pp)
     if not dist.is_initialized():
         return Mesh(1, 1, 0, 0, None, None)
     from torch.distributed.device_mesh import init_device_mesh
 
-    fsdp_mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("fsdp",))
     if ulysses:
         if cp % ulysses:
             raise ValueError(f"--ulysses {ulysses} does not divide cp={cp}; pick a divisor of {cp}")
-        shape, names = (dp, cp // ulysses, ulysses), ("dp", "ring", "ulysses")
-        mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
+        cp_dims: tuple[str, ...] = ("ring", "ulysses")
+        shape = (pp, dp, cp // ulysses, ulysses, tp)
+    else:
+        cp_dims, shape = ("cp",), (pp, dp, cp, tp)
+    names = ("pp", "dp", *cp_dims, "tp")
+    mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
+    cp_group = mesh[cp_dims]
+    if ulysses:
         cp_rank = mesh.get_local_rank("ring") * ulysses + mesh.get_local_rank("ulysses")
-        return Mesh(dp, cp, mesh.get_local_rank("dp"), cp_rank, mesh["ring", "ulysses"], fsdp_mesh)
-    mesh = init_device_mesh(device.type, (dp, cp), mesh_dim_names=("dp", "cp"))
-    return Mesh(dp, cp, mesh.get_local_rank("dp"), mesh.get_local_rank("cp"), mesh["cp"], fsdp_mesh)
+    else:
+        cp_rank = mesh.get_local_rank("cp")
+    return Mesh(
+        dp, cp, mesh.get_local_rank("dp"), cp_rank, cp_group,
+        fsdp_mesh=mesh[("dp", *cp_dims)]._flatten("dp_cp"),
+        tp=tp, pp=pp, tp_rank=mesh.get_local_rank("tp"), pp_rank=mesh.get_local_rank("pp"),
+        tp_mesh=mesh["tp"], pp_group=mesh["pp"].get_group(), device_mesh=mesh,
+    )  # fmt: skip
 
 
 def parallelize(
@@ -104,7 +146,8 @@ def parallelize(
     checkpoint_blocks: bool = False,
     param_dtype: torch.dtype | None = None,
 ) -> nn.Module:
-    """Make `model` context-parallel over mesh.cp and shard it with FSDP2 over every rank.
+    """Make `model` context-parallel over mesh.cp, tensor-parallel over mesh.tp (when > 1), and
+    shard it with FSDP2 over dp x cp.
 
     `param_dtype` (e.g. bfloat16) runs forward/backward in that dtype with float32 master
     weights and float32 gradient reduction (FSDP's mixed precision).
@@ -113,6 +156,10 @@ def parallelize(
     model.checkpoint_blocks = checkpoint_blocks
     if mesh.fsdp_mesh is None:
         return model
+    if mesh.tp > 1:
+        from ringattn.train.tensor_parallel import apply_tensor_parallel
+
+        apply_tensor_parallel(model, mesh.tp_mesh)
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)

@@ -129,9 +129,10 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
-        q = self.wq(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, S, D)
-        k = self.wk(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, S, D)
-        v = self.wv(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, S, D)
+        # heads from the projections' width: all of them here, a tp rank's share under TP
+        q = self.wq(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # (B, H, S, D)
+        k = self.wk(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # (B, Hkv, S, D)
+        v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # (B, Hkv, S, D)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = attention(
             q, k, v, causal=True, group=self.group, layout=self.layout, strategy=self.strategy

@@ -51,10 +51,13 @@ class ModelRecipe:
     with cfg.seed just before); `model(inputs, positions, labels)` must return (loss sum,
     supervised tokens, right predictions), see step.py.
     `parallelize(model, mesh, cfg)`: the same model made parallel over `mesh` (returns it).
+    `loader(cfg, mesh, device)`: the run's data when the model brings its own (a tokenizer:
+    hf_recipe.HF); None: data.Loader over `--data`.
     """
 
     build: Callable[[TrainConfig], nn.Module]
     parallelize: Callable[[nn.Module, Mesh, TrainConfig], nn.Module]
+    loader: Callable[[TrainConfig, Mesh, torch.device], Loader] | None = None
 
 
 def build_decoder(cfg: TrainConfig) -> Transformer:
@@ -125,17 +128,21 @@ class Run:
             "history": self.history, "start_step": self.start_step,
             "checkpoint": self.checkpoint, "memory_method": self.memory_method,
             "baseline_mb": self.baseline_mb,
-            "dp": self.mesh.dp, "cp": self.mesh.cp, "rank": self.rank,
+            "dp": self.mesh.dp, "cp": self.mesh.cp, "tp": self.mesh.tp, "pp": self.mesh.pp,
+            "rank": self.rank,
         }  # fmt: skip
 
 
 def build_run(cfg: TrainConfig, device: torch.device, recipe: ModelRecipe | None = None) -> Run:
     """Everything the loop needs, built once (see the module docstring). Collective: every rank
     of the default process group calls it (or one process, without a group)."""
+    if recipe is None and cfg.hf:  # --hf: a transformers model (imports transformers)
+        from ringattn.train.hf_recipe import HF as recipe
     recipe = recipe or DECODER
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     validate(cfg, world_size)
-    mesh = build_mesh(device, cfg.dp, cfg.cp, cfg.ulysses if cfg.strategy == "hybrid" else 0)
+    ulysses = cfg.ulysses if cfg.strategy == "hybrid" else 0
+    mesh = build_mesh(device, cfg.dp, cfg.cp, ulysses, tp=cfg.tp, pp=cfg.pp)
     if cfg.memory_warmup:
         _warm_up(cfg, mesh, device)
     meter = Meter(device).start()
@@ -144,8 +151,12 @@ def build_run(cfg: TrainConfig, device: torch.device, recipe: ModelRecipe | None
     model = recipe.parallelize(recipe.build(cfg).to(device), mesh, cfg)
     optimizer = build_optimizer(model, cfg)
     start_step, resumed_from = _resume(cfg, model, optimizer)
-    dataset = get_dataset(cfg.data, cfg.seq_len, cfg.seed, cfg.keys, cfg.copies, cfg.noisy)
-    data = Loader(dataset, cfg.batch_size, mesh.dp_rank, mesh.dp, mesh.cp_group, cfg.layout, device)
+    if recipe.loader is not None:
+        data = recipe.loader(cfg, mesh, device)
+    else:
+        dataset = get_dataset(cfg.data, cfg.seq_len, cfg.seed, cfg.keys, cfg.copies, cfg.noisy)
+        data = Loader(dataset, cfg.batch_size, mesh.dp_rank, mesh.dp, mesh.cp_group, cfg.layout,
+                      device)  # fmt: skip
     return Run(cfg, device, mesh, model, optimizer, data, meter, baseline_mb=baselines,
                start_step=start_step, resumed_from=resumed_from)  # fmt: skip
 
@@ -155,10 +166,11 @@ def _warm_up(cfg: TrainConfig, mesh: Mesh, device: torch.device) -> None:
     freed: loads kernels' code pages and creates communication buffers before the memory
     baseline is taken."""
     torch.manual_seed(cfg.seed)
-    tiny = ModelConfig(dim=16, n_layers=1, n_heads=2, n_kv_heads=1)
+    tp = mesh.tp  # heads and tokens that split over tp as the real model's do
+    tiny = ModelConfig(dim=16 * tp, n_layers=1, n_heads=2 * tp, n_kv_heads=tp, ffn_dim=32 * tp)
     model = parallelize_decoder(_decoder(tiny, cfg).to(device), mesh, cfg)
     optimizer = build_optimizer(model, cfg)
-    tokens = torch.zeros(1, 8 * mesh.cp, dtype=torch.int64)
+    tokens = torch.zeros(1, 8 * mesh.cp * tp, dtype=torch.int64)
     batch = shard_batch(tokens, tokens, mesh.cp_group, cfg.layout, device)
     loss, _, _ = model(batch.inputs, batch.positions, batch.labels)
     loss.backward()

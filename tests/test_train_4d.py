@@ -1,0 +1,107 @@
+"""4-D parallelism in the trainer: tp x cp and dp x tp equal one process step by step, a DCP
+checkpoint saved under cp 4 resumes under cp 2 x tp 2 with the same next-step loss, and bad
+degrees fail before anything launches.
+
+Multi-rank cases run the real training loop (build_run + loop.train) in a pool of 4 gloo ranks
+(workers_train.py, workers_train_4d.py); the reference is the same model on one process.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ringattn.train.config import TrainConfig, validate
+
+# 2 layers of width 32, 4 heads / 2 kv heads, 64-token sequences, 3 steps
+TINY = {"model": "tiny", "dim": 32, "seq_len": 64, "keys": 3, "copies": 2, "steps": 3,
+        "warmup": 1, "lr": 1e-2, "quiet": True, "checkpoint_every": -1}  # fmt: skip
+GLOBAL_BATCH = 4  # sequences per step over all dp groups
+
+
+def _options(tmp_path, name: str, **overrides) -> dict:
+    return {**TINY, "out_dir": str(tmp_path / name), **overrides}
+
+
+def _single(pools, tmp_path) -> dict:
+    return pools(1).run("workers_train:train", _options(tmp_path, "one", batch_size=GLOBAL_BATCH))[
+        0
+    ]
+
+
+def _assert_same(got: dict, want: dict) -> None:
+    """Losses within 1e-5 relative; every parameter close (the tolerance of test_train.py)."""
+    torch.testing.assert_close(torch.tensor(got["losses"], dtype=torch.float64),
+                               torch.tensor(want["losses"], dtype=torch.float64),
+                               rtol=1e-5, atol=0)  # fmt: skip
+    assert got["params"].keys() == want["params"].keys()
+    for name, value in want["params"].items():
+        torch.testing.assert_close(got["params"][name], value, rtol=1e-4, atol=1e-4,
+                                   msg=lambda m, name=name: f"{name}: {m}")  # fmt: skip
+
+
+@pytest.mark.parametrize("dp, cp, tp", [(1, 2, 2), (2, 1, 2)])
+def test_tensor_parallel_training_equals_one_process(pools, tmp_path, dp, cp, tp):
+    """fp32, 4 ranks: tp 2 x cp 2 and dp 2 x tp 2 give the single process's losses and weights
+    after 3 steps (the zigzag ring over cp, heads and MLP over tp, FSDP2 over dp x cp)."""
+    want = _single(pools, tmp_path)
+    options = _options(tmp_path, "four", dp=dp, cp=cp, tp=tp, batch_size=GLOBAL_BATCH // dp)
+    got = pools(4).run("workers_train:train", options)
+    assert got[0]["dp_cp"] == (dp, cp)
+    _assert_same(got[0], want)
+    assert want["losses"][0] != want["losses"][-1]  # the steps trained
+
+
+def test_parameters_are_split_over_tp_and_sharded_over_dp_cp(pools, tmp_path):
+    """Under cp 2 x tp 2 the query projection is split by output rows over tp (ColwiseParallel),
+    the output projection by input columns (RowwiseParallel), norms replicated over tp; FSDP then
+    shards each over dp x cp: the local shards are 1/4 (1/2 for norms) of the whole."""
+    results = pools(4).run("workers_train_4d:sharding", _options(tmp_path, "s", cp=2, tp=2))
+    assert [r["coords"] for r in results] == [(0, 0, c, t) for c in range(2) for t in range(2)]
+    assert results[0]["degrees"] == (1, 1, 2, 2)
+    assert results[0]["mesh_dims"] == ("pp", "dp", "cp", "tp")
+    params = results[0]["params"]
+    local, full, placements = params["layers.0.attention.wq.weight"]  # (32, 32): 4 heads of 8
+    assert full == (32, 32) and local == (8, 32) and placements[-1] == "Shard"
+    local, full, _ = params["layers.0.attention.wo.weight"]
+    assert full == (32, 32) and local == (16, 16)  # rows over dp_cp, columns over tp
+    local, full, placements = params["layers.0.attention_norm.weight"]
+    assert full == (32,) and local == (16,) and placements[-1] == "Replicate"
+
+
+def test_checkpoint_saved_under_cp4_resumes_under_cp2_tp2(pools, tmp_path):
+    """Two steps under cp 4, checkpointed; the third step under cp 2 x tp 2 from that checkpoint
+    has the loss of the uninterrupted run's third step (and of one process)."""
+    want = _single(pools, tmp_path)
+    run = _options(tmp_path, "run", cp=4, batch_size=GLOBAL_BATCH, checkpoint_every=0)
+    first = pools(4).run("workers_train:train", {**run, "stop_at": 2})[0]
+    assert first["start_step"] == 0 and len(first["losses"]) == 2
+    second = pools(4).run("workers_train:train", {**run, "cp": 2, "tp": 2})[0]
+    assert second["start_step"] == 2 and second["dp_cp"] == (1, 2)
+    _assert_same({**second, "losses": first["losses"] + second["losses"]}, want)
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        ({"cp": 2, "tp": 3}, r"pp=1 x dp=1 x cp=2 x tp=3 != 4; pick degrees whose product is 4"),
+        ({"dp": 0, "cp": 0, "tp": 3}, r"pp x dp x cp x tp must equal the number of processes"),
+        ({"tp": 4, "cp": 1}, r"--kv-heads \(2\) is not divisible by --tp 4.*pick --tp among"),
+        ({"tp": 0}, r"--tp and --pp must be >= 1, got tp=0"),
+        ({"tp": 2, "cp": 2, "seq_len": 66}, r"--seq-len 66 is not divisible by 4"),
+        ({"tp": 4, "cp": 1, "heads": 8, "kv_heads": 4, "seq_len": 66},
+         r"66 tokens per cp rank are not divisible by --tp 4"),
+    ],
+)  # fmt: skip
+def test_bad_degrees_fail_before_launching(tmp_path, overrides, match):
+    """validate() is what the parent runs before launching and every rank before its first
+    collective: the same ValueError with the values and the fix."""
+    with pytest.raises(ValueError, match=match):
+        validate(TrainConfig(**_options(tmp_path, "bad", **overrides)), 4)
+
+
+def test_bad_degrees_raise_on_every_rank(pools, tmp_path):
+    """Under torchrun (no parent check) every rank raises the same error before any collective."""
+    options = _options(tmp_path, "bad", tp=4, cp=1)
+    pools(4).run_expect_error("workers_train:train", options, match="not divisible by --tp 4",
+                              exc_type=ValueError)  # fmt: skip

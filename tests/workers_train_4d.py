@@ -1,0 +1,28 @@
+"""Worker functions for tests/test_train_4d.py, run on every rank of a WorkerPool (harness.py)."""
+
+from __future__ import annotations
+
+import torch
+
+from ringattn.train.config import TrainConfig
+from ringattn.train.run import build_run
+
+CPU = torch.device("cpu")
+
+
+def sharding(rank: int, world_size: int, options: dict) -> dict:
+    """How the run's parameters are laid out on this rank: mesh degrees and coordinates, each
+    parameter's local shape and its placements (names of the DTensor placements, or None)."""
+    run = build_run(TrainConfig(**options), CPU)
+    mesh = run.mesh
+    params = {}
+    for name, p in run.model.named_parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        placements = [type(x).__name__ for x in p.placements] if hasattr(p, "placements") else None
+        params[name] = (tuple(local.shape), tuple(p.shape), placements)
+    return {
+        "degrees": (mesh.pp, mesh.dp, mesh.cp, mesh.tp),
+        "coords": (mesh.pp_rank, mesh.dp_rank, mesh.cp_rank, mesh.tp_rank),
+        "mesh_dims": tuple(mesh.device_mesh.mesh_dim_names),
+        "params": params,
+    }
