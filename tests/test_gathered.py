@@ -33,7 +33,11 @@ def _pairs(blocks, rows, cols):
     for b in blocks:
         m, n = b.q_stop - b.q_start, b.kv_stop - b.kv_start
         assert m > 0 and n > 0, b
-        if b.band is not None:
+        if b.tiles is not None:  # packed documents: each tile's own mask
+            mask = torch.zeros(m, n, dtype=torch.bool)
+            for t, (q0, q1, k0, k1) in enumerate(b.tiles.spans):
+                mask[q0:q1, k0:k1] = b.tiles.mask(t)
+        elif b.band is not None:
             mask = band_mask(m, n, b.band, torch.device("cpu"))
         elif b.causal:
             mask = torch.ones(m, n, dtype=torch.bool).tril()

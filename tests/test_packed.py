@@ -121,6 +121,16 @@ def _cases():
                 },
             )
         )
+    # many tiny documents (tiled blocks), alone and around a document longer than a tile
+    tiny = _random_bounds(300, 6, seed=9)
+    mixed = tiny[:150] + [tiny[149] + 700] + [b + 700 for b in tiny[150:]]
+    for w, layout, bounds, extra in (
+        (4, "zigzag", tiny, {"dtype": "float32"}),
+        (4, "striped", tiny, {"window": (3, 0)}),
+        (3, "contiguous", mixed, {"hq": 4, "hkv": 1}),
+        (3, "zigzag", mixed, {"window": (40, 2), "causal": False}),
+    ):
+        cases.append((w, {"bounds": bounds, "layout": layout, "causal": True, **extra}))
     # ring-flash-attention's document test: boundaries [0, 120, 1248, 4232] at W = 8
     cases.append(
         (

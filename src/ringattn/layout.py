@@ -41,6 +41,10 @@ class Block:
 
     `band = (lo, hi)` marks a banded block (sliding windows): key j is visible to query i iff
     lo <= j - i <= hi, block-local, and every query row of the block sees at least one key.
+
+    `tiles` marks a tiled block (many short packed documents): the block's rows are covered by
+    disjoint tiles, each one kernel call with the mask `Tiles.mask` gives; rows outside every
+    tile, and rows that see no key, get out = 0 and lse = -inf.
     """
 
     q_start: int
@@ -49,6 +53,47 @@ class Block:
     kv_stop: int
     causal: bool = False
     band: tuple[int, int] | None = None
+    tiles: Tiles | None = None
+
+
+@dataclass(frozen=True, eq=False)
+class Tiles:
+    """The tiles of one tiled block and what their masks are made of.
+
+    spans: (q0, q1, k0, k1) per tile, rows relative to the block's q_start / kv_start, disjoint
+    and increasing on both sides. q_pos, q_doc (k_pos, k_doc): global token index and document
+    of each of the block's query (key) rows, -1 for padding. Key j is visible to query i iff
+    both are real tokens of the same document, causal and window allowing (global offsets).
+    Compared and hashed by identity.
+    """
+
+    spans: tuple[tuple[int, int, int, int], ...]
+    q_pos: torch.Tensor
+    q_doc: torch.Tensor
+    k_pos: torch.Tensor
+    k_doc: torch.Tensor
+    causal: bool
+    window: tuple[int, int] | None
+
+    def mask(self, tile: int) -> torch.Tensor:
+        """(q1 - q0, k1 - k0) bool: True where the tile's key j is visible to its query i."""
+        q0, q1, k0, k1 = self.spans[tile]
+        q_doc = self.q_doc[q0:q1].unsqueeze(1)
+        visible = (q_doc == self.k_doc[k0:k1].unsqueeze(0)) & (q_doc >= 0)
+        offset = self.k_pos[k0:k1].unsqueeze(0) - self.q_pos[q0:q1].unsqueeze(1)
+        if self.causal:
+            visible &= offset <= 0
+        if self.window is not None:
+            left, right = self.window
+            if left >= 0:
+                visible &= offset >= -left
+            if right >= 0:
+                visible &= offset <= right
+        return visible
+
+    def visible_pairs(self) -> int:
+        """Visible (query, key) pairs over all tiles: the attention work actually needed."""
+        return sum(int(self.mask(t).sum()) for t in range(len(self.spans)))
 
 
 @dataclass(frozen=True)

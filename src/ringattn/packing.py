@@ -21,22 +21,31 @@ j_g - i_g = (k_start - q_start) + s * (j - i). Causality (j_g <= i_g) and a wind
 cut to the rows and keys the band touches, then classified: full, causal (square, top-left) or a
 general band. Runs of different documents never meet, and padding is in no run, so it is never
 attended to, never attends, and gets out = 0 and zero gradients.
+
+Cost. Each rank's runs are indexed by document (`Placement.doc_spans`), so the blocks of a
+(rank, src) pair come from the documents both hold, never from all pairs of runs; everything
+derived from a placement is memoised on it under small keys, never under the placement's hash.
 """
 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
+from typing import NamedTuple
 
 import torch
 
 from ringattn.layout import Block, Layout
 
+# one document on one rank: runs[first:stop] of that rank, real local rows [lo, hi), global
+# tokens gmin..gmax (runs of a document are consecutive and in order on every rank)
+Span = tuple[int, int, int, int, int, int]
 
-@dataclass(frozen=True)
-class Run:
-    """Real tokens of one document on one rank (see module docstring)."""
+
+class Run(NamedTuple):
+    """Real tokens of one document on one rank (see module docstring). A named tuple: placements
+    of thousands of documents make tens of thousands of runs."""
 
     local_start: int
     length: int
@@ -47,24 +56,58 @@ class Run:
 
 @dataclass(frozen=True)
 class Placement:
-    """Where every global token of a packed sequence lives, for one layout and world size."""
+    """Where every global token of a packed sequence lives, for one layout and world size.
+
+    `memo` holds what is derived from the placement (per-rank tables, step plans), keyed by small
+    tuples: a lookup never hashes the placement itself.
+    """
 
     bounds: tuple[int, ...]  # cu_seqlens
     world_size: int
     local_len: int
     runs: tuple[tuple[Run, ...], ...]  # per rank
+    memo: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def seq_len(self) -> int:
         return self.bounds[-1]
 
+    def rows(self, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(global index, document) of each local row as (local_len,) int64, -1 for padding.
+
+        Built once per rank, vectorised over the runs; callers must not write into them.
+        """
+        key = ("rows", rank)
+        if key not in self.memo:
+            index, doc = [-1] * self.local_len, [-1] * self.local_len
+            for run in self.runs[rank]:
+                stop = run.local_start + run.length
+                index[run.local_start : stop] = range(
+                    run.global_start, run.global_start + run.length * run.stride, run.stride
+                )
+                doc[run.local_start : stop] = [run.doc] * run.length
+            self.memo[key] = (torch.tensor(index), torch.tensor(doc))
+        return self.memo[key]
+
     def global_indices(self, rank: int) -> torch.Tensor:
         """(local_len,) int64: each local row's global token index, -1 for padding."""
-        index = torch.full((self.local_len,), -1, dtype=torch.int64)
-        for run in self.runs[rank]:
-            rows = slice(run.local_start, run.local_start + run.length)
-            index[rows] = torch.arange(run.length) * run.stride + run.global_start
-        return index
+        return self.rows(rank)[0].clone()
+
+    def doc_spans(self, rank: int) -> dict[int, Span]:
+        """Document -> its Span on `rank`, in local order (the index steps are planned from)."""
+        key = ("spans", rank)
+        if key not in self.memo:
+            spans: dict[int, Span] = {}
+            for i, run in enumerate(self.runs[rank]):
+                last = run.global_start + (run.length - 1) * run.stride
+                stop = run.local_start + run.length
+                hit = spans.get(run.doc)
+                if hit is None:
+                    spans[run.doc] = (i, i + 1, run.local_start, stop, run.global_start, last)
+                else:
+                    spans[run.doc] = (hit[0], i + 1, hit[2], stop, hit[4], max(hit[5], last))
+            self.memo[key] = spans
+        return self.memo[key]
 
     @property
     def has_padding(self) -> bool:
@@ -126,21 +169,27 @@ def place(layout: Layout, world_size: int, bounds: tuple[int, ...]) -> Placement
     for index, (seg_start, seg_stop) in enumerate(segments):
         if seg_stop == seg_start:
             continue
-        n, pieces = layout.split(seg_stop - seg_start, world_size)
+        n, pieces = _split(layout, seg_stop - seg_start, world_size)
         for part, rank_pieces in enumerate(pieces):
             # rotate by document: the early (often the only real) pieces of short documents
             # land on different ranks instead of always on rank 0
-            rank = (part + index) % world_size
+            held = runs[(part + index) % world_size]
             for piece in rank_pieces:
-                if piece.count:
-                    first = seg_start + piece.global_offset
-                    runs[rank].extend(
-                        _cut_at_documents(
-                            offset + piece.local_offset, first, piece.count, piece.stride, bounds
-                        )
-                    )
+                if not piece.count:
+                    continue
+                local, first = offset + piece.local_offset, seg_start + piece.global_offset
+                if layout.per_document:  # a piece of one document: its run as it is
+                    held.append(Run(local, piece.count, first, piece.stride, index))
+                else:
+                    held.extend(_cut_at_documents(local, first, piece.count, piece.stride, bounds))
         offset += n
     return Placement(bounds, world_size, offset, tuple(tuple(r) for r in runs))
+
+
+@lru_cache(maxsize=4096)
+def _split(layout: Layout, length: int, world_size: int):
+    """layout.split, memoised: packed batches repeat document lengths."""
+    return layout.split(length, world_size)
 
 
 def _cut_at_documents(local_start, global_start, count, stride, bounds) -> list[Run]:
@@ -185,13 +234,7 @@ def run_pair_blocks(
     """Blocks of query run `q_run` against key run `k_run` (see module docstring)."""
     if q_run.doc != k_run.doc or q_run.stride != k_run.stride:
         return []
-    inf = float("inf")
-    lo_g, hi_g = -inf, inf
-    if window is not None:
-        lo_g = -inf if window[0] < 0 else -window[0]
-        hi_g = inf if window[1] < 0 else window[1]
-    if causal:
-        hi_g = min(hi_g, 0)
+    lo_g, hi_g = _global_band(causal, window)
     shift, stride = k_run.global_start - q_run.global_start, q_run.stride
     lo = _ceildiv(lo_g - shift, stride)  # band on local indices: lo <= j - i <= hi
     hi = _floordiv(hi_g - shift, stride)
@@ -216,21 +259,89 @@ def run_pair_blocks(
     return [Block(q0, q0 + rows, k0, k0 + cols, band=(int(max(lo, -rows)), int(min(hi, cols))))]
 
 
-@lru_cache(maxsize=4096)
 def placement_blocks(
     placement: Placement, rank: int, src: int, causal: bool, window: tuple[int, int] | None
 ) -> tuple[Block, ...]:
-    """All blocks of rank `rank`'s queries against rank `src`'s keys."""
-    blocks: list[Block] = []
-    for q_run in placement.runs[rank]:
-        for k_run in placement.runs[src]:
-            blocks.extend(run_pair_blocks(q_run, k_run, causal, window))
-    return tuple(blocks)
+    """Exact blocks of rank `rank`'s queries against rank `src`'s keys: one per piece of every
+    document the two ranks share (full, causal or banded). Linear in the documents they hold."""
+    key = ("exact", rank, src, causal, window)
+    if key not in placement.memo:
+        q_runs, k_runs = placement.runs[rank], placement.runs[src]
+        k_spans = placement.doc_spans(src)
+        blocks: list[Block] = []
+        for doc, qs in placement.doc_spans(rank).items():
+            ks = k_spans.get(doc)
+            if ks is not None and may_meet(qs, ks, causal, window):
+                for q_run in q_runs[qs[0] : qs[1]]:
+                    for k_run in k_runs[ks[0] : ks[1]]:
+                        blocks.extend(run_pair_blocks(q_run, k_run, causal, window))
+        placement.memo[key] = tuple(blocks)
+    return placement.memo[key]
+
+
+def may_meet(qs: Span, ks: Span, causal: bool, window: tuple[int, int] | None) -> bool:
+    """Whether a document's queries on one rank may see its keys on another (Spans). Exact
+    without a window (some key at or before the last query); with one, the global ranges of
+    the two within the window (a superset, narrowed by the run-level test)."""
+    lo_g, hi_g = _global_band(causal, window)
+    return ks[4] <= qs[5] + hi_g and ks[5] >= qs[4] + lo_g
+
+
+def _global_band(causal: bool, window: tuple[int, int] | None) -> tuple[float, float]:
+    """(lo, hi): key g_k visible to query g_q of the same document iff lo <= g_k - g_q <= hi."""
+    inf = float("inf")
+    lo_g, hi_g = -inf, inf
+    if window is not None:
+        lo_g = -inf if window[0] < 0 else -window[0]
+        hi_g = inf if window[1] < 0 else window[1]
+    return lo_g, (min(hi_g, 0) if causal else hi_g)
+
+
+def meeting_pairs(
+    placement: Placement, causal: bool, window: tuple[int, int] | None
+) -> frozenset[tuple[int, int]]:
+    """(rank, src) pairs of ranks whose blocks are not empty: how far the ring must go.
+
+    Computed once per placement from the documents' Spans: a pair already found is never tested
+    again, and the search stops once every pair is found (the usual case without a window), so
+    the cost is about linear in the documents. Windows narrow by the run-level test.
+    """
+    key = ("pairs", causal, window)
+    if key in placement.memo:
+        return placement.memo[key]
+    world_size = placement.world_size
+    spans = [placement.doc_spans(r) for r in range(world_size)]
+    holders: dict[int, list[int]] = {}
+    for rank in range(world_size):
+        for doc in spans[rank]:
+            holders.setdefault(doc, []).append(rank)
+    pairs: set[tuple[int, int]] = set()
+    for doc, ranks in holders.items():
+        for rank in ranks:
+            qs = spans[rank][doc]
+            for src in ranks:
+                ks = spans[src][doc]
+                if (rank, src) in pairs or not may_meet(qs, ks, causal, window):
+                    continue
+                if window is None or _runs_meet(placement, rank, qs, src, ks, causal, window):
+                    pairs.add((rank, src))
+        if len(pairs) == world_size * world_size:
+            break
+    placement.memo[key] = frozenset(pairs)
+    return placement.memo[key]
+
+
+def _runs_meet(placement, rank, qs, src, ks, causal, window) -> bool:
+    q_runs = placement.runs[rank][qs[0] : qs[1]]
+    k_runs = placement.runs[src][ks[0] : ks[1]]
+    return any(run_pair_blocks(a, b, causal, window) for a in q_runs for b in k_runs)
 
 
 def block_pairs(block: Block) -> int:
     """Visible (query, key) pairs in one block: the attention work it does."""
     rows, cols = block.q_stop - block.q_start, block.kv_stop - block.kv_start
+    if block.tiles is not None:
+        return block.tiles.visible_pairs()
     if block.causal:
         return rows * (rows + 1) // 2
     if block.band is None:

@@ -24,10 +24,13 @@ class Kernel:
 
     Kernels with `supports_band` also run banded blocks (sliding windows): `forward_band` and
     `backward_band` take `band = (lo, hi)`, key j visible to query i iff lo <= j - i <= hi.
+    Kernels with `supports_mask` run any boolean (Sq, Sk) mask (`forward_mask`, `backward_mask`;
+    the tiles of packed documents): a row that sees no key gets out = 0 and lse = -inf.
     """
 
     name: str = ""
     supports_band: bool = False
+    supports_mask: bool = False
 
     def supports(self, q: torch.Tensor, k: torch.Tensor) -> str | None:
         raise NotImplementedError

@@ -32,6 +32,7 @@ class CpuFlashKernel(Kernel):
 
     name = "cpu_flash"
     supports_band = True
+    supports_mask = True
 
     def supports(self, q, k):
         if q.device.type != "cpu":
@@ -39,21 +40,40 @@ class CpuFlashKernel(Kernel):
         return None
 
     @staticmethod
-    def _bias(q, k, band):
-        """Additive mask in q's dtype (the op's rule); every row of a band block sees a key."""
-        visible = band_mask(q.shape[2], k.shape[2], band, q.device)
+    def _bias(q, visible):
+        """Additive mask in q's dtype (the op's rule): 0 where visible, -inf elsewhere."""
         return torch.zeros(visible.shape, dtype=q.dtype).masked_fill(~visible, -math.inf)
 
     def forward_band(self, q, k, v, band, scale):
-        q, k, v = dense_last(*upcast_half(q, k, v))
-        bias = self._bias(q, k, band)
-        return aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, False, attn_mask=bias, scale=scale
-        )
+        # every row of a band block sees a key, so the op's lse needs no fix-up
+        visible = band_mask(q.shape[2], k.shape[2], band, q.device)
+        return self._masked_forward(q, k, v, self._bias(upcast_half(q)[0], visible), scale)
 
     def backward_band(self, dout, q, k, v, out, lse, band, scale):
+        visible = band_mask(q.shape[2], k.shape[2], band, q.device)
+        return self.backward_mask(dout, q, k, v, out, lse, visible, scale)
+
+    def forward_mask(self, q, k, v, mask, scale):
+        """Any mask; the op gives rows that see no key out = 0 and lse = 0: lse is set to -inf."""
+        out, lse = self._masked_forward(q, k, v, self._bias(upcast_half(q)[0], mask), scale)
+        seen = mask.any(1)
+        if not bool(seen.all()):
+            lse = lse.masked_fill(~seen, -math.inf)
+            out = out.masked_fill(~seen.unsqueeze(-1), 0.0)
+        return out, lse
+
+    @staticmethod
+    def _masked_forward(q, k, v, bias, scale):
+        q, k, v = dense_last(*upcast_half(q, k, v))
+        return aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, False, attn_mask=bias, scale=scale
+        )[:2]
+
+    def backward_mask(self, dout, q, k, v, out, lse, mask, scale):
+        # rows that see no key anywhere have lse = -inf (padding): any finite value keeps their
+        # probabilities exp(-inf - lse) = 0 where exp(-inf - -inf) would be NaN
         dout, q, k, v, out = dense_last(*upcast_half(dout, q, k, v, out))
-        bias = self._bias(q, k, band)
+        lse = lse.masked_fill(torch.isneginf(lse), 0.0).to(q.dtype)
         groups = q.shape[1] // k.shape[1]
         dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout,
@@ -61,10 +81,10 @@ class CpuFlashKernel(Kernel):
             expand_kv(k, groups),
             expand_kv(v, groups),
             out,
-            lse.to(q.dtype),
+            lse,
             0.0,
             False,
-            attn_mask=bias,
+            attn_mask=self._bias(q, mask),
             scale=scale,
         )
         return dq, reduce_kv(dk, groups), reduce_kv(dv, groups)

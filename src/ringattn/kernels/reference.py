@@ -83,6 +83,13 @@ class ReferenceKernel(Kernel):
 
     name = "reference"
     supports_band = True
+    supports_mask = True
+
+    def forward_mask(self, q, k, v, mask, scale):
+        return reference_forward(q, k, v, mask, scale)
+
+    def backward_mask(self, dout, q, k, v, out, lse, mask, scale):
+        return reference_backward(dout, q, k, v, out, lse, mask, scale)
 
     def supports(self, q: torch.Tensor, k: torch.Tensor) -> str | None:
         return None

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from ringattn.comm import GroupInfo
 from ringattn.layout import Block
+from ringattn.packing import meeting_pairs
 from ringattn.plan import Call
 
 _RANGES = ("q_start", "q_stop", "kv_start", "kv_stop")
@@ -129,17 +130,11 @@ class RingSchedule:
 
         Steps past it would only move K/V that no rank attends to (a window shorter than the
         distance between shards), so the ring stops there and sends nothing more. A pure function
-        of the schedule, so every rank stops at the same step.
+        of the placement (`packing.meeting_pairs`, computed once per placement), so every rank
+        stops at the same step.
         """
-        world_size = self.world_size
         if self.call.placement is None:
-            return world_size
-        return 1 + max(
-            (
-                step
-                for rank in range(world_size)
-                for step in range(world_size)
-                if self.blocks(rank, (rank - step) % world_size, local_len)
-            ),
-            default=0,
-        )
+            return self.world_size
+        pairs = meeting_pairs(self.call.placement, self.call.causal, self.call.window)
+        u, world_size = self.group_size, self.world_size
+        return 1 + max(((rank // u - src // u) % world_size for rank, src in pairs), default=0)
