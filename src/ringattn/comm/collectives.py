@@ -69,11 +69,22 @@ def _gather_list(x: torch.Tensor, info: GroupInfo) -> list[torch.Tensor]:
 
 # ---- collectives of the all-gather and Ulysses strategies ---------------------------------------
 
+
 # torch 2.13 names the flat collectives all_gather_single / reduce_scatter_single and deprecates
 # all_gather_into_tensor / reduce_scatter_tensor (a FutureWarning on every call); torch 2.11, on
 # the GPU machine, has only the old names. Not dead code: each branch runs on one of them.
-_ALL_GATHER_FLAT = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_REDUCE_SCATTER_FLAT = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# Looked up per call, so a wrapped or patched torch.distributed is seen.
+def _all_gather_flat(*args, **kwargs):
+    return (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(
+        *args, **kwargs
+    )
+
+
+def _reduce_scatter_flat(*args, **kwargs):
+    return (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(
+        *args, **kwargs
+    )
+
 
 RS_TAG = 2  # ring reduce-scatter messages (the ring strategy uses tags 0 and 1)
 
@@ -87,7 +98,7 @@ def all_gather_async(x: torch.Tensor, info: GroupInfo) -> tuple[torch.Tensor, li
         return x.unsqueeze(0), []
     single_group(info, "all_gather_async")
     out = torch.empty((info.world_size, *x.shape), dtype=x.dtype, device=x.device)
-    work = _ALL_GATHER_FLAT(out.view(-1), x.contiguous().view(-1), group=info.group, async_op=True)
+    work = _all_gather_flat(out.view(-1), x.contiguous().view(-1), group=info.group, async_op=True)
     return out, [work]
 
 
@@ -116,7 +127,7 @@ def reduce_scatter(x: torch.Tensor, info: GroupInfo, *, native: bool | None = No
     x = x.contiguous()
     if _is_nccl(info) if native is None else native:
         out = torch.empty(x.shape[1:], dtype=x.dtype, device=x.device)
-        _REDUCE_SCATTER_FLAT(out.view(-1), x.view(-1), group=info.group)
+        _reduce_scatter_flat(out.view(-1), x.view(-1), group=info.group)
         return out
     ring = RingComm(info)
     send, recv = x[(rank - 1) % world_size].clone(), torch.empty_like(x[0])
