@@ -47,7 +47,7 @@ def test_flags_parse():
         (["attention-demo", "--nproc", "3", "--seq-len", "1000"], "use 1002"),
         (["attention-demo", "--heads", "3", "--kv-heads", "2"], "--heads 3 must be a multiple of"),
         (["train", "--nproc", "3", "--seq-len", "1000"], "use 1002"),
-        (["train", "--nproc", "4", "--dp", "3"], "dp x cp must equal the number of processes"),
+        (["train", "--nproc", "4", "--dp", "3"], "dp x cp x tp must equal the number of processes"),
         (["train", "--model", "tiny", "--heads", "3"], "not divisible by 3 heads"),
         (["train", "--seq-len", "64"], "seq_len 64 is too short for 12 keys"),
         (["demo", "--nproc", "3", "--seq-len", "1000"], "use 1002"),
