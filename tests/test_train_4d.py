@@ -1,6 +1,6 @@
-"""4-D parallelism in the trainer: tp x cp and dp x tp equal one process step by step, a DCP
-checkpoint saved under cp 4 resumes under cp 2 x tp 2 with the same next-step loss, and bad
-degrees fail before anything launches.
+"""4-D parallelism in the trainer: tp x cp, dp x tp, pp x cp, pp x dp, pp x tp equal one process
+step by step, a DCP checkpoint saved under cp 4 resumes under cp 2 x tp 2 or pp 2 x cp 2 with the
+same next-step loss, and bad degrees fail before anything launches.
 
 Multi-rank cases run the real training loop (build_run + loop.train) in a pool of 4 gloo ranks
 (workers_train.py, workers_train_4d.py); the reference is the same model on one process.
@@ -40,15 +40,34 @@ def _assert_same(got: dict, want: dict) -> None:
                                    msg=lambda m, name=name: f"{name}: {m}")  # fmt: skip
 
 
-@pytest.mark.parametrize("dp, cp, tp", [(1, 2, 2), (2, 1, 2)])
-def test_tensor_parallel_training_equals_one_process(pools, tmp_path, dp, cp, tp):
-    """fp32, 4 ranks: tp 2 x cp 2 and dp 2 x tp 2 give the single process's losses and weights
-    after 3 steps (the zigzag ring over cp, heads and MLP over tp, FSDP2 over dp x cp)."""
+def _merged(results: list[dict]) -> dict:
+    """Rank 0's losses with the parameters of every rank (each pp stage holds its own)."""
+    params = {}
+    for r in results:
+        params.update(r["params"])
+    return {**results[0], "params": params}
+
+
+@pytest.mark.parametrize(
+    "pp, dp, cp, tp, extra",
+    [
+        (1, 1, 2, 2, {}),
+        (1, 2, 1, 2, {}),
+        (2, 1, 2, 1, {"microbatches": 2}),  # GPipe
+        (2, 2, 1, 1, {"microbatches": 2, "pp_schedule": "1f1b"}),
+        (2, 1, 1, 2, {"microbatches": 4}),
+    ],
+)
+def test_parallel_layouts_equal_one_process(pools, tmp_path, pp, dp, cp, tp, extra):
+    """fp32, 4 ranks: tp x cp, dp x tp, pp x cp, pp x dp (1F1B), pp x tp give the single
+    process's losses and weights after 3 steps (the zigzag ring over cp, heads and MLP over tp,
+    blocks over pp, FSDP2 over dp x cp)."""
     want = _single(pools, tmp_path)
-    options = _options(tmp_path, "four", dp=dp, cp=cp, tp=tp, batch_size=GLOBAL_BATCH // dp)
-    got = pools(4).run("workers_train:train", options)
-    assert got[0]["dp_cp"] == (dp, cp)
-    _assert_same(got[0], want)
+    options = _options(tmp_path, "four", pp=pp, dp=dp, cp=cp, tp=tp,
+                       batch_size=GLOBAL_BATCH // dp, **extra)  # fmt: skip
+    got = pools(4).run("workers_train_4d:train_all_parameters", options)
+    assert got[0]["degrees"] == (pp, dp, cp, tp)
+    _assert_same(_merged(got), want)
     assert want["losses"][0] != want["losses"][-1]  # the steps trained
 
 
@@ -69,16 +88,20 @@ def test_parameters_are_split_over_tp_and_sharded_over_dp_cp(pools, tmp_path):
     assert full == (32,) and local == (16,) and placements[-1] == "Replicate"
 
 
-def test_checkpoint_saved_under_cp4_resumes_under_cp2_tp2(pools, tmp_path):
-    """Two steps under cp 4, checkpointed; the third step under cp 2 x tp 2 from that checkpoint
-    has the loss of the uninterrupted run's third step (and of one process)."""
+@pytest.mark.parametrize(
+    "then", [{"cp": 2, "tp": 2}, {"pp": 2, "cp": 2, "microbatches": 2}], ids=["cp2-tp2", "pp2-cp2"]
+)
+def test_checkpoint_saved_under_cp4_resumes_under_another_layout(pools, tmp_path, then):
+    """Two steps under cp 4, checkpointed; the third step under cp 2 x tp 2 (or pp 2 x cp 2) from
+    that checkpoint has the loss of the uninterrupted run's third step (and of one process), and
+    the weights after it are the same."""
     want = _single(pools, tmp_path)
     run = _options(tmp_path, "run", cp=4, batch_size=GLOBAL_BATCH, checkpoint_every=0)
     first = pools(4).run("workers_train:train", {**run, "stop_at": 2})[0]
     assert first["start_step"] == 0 and len(first["losses"]) == 2
-    second = pools(4).run("workers_train:train", {**run, "cp": 2, "tp": 2})[0]
-    assert second["start_step"] == 2 and second["dp_cp"] == (1, 2)
-    _assert_same({**second, "losses": first["losses"] + second["losses"]}, want)
+    second = pools(4).run("workers_train_4d:train_all_parameters", {**run, **then})
+    assert second[0]["start_step"] == 2 and len(second[0]["losses"]) == 1
+    _assert_same({**_merged(second), "losses": first["losses"] + second[0]["losses"]}, want)
 
 
 @pytest.mark.parametrize(
@@ -88,6 +111,11 @@ def test_checkpoint_saved_under_cp4_resumes_under_cp2_tp2(pools, tmp_path):
         ({"dp": 0, "cp": 0, "tp": 3}, r"pp x dp x cp x tp must equal the number of processes"),
         ({"tp": 4, "cp": 1}, r"--kv-heads \(2\) is not divisible by --tp 4.*pick --tp among"),
         ({"tp": 0}, r"--tp and --pp must be >= 1, got tp=0"),
+        ({"pp": 4, "cp": 1}, r"--pp 4 stages need at least 4 blocks; the model has 2"),
+        ({"pp": 2, "cp": 2, "microbatches": 3, "batch_size": 4},
+         r"--microbatches 3 must divide --batch-size 4"),
+        ({"pp": 2, "cp": 2, "microbatches": 1, "pp_schedule": "1f1b"},
+         r"1f1b needs --microbatches >= --pp 2, got 1"),
         ({"tp": 2, "cp": 2, "seq_len": 66}, r"--seq-len 66 is not divisible by 4"),
         ({"tp": 4, "cp": 1, "heads": 8, "kv_heads": 4, "seq_len": 66},
          r"66 tokens per cp rank are not divisible by --tp 4"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ringattn.train.config import TrainConfig
+from ringattn.train.loop import train as train_run
 from ringattn.train.run import build_run
 
 CPU = torch.device("cpu")
@@ -26,3 +27,15 @@ def sharding(rank: int, world_size: int, options: dict) -> dict:
         "mesh_dims": tuple(mesh.device_mesh.mesh_dim_names),
         "params": params,
     }
+
+
+def train_all_parameters(rank: int, world_size: int, options: dict) -> dict:
+    """Train with TrainConfig(**options); rank 0's losses, and from EVERY rank the parameters it
+    holds, whole (FSDP and TP shards gathered): under pp each rank holds only its stage's."""
+    run = train_run(build_run(TrainConfig(**options), CPU))
+    params = {}
+    for name, p in run.model.named_parameters():
+        params[name] = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+    mesh = run.mesh
+    return {"losses": [h["loss"] for h in run.history], "start_step": run.start_step,
+            "params": params, "degrees": (mesh.pp, mesh.dp, mesh.cp, mesh.tp)}  # fmt: skip

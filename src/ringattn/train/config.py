@@ -21,6 +21,7 @@ import ringattn
 from ringattn.train.data import get_dataset
 from ringattn.train.mesh import degrees
 from ringattn.train.model import MODEL_SIZES, ModelConfig, model_config
+from ringattn.train.pipeline import SCHEDULES
 from ringattn.train.tensor_parallel import check_tensor_parallel
 
 __all__ = ["DTYPES", "IDENTITY", "TrainConfig", "validate"]
@@ -61,6 +62,10 @@ class TrainConfig:
     """Tensor-parallel degree: ranks splitting each layer's heads and MLP (tensor_parallel.py)."""
     pp: int = 1
     """Pipeline-parallel degree: stages splitting the decoder's blocks."""
+    microbatches: int = 1
+    """pp > 1: micro-batches each rank's batch is split into (a divisor of batch_size)."""
+    pp_schedule: str = "gpipe"
+    """pp > 1: gpipe (all forwards, then all backwards) or 1f1b (needs microbatches >= pp)."""
     strategy: str = "ring"
     ulysses: int = 0
     """strategy=hybrid: the all-to-all (Ulysses) degree inside each cp group; ring across."""
@@ -150,7 +155,7 @@ def validate(cfg: TrainConfig, world_size: int) -> tuple[int, int]:
         )
     check_tensor_parallel(cfg.model_config(), cfg.tp, cfg.seq_len // cp)
     if cfg.pp > 1:
-        raise ValueError(f"--pp {cfg.pp}: pipeline parallelism is not implemented yet; use --pp 1")
+        _check_pipeline(cfg)
     if cfg.strategy == "hybrid" and not (cfg.ulysses > 0 and cp % cfg.ulysses == 0):
         raise ValueError(
             f"--strategy hybrid needs --ulysses U, a divisor of cp={cp} (Ulysses "
@@ -170,3 +175,20 @@ def validate(cfg: TrainConfig, world_size: int) -> tuple[int, int]:
     else:
         get_dataset(cfg.data, cfg.seq_len, cfg.seed, cfg.keys, cfg.copies, cfg.noisy)
     return dp, cp
+
+
+def _check_pipeline(cfg: TrainConfig) -> None:
+    layers = cfg.model_config().n_layers
+    if cfg.pp > layers:
+        raise ValueError(f"--pp {cfg.pp} stages need at least {cfg.pp} blocks; the model has "
+                         f"{layers}: use --pp <= {layers} or more --layers")  # fmt: skip
+    if cfg.pp_schedule not in SCHEDULES:
+        raise ValueError(f"unknown --pp-schedule {cfg.pp_schedule!r}; choose from {SCHEDULES}")
+    if cfg.microbatches < 1 or cfg.batch_size % cfg.microbatches:
+        raise ValueError(
+            f"--microbatches {cfg.microbatches} must divide --batch-size {cfg.batch_size} (each "
+            f"rank's batch is split into micro-batches); pick a divisor of {cfg.batch_size}"
+        )
+    if cfg.pp_schedule == "1f1b" and cfg.microbatches < cfg.pp:
+        raise ValueError(f"--pp-schedule 1f1b needs --microbatches >= --pp {cfg.pp}, got "
+                         f"{cfg.microbatches}; use more micro-batches or gpipe")  # fmt: skip

@@ -79,6 +79,18 @@ def add_arguments(p: argparse.ArgumentParser, d: TrainConfig, *, demo: bool = Fa
         help="pipeline-parallel degree: stages splitting the decoder's blocks",
     )
     g.add_argument(
+        "--microbatches",
+        type=int,
+        default=d.microbatches,
+        help="pp > 1: micro-batches per step (a divisor of --batch-size)",
+    )
+    g.add_argument(
+        "--pp-schedule",
+        default=d.pp_schedule,
+        choices=("gpipe", "1f1b"),
+        help="pp > 1: pipeline schedule (1f1b needs --microbatches >= --pp)",
+    )
+    g.add_argument(
         "--strategy",
         default=d.strategy,
         choices=tuple(STRATEGIES),

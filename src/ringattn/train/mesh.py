@@ -145,6 +145,8 @@ def parallelize(
     strategy: str,
     checkpoint_blocks: bool = False,
     param_dtype: torch.dtype | None = None,
+    microbatches: int = 1,
+    pp_schedule: str = "gpipe",
 ) -> nn.Module:
     """Make `model` context-parallel over mesh.cp, tensor-parallel over mesh.tp (when > 1), and
     shard it with FSDP2 over dp x cp.
@@ -160,10 +162,17 @@ def parallelize(
         from ringattn.train.tensor_parallel import apply_tensor_parallel
 
         apply_tensor_parallel(model, mesh.tp_mesh)
+    if mesh.pp > 1:  # this rank keeps its stage's blocks: a DecoderStage (pipeline.py)
+        from ringattn.train.pipeline import split_stage
+
+        model = split_stage(model, mesh.pp, mesh.pp_rank, mesh.pp_group,
+                            microbatches=microbatches, schedule=pp_schedule,
+                            tp_share=(mesh.tp, mesh.tp_rank))  # fmt: skip
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-    modules = [*model.layers, model]  # one all-gather per block, the root holds the rest
+    blocks = model.layers.values() if isinstance(model.layers, nn.ModuleDict) else model.layers
+    modules = [*blocks, model]  # one all-gather per block, the root holds the rest
     for module in modules:
         fully_shard(module, mesh=mesh.fsdp_mesh, mp_policy=policy)
     for module in modules:

@@ -38,7 +38,7 @@ from ringattn.train.config import IDENTITY, TrainConfig, validate
 from ringattn.train.data import Loader, get_dataset, shard_batch
 from ringattn.train.mesh import Mesh, build_mesh, gather_over_world, parallelize
 from ringattn.train.model import ModelConfig, Transformer
-from ringattn.train.step import build_optimizer
+from ringattn.train.step import build_optimizer, forward_backward
 
 __all__ = ["DECODER", "ModelRecipe", "Run", "build_run"]
 
@@ -77,6 +77,7 @@ def parallelize_decoder(model: nn.Module, mesh: Mesh, cfg: TrainConfig) -> nn.Mo
     return parallelize(
         model, mesh, layout=cfg.layout, strategy=cfg.strategy,
         checkpoint_blocks=cfg.activation_checkpointing, param_dtype=param_dtype,
+        microbatches=cfg.microbatches, pp_schedule=cfg.pp_schedule,
     )  # fmt: skip
 
 
@@ -167,15 +168,15 @@ def _warm_up(cfg: TrainConfig, mesh: Mesh, device: torch.device) -> None:
     baseline is taken."""
     torch.manual_seed(cfg.seed)
     tp = mesh.tp  # heads and tokens that split over tp as the real model's do
-    tiny = ModelConfig(dim=16 * tp, n_layers=1, n_heads=2 * tp, n_kv_heads=tp, ffn_dim=32 * tp)
+    tiny = ModelConfig(dim=16 * tp, n_layers=mesh.pp, n_heads=2 * tp, n_kv_heads=tp,
+                       ffn_dim=32 * tp)  # fmt: skip
     model = parallelize_decoder(_decoder(tiny, cfg).to(device), mesh, cfg)
     optimizer = build_optimizer(model, cfg)
-    tokens = torch.zeros(1, 8 * mesh.cp * tp, dtype=torch.int64)
+    tokens = torch.zeros(cfg.microbatches, 8 * mesh.cp * tp, dtype=torch.int64)
     batch = shard_batch(tokens, tokens, mesh.cp_group, cfg.layout, device)
-    loss, _, _ = model(batch.inputs, batch.positions, batch.labels)
-    loss.backward()
+    forward_backward(model, batch, device)
     optimizer.step()
-    del model, optimizer, loss
+    del model, optimizer
     if dist.is_initialized():
         dist.barrier()
 

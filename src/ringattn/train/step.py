@@ -53,6 +53,8 @@ def forward_backward(
     the gradients over all ranks, which gives the gradient of the global mean exactly, however
     unequally the supervised tokens are spread over the ranks.
     """
+    if hasattr(model, "forward_backward"):  # a pipeline stage runs its own (pipeline.py)
+        return model.forward_backward(batch, device)
     loss_sum, count, correct = model(batch.inputs, batch.positions, batch.labels)
     total_loss, total_count, total_correct = sum_over_world(
         [loss_sum.item(), count.item(), correct.item()], device
@@ -92,7 +94,10 @@ def train_step(
     for group in optimizer.param_groups:
         group["lr"] = lr
     total_loss, total_count, total_correct = forward_backward(model, batch, device)
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    if hasattr(model, "clip_grad_norm_"):  # a pipeline stage: the norm of every stage's grads
+        grad_norm = model.clip_grad_norm_(grad_clip)
+    else:
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     # FSDP2's gradients are DTensors, and so is their norm: full_tensor() is the global value
