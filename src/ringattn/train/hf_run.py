@@ -1,0 +1,122 @@
+"""`ringattn train --hf DIR` around the common trainer: what it trains, the export, the plot.
+
+    run_hf_train(cfg)                                    (the parent, or every torchrun rank)
+      validate(cfg, W)          config.py -> hf_recipe.check: every --hf mistake, before launch
+      "hf" record + [hf] lines  rank 0: model source, tokenization (tokenizer or bytes), corpus
+      run_train(cfg)            main.py: the ranks build their Run with hf_recipe.HF and train
+      export(cfg, checkpoint)   rank 0, --export DIR: the final DCP checkpoint -> save_pretrained
+      OUT_DIR/train.png         rank 0: loss and accuracy over every logged step, peak memory
+
+The export reads the run's final checkpoint in one process: DCP gathers the FSDP2 shards that
+every rank wrote into the full tensors of a plain transformers model (the same load that resumes
+a run on another number of ranks), which `save_pretrained` writes with the tokenizer beside it.
+It needs no memory on the training ranks, and works again on any finished run.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+from ringattn.train import checkpoint as ckpt
+from ringattn.train.config import TrainConfig, validate
+from ringattn.train.hf_data import load_corpus, load_tokenizer
+from ringattn.train.hf_recipe import CausalLMLoss, load_config, load_model, model_source
+from ringattn.train.main import run_train, world_size
+from ringattn.train.progress import JsonLog, read_log
+
+__all__ = ["describe", "export", "plot", "run_hf_train"]
+
+
+def describe(cfg: TrainConfig) -> dict:
+    """What --hf and --data resolve to (the log's "hf" record)."""
+    source = model_source(cfg.hf)
+    config = load_config(source)
+    vocab = config.get_text_config().vocab_size
+    corpus = load_corpus(cfg.data[len("text:") :], source.tokenizer_dir, vocab)
+    return {
+        "event": "hf", "model": source.path, "model_type": config.model_type,
+        "architectures": getattr(config, "architectures", None), "init": source.describe(),
+        "vocab_size": vocab, "tokenized_by": corpus.tokenized_by,
+        "documents": corpus.documents, "tokens": len(corpus.tokens),
+    }  # fmt: skip
+
+
+def export(cfg: TrainConfig, checkpoint: str, out_dir: str) -> str:
+    """Write the model of `checkpoint` as a save_pretrained directory (with the tokenizer)."""
+    import torch.distributed.checkpoint as dcp
+
+    source = model_source(cfg.hf)
+    model = load_model(source, pretrained=False)  # the weights come from the checkpoint
+    wrapped = CausalLMLoss(model)
+    weights = {"model": wrapped.state_dict()}  # the names the ranks saved under
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": yes
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(weights, checkpoint_id=checkpoint)
+    wrapped.load_state_dict(weights["model"])
+    model.eval().save_pretrained(out_dir)
+    if source.tokenizer_dir:
+        load_tokenizer(source.tokenizer_dir).save_pretrained(out_dir)
+    return out_dir
+
+
+def plot(history: list[dict], path: str, title: str) -> str | None:
+    """Loss and next-token accuracy over the steps, and each rank's peak memory, as a PNG; None
+    without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    steps = [h["step"] for h in history]
+    fig, (ax_loss, ax_mem) = plt.subplots(1, 2, figsize=(11, 4), width_ratios=(2, 1))
+    ax_loss.plot(steps, [h["loss"] for h in history], color="tab:blue", lw=1)
+    ax_loss.set_xlabel("step")
+    ax_loss.set_ylabel("loss (mean over supervised tokens)", color="tab:blue")
+    ax_acc = ax_loss.twinx()
+    ax_acc.plot(steps, [h["accuracy"] for h in history], color="tab:orange", lw=1, alpha=0.8)
+    ax_acc.set_ylabel("next-token accuracy", color="tab:orange")
+    ax_acc.set_ylim(0, 1.02)
+    ax_loss.set_title(title, fontsize=9)
+    peaks = history[-1]["peak_mb"]
+    ax_mem.bar([str(r) for r in range(len(peaks))], peaks, color="tab:green")
+    ax_mem.set_xlabel("rank")
+    ax_mem.set_ylabel("peak memory added by training (MB)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _lead() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0  # torchrun's rank, or the launching parent
+
+
+def run_hf_train(cfg: TrainConfig) -> dict:
+    """`ringattn train --hf`: validate, say what is trained, train, export, plot (rank 0)."""
+    dp, cp = validate(cfg, world_size(cfg))
+    if _lead():
+        os.makedirs(cfg.out_dir, exist_ok=True)
+        record = describe(cfg)
+        JsonLog(cfg.log_path).write(record)
+        print(f"[hf] {record['model']}: {record['model_type']} ({record['init']}), trained over "
+              f"dp {dp} x cp {cp}", flush=True)  # fmt: skip
+        print(f"[hf] data {cfg.data}: {record['documents']} documents, {record['tokens']} "
+              f"tokens, tokenized with {record['tokenized_by']}", flush=True)  # fmt: skip
+    summary = run_train(cfg)
+    if summary.get("rank", 0) != 0:
+        return summary
+    if cfg.export:
+        checkpoint = summary.get("checkpoint") or ckpt.latest(cfg.checkpoint_path)
+        summary["export"] = export(cfg, checkpoint, cfg.export)
+        JsonLog(cfg.log_path).write({"event": "export", "checkpoint": checkpoint,
+                                     "path": cfg.export})  # fmt: skip
+        print(f"[hf] exported {checkpoint} to {cfg.export} (save_pretrained)", flush=True)
+    history = [r for r in read_log(cfg.log_path) if "loss" in r]
+    if history:
+        title = f"ringattn train --hf {cfg.hf}: {cfg.seq_len} tokens x {cfg.batch_size}, cp {cp}"
+        image = plot(history, os.path.join(cfg.out_dir, "train.png"), title)
+        print(f"[hf] log: {cfg.log_path}" + (f"; plot: {image}" if image else ""), flush=True)
+    return summary
