@@ -8,10 +8,16 @@ Multi-rank cases run the real training loop (build_run + loop.train) in a pool o
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
+
 import pytest
 import torch
 
 from ringattn.train.config import TrainConfig, validate
+from ringattn.train.progress import read_log
 
 # 2 layers of width 32, 4 heads / 2 kv heads, 64-token sequences, 3 steps
 TINY = {"model": "tiny", "dim": 32, "seq_len": 64, "keys": 3, "copies": 2, "steps": 3,
@@ -133,3 +139,36 @@ def test_bad_degrees_raise_on_every_rank(pools, tmp_path):
     options = _options(tmp_path, "bad", tp=4, cp=1)
     pools(4).run_expect_error("workers_train:train", options, match="not divisible by --tp 4",
                               exc_type=ValueError)  # fmt: skip
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_torchrun_nodes_on_loopback_equal_one_node(pools, tmp_path):
+    """`ringattn train` as two torchrun "nodes" of 2 ranks each (c10d rendezvous on 127.0.0.1),
+    dp 2 x tp 2 across them, logs the losses of the same run on one node (4 ranks)."""
+    flags = ["--dp", "2", "--cp", "1", "--tp", "2", "--model", "tiny", "--dim", "32",
+             "--seq-len", "64", "--keys", "3", "--copies", "2", "--steps", "3", "--warmup", "1",
+             "--lr", "1e-2", "--batch-size", "2", "--checkpoint-every", "0", "--quiet"]  # fmt: skip
+    rendezvous = f"127.0.0.1:{_free_port()}"
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+                "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-id", "two-nodes",
+                "--rdzv-endpoint", rendezvous, "--local-addr", "127.0.0.1"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+    nodes = [subprocess.Popen([*torchrun, "--node-rank", str(i), "-m", "ringattn", "train",
+                               *flags, "--out-dir", str(tmp_path / "two")], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in range(2)]  # fmt: skip
+    outputs = [node.communicate(timeout=180)[0] for node in nodes]
+    for i, (node, out) in enumerate(zip(nodes, outputs)):
+        assert node.returncode == 0, f"node {i} exited with {node.returncode}:\n{out[-3000:]}"
+    records = read_log(str(tmp_path / "two" / "train_log.jsonl"))
+    assert records[0]["event"] == "start" and records[0]["world_size"] == 4
+    two_nodes = [r["loss"] for r in records if "loss" in r]
+    one_node = pools(4).run("workers_train:train", _options(tmp_path, "one", dp=2, cp=1, tp=2,
+                                                            batch_size=2))[0]  # fmt: skip
+    assert len(two_nodes) == 3
+    torch.testing.assert_close(two_nodes, one_node["losses"], rtol=1e-6, atol=0)
