@@ -14,7 +14,7 @@ from ringattn.kernels import KERNELS
 from ringattn.kernels.tiled import tiles_backward, tiles_forward
 from ringattn.layout import LAYOUTS, get_layout
 from ringattn.packing import meeting_pairs, place, placement_blocks
-from ringattn.plan import TILE_ROWS, step_blocks
+from ringattn.plan import PACK_ROWS, TILE_ROWS, step_blocks
 
 
 def _bounds(seed: int, count: int, max_len: int, long_doc: int = 0) -> tuple[int, ...]:
@@ -111,14 +111,14 @@ def test_ring_reach_equals_brute_force(layout, window, causal):
 
 def test_plan_is_linear_in_documents():
     """2,048 documents over 32k tokens at W = 4: a step's kernel calls are bounded by the
-    local rows over TILE_ROWS, not by documents or document pairs."""
+    local rows over PACK_ROWS, not by documents or document pairs."""
     bounds = _bounds(11, 2048, 32)
     for layout in sorted(LAYOUTS):
         placement = place(get_layout(layout), 4, bounds)
         for src in range(4):
             blocks = step_blocks(placement, 0, src, True, None)
             calls = sum(len(b.tiles.spans) if b.tiles else 1 for b in blocks)
-            assert calls <= 2 * placement.local_len / TILE_ROWS + 2, (layout, src, calls)
+            assert calls <= 2 * placement.local_len / PACK_ROWS + 2, (layout, src, calls)
         # derived tables are memoised on the placement, keyed by small tuples
         assert step_blocks(placement, 0, 1, True, None) is step_blocks(placement, 0, 1, True, None)
 

@@ -29,11 +29,14 @@ from ringattn.layout import Block, Layout, Tiles
 from ringattn.merge import accumulator_dtype
 from ringattn.packing import Placement, may_meet, run_pair_blocks
 
-#: documents whose rows on both ranks of a step fit in this many rows are packed, several to a
-#: tile, into one masked kernel call; larger ones get exact full/causal/band blocks. Measured on
-#: the project's CPU (8 heads x 64, fused CPU flash op): a call costs ~70 ns per (query, key)
-#: pair from 64 rows up, and ~50 us of fixed overhead, so 64-row tiles keep both small.
-TILE_ROWS = 64
+#: documents whose rows on both ranks of a step fit in TILE_ROWS rows run as masked tiles, the
+#: short ones several to a tile while it stays within PACK_ROWS rows; longer documents get exact
+#: full/causal/band blocks. Measured on the project's CPU (8 heads x 64, fused CPU flash op,
+#: forward + backward): ~70 ns per (query, key) pair from 64 rows up plus ~50 us per call, and
+#: each exact block adds a merge; one masked call per document of up to 128 rows beats its 3-4
+#: exact blocks, and tiles of about 64 rows balance calls against masked-out pairs.
+TILE_ROWS = 128
+PACK_ROWS = 64
 
 Merge = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
@@ -70,10 +73,11 @@ def step_blocks(
 ) -> tuple[Block, ...]:
     """What the kernels run for rank `rank`'s queries against rank `src`'s keys.
 
-    Documents that fit in TILE_ROWS rows on both ranks are packed in local order into tiles of
-    at most TILE_ROWS query and key rows; all tiles of the step form one tiled block (one merge),
-    whose mask (same document, causal, window) comes from the rows' global indices. Larger
-    documents keep exact per-piece blocks. Linear in the documents the two ranks hold.
+    Documents that fit in TILE_ROWS rows on both ranks become tiles, consecutive ones packed in
+    local order into one tile while it spans at most PACK_ROWS query and key rows. All tiles of
+    the step form one tiled block (one merge), whose masks (same document, causal, window) come
+    from the rows' global indices. Larger documents keep exact per-piece blocks. Linear in the
+    documents the two ranks hold.
     """
     key = ("step", rank, src, causal, window)
     if key in placement.memo:
@@ -88,7 +92,7 @@ def step_blocks(
             continue
         if qs[3] - qs[2] <= TILE_ROWS and ks[3] - ks[2] <= TILE_ROWS:
             last = tiles[-1] if tiles else None
-            if last is not None and qs[3] - last[0] <= TILE_ROWS and ks[3] - last[2] <= TILE_ROWS:
+            if last is not None and qs[3] - last[0] <= PACK_ROWS and ks[3] - last[2] <= PACK_ROWS:
                 last[1], last[3] = qs[3], ks[3]
             else:
                 tiles.append([qs[2], qs[3], ks[2], ks[3]])
