@@ -73,7 +73,8 @@ def _options(model_dir, docs, out_dir, **overrides) -> dict:
 def cp2_run(pools, llama, tmp_path_factory):
     """3 uninterrupted steps at CP = 2 (zigzag, S = 2 x 45 tokens: not a multiple of 4)."""
     out = tmp_path_factory.mktemp("cp2")
-    return pools(2).run("workers_train:train", _options(*llama, out, cp=2))[0]
+    result = pools(2).run("workers_train:train", _options(*llama, out, cp=2))[0]
+    return {**result, "out_dir": out}
 
 
 def test_packed_documents_from_the_tokenizer(llama):
@@ -136,6 +137,21 @@ def test_resume_continues_exactly(pools, llama, tmp_path, cp2_run):
     assert first["losses"] + second["losses"] == cp2_run["losses"]  # bitwise
     for name, value in cp2_run["params"].items():
         assert torch.equal(second["params"][name], value), name
+
+
+def test_export_of_a_pretrained_model_with_its_tokenizer(llama, tmp_path, cp2_run):
+    """--export of the CP = 2 run: transformers loads the model (the trained weights, exactly)
+    and the tokenizer (the same ids) from the exported directory."""
+    from ringattn.train.config import TrainConfig
+    from ringattn.train.hf_run import export
+
+    cfg = TrainConfig(**_options(*llama, cp2_run["out_dir"], cp=2))
+    export(cfg, str(cp2_run["out_dir"] / "checkpoints" / "step-00000003"), str(tmp_path / "x"))
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "x")
+    for name, p in model.named_parameters():
+        assert torch.equal(p, cp2_run["params"][f"model.{name}"]), name
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "x")
+    assert tokenizer("a fox 7.")["input_ids"] == _tokenizer()("a fox 7.")["input_ids"]
 
 
 def test_cli_trains_a_bare_config_and_exports(tmp_path, capfd):
