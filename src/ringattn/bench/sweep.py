@@ -44,6 +44,7 @@ from ringattn.bench.common import (
     write_json,
     write_plot,
 )
+from ringattn.bench.packed import format_packed, packed_rows
 from ringattn.kernels.triton_merge import merge_fused_, triton_merge_
 from ringattn.layout import get_layout
 from ringattn.merge import merge_
@@ -90,6 +91,10 @@ class BenchConfig:
     """CPU threads (torch.set_num_threads); default 1 on a CPU: on a shared machine an OpenMP
     team stalls whenever one of its cores is taken, which skews ratios; one thread does not."""
     seed: int = 0
+    documents: int | None = None
+    """Also run the packed case: the same tokens as this many documents (bench/packed.py)."""
+    window: int | None = None
+    """Also run (or run the packed case with) a sliding window of this many keys back."""
     json_path: str | None = None
     plot_path: str | None = None
 
@@ -133,6 +138,10 @@ def _check(cfg: BenchConfig) -> None:
     for hq, hkv in cfg.heads:
         if hkv < 1 or hq % hkv:
             raise ValueError(f"heads {hq}:{hkv}: query heads must be a multiple of kv heads")
+    if cfg.documents is not None and cfg.documents < 1:
+        raise ValueError(f"--documents {cfg.documents}: need at least 1 document")
+    if cfg.window is not None and cfg.window < 0:
+        raise ValueError(f"--window {cfg.window}: need a window of 0 or more keys back")
     if cfg.repeats < 1 or cfg.warmup < 0:
         raise ValueError(f"need --repeats >= 1 and --warmup >= 0, got {cfg.repeats}, {cfg.warmup}")
 
@@ -272,6 +281,10 @@ def bench_one(
             row["mono"][name] = {**m, "ms": mono_ms, "tflops": flops / (mono_ms * 1e-3) / 1e12}
             row["efficiency"][name] = (mono_ms / world_size) / ring_ms
         rows.append(row)
+    if cfg.documents is not None or cfg.window is not None:
+        packed = packed_rows(cfg, rows, call, (q, k, v, dout), ranks, device)
+        for row, packed_row in zip(rows, packed):
+            row["packed"] = packed_row
     return rows
 
 
@@ -307,6 +320,10 @@ def run_bench(cfg: BenchConfig) -> int:
                 if cfg.json_path:  # after every configuration: a cut-short run keeps its rows
                     write_json(cfg.json_path, data)
     print(format_table(rows, cfg.baselines))
+    packed = [r["packed"] for r in rows if "packed" in r]
+    if packed:
+        print("packed case (same tokens, fresh plan every step; GFLOP = attention actually needed)")
+        print(format_packed(packed))
     print(
         "eff = (monolithic ms / W) / ring ms (the slower of the timed ranks); mem/mono = ring rank "
         "peak / monolithic peak, inputs included"

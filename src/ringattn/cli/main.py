@@ -151,6 +151,21 @@ def _bench_parser(sub) -> None:
         help="CPU threads (default 1 on a CPU: robust ratios on a shared machine)",
     )
     p.add_argument("--seed", type=int, default=0, help="seed for q, k, v and dout")
+    p.add_argument(
+        "--documents",
+        type=int,
+        default=None,
+        metavar="N",
+        help="also run the same tokens as N packed documents (random boundaries, fresh plan "
+        "every step): time per step, host-plan share, attention FLOPs actually needed",
+    )
+    p.add_argument(
+        "--window",
+        type=int,
+        default=None,
+        metavar="L",
+        help="sliding window of L keys back for the packed case (alone: one document)",
+    )
     p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
     p.add_argument("--plot", default=None, metavar="PATH", help="write a PNG (needs matplotlib)")
     p.add_argument(
@@ -187,7 +202,8 @@ def _run_bench(args: argparse.Namespace) -> int:
     cfg = BenchConfig(sizes=args.sizes, masks=args.masks, passes=args.passes, layout=args.layout,
                       dtype=args.dtype, baselines=args.baselines, ranks=args.ranks,
                       warmup=args.warmup, repeats=args.repeats, plot_path=args.plot,
-                      heads=args.heads, threads=args.threads, **common)  # fmt: skip
+                      heads=args.heads, threads=args.threads, documents=args.documents,
+                      window=args.window, **common)  # fmt: skip
     return run_bench(cfg)
 
 
