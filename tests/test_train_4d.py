@@ -77,6 +77,18 @@ def test_parallel_layouts_equal_one_process(pools, tmp_path, pp, dp, cp, tp, ext
     assert want["losses"][0] != want["losses"][-1]  # the steps trained
 
 
+def test_three_and_four_dimensions_on_8_ranks_equal_one_process(pools, tmp_path):
+    """fp32, 8 ranks: pp 2 x cp 2 x tp 2 (GPipe, 2 micro-batches) and dp 2 x cp 2 x tp 2 give the
+    single process's losses and weights after 3 steps."""
+    want = _single(pools, tmp_path)
+    for pp, dp, extra in ((2, 1, {"microbatches": 2}), (1, 2, {})):
+        options = _options(tmp_path, f"eight-{pp}-{dp}", pp=pp, dp=dp, cp=2, tp=2,
+                           batch_size=GLOBAL_BATCH // dp, **extra)  # fmt: skip
+        got = pools(8).run("workers_train_4d:train_all_parameters", options)
+        assert got[0]["degrees"] == (pp, dp, 2, 2)
+        _assert_same(_merged(got), want)
+
+
 def test_parameters_are_split_over_tp_and_sharded_over_dp_cp(pools, tmp_path):
     """Under cp 2 x tp 2 the query projection is split by output rows over tp (ColwiseParallel),
     the output projection by input columns (RowwiseParallel), norms replicated over tp; FSDP then

@@ -153,9 +153,10 @@ def validate(cfg: TrainConfig, world_size: int) -> tuple[int, int]:
             f"--seq-len {cfg.seq_len} is not divisible by {chunks} ({cfg.layout} layout on cp={cp} "
             f"ranks); use {fixed}"
         )
-    check_tensor_parallel(cfg.model_config(), cfg.tp, cfg.seq_len // cp)
-    if cfg.pp > 1:
-        _check_pipeline(cfg)
+    if not cfg.hf:  # the decoder's tp and pp (--hf refuses both in its own check)
+        check_tensor_parallel(cfg.model_config(), cfg.tp, cfg.seq_len // cp)
+        if cfg.pp > 1:
+            _check_pipeline(cfg)
     if cfg.strategy == "hybrid" and not (cfg.ulysses > 0 and cp % cfg.ulysses == 0):
         raise ValueError(
             f"--strategy hybrid needs --ulysses U, a divisor of cp={cp} (Ulysses "
