@@ -103,17 +103,18 @@ def test_packed_documents_from_the_tokenizer(llama):
     assert local["labels"][0].tolist() == want and want.count(-100) >= len(bounds) - 1
 
 
-@pytest.mark.parametrize("dp, cp", [(1, 2), (2, 1)])
+@pytest.mark.parametrize("dp, cp", [(1, 2), (2, 1), (2, 2)])
 def test_parallel_training_equals_one_process(pools, llama, tmp_path, cp2_run, dp, cp):
-    """fp32, the pretrained tiny Llama: CP = 2 (and DP = 2) losses equal one process's on the
-    same documents (1e-5), and so do the trained weights; training moved them far more than the
-    tolerance."""
+    """fp32, the pretrained tiny Llama: CP = 2 (zigzag), DP = 2 and DP 2 x CP 2 (striped) losses
+    equal one process's on the same documents (1e-5), and so do the trained weights; training
+    moved them far more than the tolerance."""
     single = _options(*llama, tmp_path / "1", cp=1, batch_size=2 * dp)
     want = pools(1).run("workers_train:train", single)[0]
-    if cp == 2:
+    if (dp, cp) == (1, 2):
         got = cp2_run
     else:
-        got = pools(2).run("workers_train:train", _options(*llama, tmp_path, dp=dp, cp=cp))[0]
+        options = _options(*llama, tmp_path, dp=dp, cp=cp, layout="striped")
+        got = pools(dp * cp).run("workers_train:train", options)[0]
     assert got["dp_cp"] == (dp, cp) and len(got["losses"]) == 3
     torch.testing.assert_close(torch.tensor(got["losses"], dtype=torch.float64),
                                torch.tensor(want["losses"], dtype=torch.float64),
