@@ -107,17 +107,24 @@ def test_parameters_are_split_over_tp_and_sharded_over_dp_cp(pools, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "then", [{"cp": 2, "tp": 2}, {"pp": 2, "cp": 2, "microbatches": 2}], ids=["cp2-tp2", "pp2-cp2"]
+    "before, after",
+    [
+        ({"cp": 4}, {"cp": 2, "tp": 2}),
+        ({"cp": 4}, {"pp": 2, "cp": 2, "microbatches": 2}),
+        ({"pp": 2, "cp": 1, "tp": 2, "microbatches": 2}, {"nproc": 1, "cp": 1}),
+    ],
+    ids=["cp4-to-cp2-tp2", "cp4-to-pp2-cp2", "pp2-tp2-to-one-process"],
 )
-def test_checkpoint_saved_under_cp4_resumes_under_another_layout(pools, tmp_path, then):
-    """Two steps under cp 4, checkpointed; the third step under cp 2 x tp 2 (or pp 2 x cp 2) from
-    that checkpoint has the loss of the uninterrupted run's third step (and of one process), and
-    the weights after it are the same."""
+def test_checkpoint_resumes_under_another_layout(pools, tmp_path, before, after):
+    """Two steps under one layout, checkpointed; the third step under another from that
+    checkpoint has the loss of the uninterrupted run's third step (one process's), and the
+    weights after it are the same."""
     want = _single(pools, tmp_path)
-    run = _options(tmp_path, "run", cp=4, batch_size=GLOBAL_BATCH, checkpoint_every=0)
-    first = pools(4).run("workers_train:train", {**run, "stop_at": 2})[0]
+    run = _options(tmp_path, "run", batch_size=GLOBAL_BATCH, checkpoint_every=0)
+    first = pools(4).run("workers_train:train", {**run, **before, "stop_at": 2})[0]
     assert first["start_step"] == 0 and len(first["losses"]) == 2
-    second = pools(4).run("workers_train_4d:train_all_parameters", {**run, **then})
+    world = after.get("nproc", 4)
+    second = pools(world).run("workers_train_4d:train_all_parameters", {**run, **after})
     assert second[0]["start_step"] == 2 and len(second[0]["losses"]) == 1
     _assert_same({**_merged(second), "losses": first["losses"] + second[0]["losses"]}, want)
 
