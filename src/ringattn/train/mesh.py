@@ -129,9 +129,12 @@ def build_mesh(
         cp_rank = mesh.get_local_rank("ring") * ulysses + mesh.get_local_rank("ulysses")
     else:
         cp_rank = mesh.get_local_rank("cp")
+    fsdp_mesh = mesh[("dp", *cp_dims)]._flatten("dp_cp")
+    if tp > 1:  # lets DTensor reduce over (dp_cp, tp) in one collective (the gradient norm)
+        mesh[("dp", *cp_dims, "tp")]._flatten("dp_cp_tp")
     return Mesh(
         dp, cp, mesh.get_local_rank("dp"), cp_rank, cp_group,
-        fsdp_mesh=mesh[("dp", *cp_dims)]._flatten("dp_cp"),
+        fsdp_mesh=fsdp_mesh,
         tp=tp, pp=pp, tp_rank=mesh.get_local_rank("tp"), pp_rank=mesh.get_local_rank("pp"),
         tp_mesh=mesh["tp"], pp_group=mesh["pp"].get_group(), device_mesh=mesh,
     )  # fmt: skip
