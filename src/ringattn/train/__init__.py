@@ -1,12 +1,12 @@
-"""The trainer: a Llama-style decoder trained over a dp x cp mesh (FSDP2, DCP checkpoints), the
-demo, generation.
+"""The trainer: a Llama-style decoder (or a Hugging Face model) trained over a pp x dp x cp x tp
+mesh (TP/SP, pipeline stages, FSDP2, DCP checkpoints that reshard), the demo, generation.
 
     ringattn train / demo (cli/main.py)
       flags.py   flags -> TrainConfig                     config.py: fields, validate()
       main.py    run_train: validate, launch W ranks (runtime/launch.py) or join torchrun's world
                    rank: train_worker -> init_distributed
       run.py       build_run(cfg, device, recipe) -> Run, built ONCE:
-                     mesh.py    Mesh (dp, cp), parallelize (CP attention, FSDP2)
+                     mesh.py    Mesh (pp, dp, cp, tp), parallelize (TP, PP, CP, FSDP2)
                      model.py   plain single-device decoder (recipe.build)
                      step.py    AdamW
                      checkpoint.py  resume: newest complete checkpoint

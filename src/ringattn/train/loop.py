@@ -45,7 +45,8 @@ def _start_record(run: Run) -> dict:
     mesh = run.mesh
     return {
         "event": "start", "step": run.start_step, "resumed_from": run.resumed_from,
-        "world_size": mesh.world_size, "dp": mesh.dp, "cp": mesh.cp, "device": str(run.device),
+        "world_size": mesh.world_size, "dp": mesh.dp, "cp": mesh.cp, "tp": mesh.tp, "pp": mesh.pp,
+        "device": str(run.device),
         "torch": torch.__version__, "machine": platform.node(), "memory": run.memory_method,
         "baseline_mb": run.baseline_mb,
         "config": asdict(run.cfg),
