@@ -61,6 +61,16 @@ class Call:
     # (benchmarks only: the kernels' share of the time, with a wrong result)
     merge: Merge | None = merge_fused_
 
+    def __post_init__(self) -> None:
+        if self.window is not None and not self.kernel.supports_band:
+            raise ValueError(
+                f"a sliding window needs a kernel that takes one, but the {self.kernel.name!r} "
+                f"kernel does not (it would fall back to the O(block^2) reference kernel); use "
+                f"bfloat16/float16 inputs with a head dim <= 256 divisible by 8 on CUDA (the flash "
+                f"window kernel, backend 'flash' or 'cudnn'), or pass backend='reference' to "
+                f"accept O(block^2) memory"
+            )
+
     def blocks(self, rank: int, src: int, local_len: int) -> list[Block] | tuple[Block, ...]:
         """Blocks of rank `rank`'s queries against rank `src`'s keys (ranks of this group)."""
         if self.placement is None:
