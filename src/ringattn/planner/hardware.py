@@ -62,6 +62,13 @@ class Hardware:
     def is_cpu(self) -> bool:
         return self.calibration is not None
 
+    def _rate(self, kind: str, threads: int) -> dict:
+        """cpu: the table measured with `threads` threads, never slower than the 1-thread one
+        (more threads cannot make a process slower; a 2-thread measurement that lost a core
+        to another process would say so)."""
+        tables = self.calibration[kind]
+        return tables[str(threads)], tables["1"]
+
     def matmul_s(
         self, flops: float, tokens: int, width: int, fp8: bool = False, threads: int = 1
     ) -> float:
@@ -69,7 +76,8 @@ class Hardware:
         if flops <= 0:
             return 0.0
         if self.is_cpu:
-            return flops / (_interp(self.calibration["matmul"][str(threads)], width) * 1e9)
+            many, one = self._rate("matmul", threads)
+            return flops / (max(_interp(many, width), _interp(one, width)) * 1e9)
         peak, eff = (self.fp8_tflops, self.fp8_matmul_eff) if fp8 else (
             self.bf16_tflops, self.matmul_eff)  # fmt: skip
         return flops / (peak * 1e12 * eff * tokens / (tokens + self.n_half / 4))
@@ -82,18 +90,20 @@ class Hardware:
         if flops <= 0:
             return 0.0
         if self.is_cpu:
-            table = self.calibration["attention"][str(threads)]
             key = f"{'bwd' if backward else 'fwd'}_{'causal' if causal else 'full'}"
-            dims = sorted(int(d) for d in table[key])
-            d = min(dims, key=lambda x: abs(math.log(x / head_dim)))
-            return flops / (_interp(table[key][str(d)], block) * 1e9)
+            rates = []
+            for table in self._rate("attention", threads):
+                dims = sorted(int(d) for d in table[key])
+                d = min(dims, key=lambda x: abs(math.log(x / head_dim)))
+                rates.append(_interp(table[key][str(d)], block))
+            return flops / (max(rates) * 1e9)
         eff = self.attn_bwd_eff if backward else self.attn_fwd_eff
         eff *= block / (block + self.n_half) * (0.9 if causal else 1.0) * min(1.0, head_dim / 128)
         return flops / (self.bf16_tflops * 1e12 * eff)
 
     def elementwise_s(self, nbytes: float, threads: int = 1) -> float:
         if self.is_cpu:
-            return nbytes / (self.calibration["elementwise_gbs"][str(threads)] * 1e9)
+            return nbytes / (max(self._rate("elementwise_gbs", threads)) * 1e9)
         return nbytes / (self.mem_bw_gbs * 1e9 * 0.8)
 
     def transfer_s(self, nbytes: float, inter: bool, messages: int = 1) -> float:
