@@ -52,8 +52,9 @@ def add_parser(sub) -> None:
     p.add_argument("--inter-bw", type=float, default=None, help="override inter-node GB/s per GPU")
     p.add_argument("--gpus-per-node", type=int, default=None, help="override GPUs per node")
     p.add_argument("--calibrate", action="store_true",
-                   help="measure this CPU (kernels by size, gloo) and cache it for --hardware "
-                   "cpu; alone, only calibrates")  # fmt: skip
+                   help="measure this CPU (kernels by size, gloo, the trainer's step floor) and "
+                   "cache it for --hardware cpu (which measures once by itself when the cache "
+                   "is missing or from another machine); alone, only calibrates")  # fmt: skip
     p.add_argument("--calibration", default=DEFAULT_PATH, metavar="PATH",
                    help="the calibration cache file")  # fmt: skip
     p.add_argument("--top", type=int, default=12, help="rows of the table (not --json)")
@@ -70,9 +71,13 @@ def _job(args: argparse.Namespace, calibration: dict | None):
     if missing:
         raise ValueError(f"missing {', '.join(missing)} (or run --calibrate alone)")
     if args.hardware == "cpu" and calibration is None:
-        from ringattn.planner.calibrate import load_calibration
+        from ringattn.planner.calibrate import calibrate, load_calibration
 
-        calibration = load_calibration(args.calibration)
+        try:
+            calibration = load_calibration(args.calibration)
+        except ValueError as why:  # none yet, or another machine's: measure this one (~20 s)
+            print(f"[plan] {why}; calibrating now", file=sys.stderr)
+            calibration = calibrate(args.calibration, log=lambda t: print(t, file=sys.stderr))
     hw = get_hardware(args.hardware, tflops=args.tflops, intra_bw=args.intra_bw,
                       inter_bw=args.inter_bw, gpus_per_node=args.gpus_per_node,
                       calibration=calibration if args.hardware == "cpu" else None)  # fmt: skip
