@@ -214,3 +214,29 @@ def test_a_mesh_world_is_refused_by_single_group_collectives():
     ):
         with pytest.raises(TypeError, match=r"needs one process group.*2-D mesh"):
             call()
+
+
+def test_nccl_needs_the_rank_on_its_own_cuda_device(monkeypatch):
+    """NCCL with tensors on a GPU other than the current device: a clear error naming both and
+    the fix (torch.cuda.set_device), instead of NCCL using the wrong GPU."""
+    import torch
+    import torch.distributed as dist
+
+    from ringattn import api
+    from ringattn.comm import GroupInfo
+
+    class Q:
+        device = torch.device("cuda", 1)
+
+    monkeypatch.setattr(dist, "get_backend", lambda group: "nccl")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    info = GroupInfo(object(), 0, 2)
+    with pytest.raises(ValueError, match=r"q is on cuda:1 but .*current CUDA device is cuda:0.*"
+                       r"torch.cuda.set_device\(local_rank\)"):  # fmt: skip
+        api._check_device(info, Q())
+
+    class OnCpu:
+        device = torch.device("cpu")
+
+    with pytest.raises(ValueError, match=r"NCCL, which needs CUDA tensors, but q is on cpu"):
+        api._check_device(info, OnCpu())
