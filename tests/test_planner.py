@@ -214,3 +214,9 @@ def test_calibration_cache_is_reused(tmp_path, monkeypatch, capsys):
     assert calls == [1, 1]
     plan(capsys, *args, "--calibrate")  # --calibrate always measures
     assert calls == [1, 1, 1]
+    other = tmp_path / "results.json"  # a file that is not a calibration is never overwritten
+    other.write_text('{"rows": []}')
+    with pytest.raises(SystemExit):
+        main(["plan", *args[:-1], str(other)])
+    assert "not a calibration file" in capsys.readouterr().err
+    assert other.read_text() == '{"rows": []}'

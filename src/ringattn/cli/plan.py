@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 __all__ = ["add_parser", "run_plan"]
@@ -71,10 +72,14 @@ def _job(args: argparse.Namespace, calibration: dict | None):
     if missing:
         raise ValueError(f"missing {', '.join(missing)} (or run --calibrate alone)")
     if args.hardware == "cpu" and calibration is None:
-        from ringattn.planner.calibrate import calibrate, load_calibration
+        from ringattn.planner.calibrate import calibrate, is_calibration_file, load_calibration
 
+        path = args.calibration
+        if os.path.exists(path) and not is_calibration_file(path):
+            raise ValueError(f"--calibration {path} exists and is not a calibration file; "
+                             "give a new path (it will be measured and written there)")  # fmt: skip
         try:
-            calibration = load_calibration(args.calibration)
+            calibration = load_calibration(path)
         except ValueError as why:  # none yet, or another machine's: measure this one (~20 s)
             print(f"[plan] {why}; calibrating now", file=sys.stderr)
             calibration = calibrate(args.calibration, log=lambda t: print(t, file=sys.stderr))

@@ -30,7 +30,7 @@ import time
 
 import torch
 
-__all__ = ["DEFAULT_PATH", "calibrate", "load_calibration", "machine_key"]
+__all__ = ["DEFAULT_PATH", "calibrate", "is_calibration_file", "load_calibration", "machine_key"]
 
 DEFAULT_PATH = os.path.join(os.path.expanduser("~"), ".cache", "ringattn", "calibration-cpu.json")
 VERSION = 3
@@ -218,6 +218,16 @@ def calibrate(path: str = DEFAULT_PATH, repeats: int = 5, log=print) -> dict:
     os.replace(tmp, path)  # atomic: a reader never sees half a file
     log(f"[calibrate] wrote {path} ({result['seconds']:.0f} s)")
     return result
+
+
+def is_calibration_file(path: str) -> bool:
+    """Whether `path` holds a calibration (of any machine): safe to overwrite with a new one."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and {"matmul", "attention", "gloo"} <= set(data)
 
 
 def load_calibration(path: str = DEFAULT_PATH) -> dict:
