@@ -23,6 +23,7 @@ from ringattn.cli.correctness import add_check_command, add_demo_command
 from ringattn.cli.options import LAYOUTS as _LAYOUTS
 from ringattn.cli.options import int_list as _int_list
 from ringattn.cli.options import name_list as _name_list
+from ringattn.cli.plan import add_parser as add_plan_command
 from ringattn.runtime.launch import LaunchError
 
 
@@ -238,7 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_check_command(sub)
     _layout_parser(sub)
     _bench_parser(sub)
-    __import__("ringattn.cli.plan", fromlist=["add_parser"]).add_parser(sub)
+    add_plan_command(sub)
     return parser
 
 
