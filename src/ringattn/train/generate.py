@@ -14,8 +14,9 @@
 The checkpoint's train_state.json gives the model shape. The prompt is --prompt TEXT or
 --prompt-file FILE (bytes are tokens); without either, and when the run trained on the key-value
 task, it is a fresh sample of that task (never seen in training) cut after its last query's key,
-so the next token is the model's answer, printed with the right one. `generate` below is the old
-path without a cache (the whole sequence re-run per token): the tests' reference.
+so the next token is the model's answer, printed with the right one. `--hf DIR` decodes a local
+transformers model instead (greedy, ringattn.hf.generate; generate_hf.py). `generate` below is the
+old path without a cache (the whole sequence re-run per token): the tests' reference.
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ class GenerateConfig:
 
     checkpoint: str = "runs/demo/checkpoints"
     """A checkpoint directory (step-N) or a directory of them (the newest is used)."""
+    hf: str | None = None
+    """A local Hugging Face model directory (or config.json) instead of --checkpoint."""
     prompt: str | None = None
     """Text to continue; default: a fresh sample of the key-value task, if the run used it."""
     prompt_file: str | None = None
@@ -147,7 +150,12 @@ def check_config(cfg: GenerateConfig) -> None:
         raise ValueError(f"--prompt-file {cfg.prompt_file!r} is not a file")
     if cfg.prompt == "" or (cfg.prompt_file is not None and os.path.getsize(cfg.prompt_file) == 0):
         raise ValueError("the prompt is empty; pass at least one byte")
-    _resolve(cfg.checkpoint)
+    if cfg.hf is not None:
+        from ringattn.train.generate_hf import check
+
+        check(cfg)
+    else:
+        _resolve(cfg.checkpoint)
 
 
 def generate_worker(cfg: GenerateConfig) -> dict:
@@ -155,6 +163,10 @@ def generate_worker(cfg: GenerateConfig) -> dict:
     from ringattn.comm import all_gather_ints, resolve_group
     from ringattn.inference import Sampling, Session
 
+    if cfg.hf is not None:
+        from ringattn.train.generate_hf import hf_worker
+
+        return hf_worker(cfg)
     model, state = load_model(cfg.checkpoint)  # before the group exists: a plain local load
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         init_distributed()
@@ -225,18 +237,29 @@ def add_generate_command(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "generate",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        help="decoding from a training checkpoint over a KV cache sharded across --nproc ranks",
-        description="Load a checkpoint written by `ringattn train` or `ringattn demo` on --nproc "
+        help="decoding from a training checkpoint or a local Hugging Face model (--hf) over a "
+        "KV cache sharded across --nproc ranks",
+        description="Load a checkpoint written by `ringattn train` or `ringattn demo` (or, with "
+        "--hf DIR, a local transformers model: train/generate_hf.py) on --nproc "
         "local processes (or torchrun's ranks), prefill the prompt context-parallel (each rank "
         "keeps its shard of the KV cache) and decode, streaming the tokens; prints the time to "
         "first token, decode tokens/s and each rank's KV-cache MB. Without --prompt or "
         "--prompt-file, a run trained on the key-value task is asked a fresh sample's last "
         "query, and the right answer is shown.",
     )
-    p.add_argument(
+    source = p.add_mutually_exclusive_group()
+    source.add_argument(
         "--checkpoint",
         default=d.checkpoint,
         help="a step-N checkpoint or a directory of them (the newest is used)",
+    )
+    source.add_argument(
+        "--hf",
+        default=d.hf,
+        metavar="DIR",
+        help="a local Hugging Face model directory (config.json, weights, tokenizer; a bare "
+        "config.json: random init from --seed) decoded greedily with ringattn.hf.generate; "
+        "without a tokenizer the prompt's bytes mod vocab_size are the tokens",
     )
     p.add_argument("--prompt", default=d.prompt, help="text to continue (bytes are tokens)")
     p.add_argument("--prompt-file", default=d.prompt_file, help="a file whose bytes are the prompt")

@@ -24,7 +24,9 @@ Attention sinks (gpt-oss's `s_aux`) scale the merged output by sigmoid(lse - sin
 
 from __future__ import annotations
 
+import time
 import zlib
+from collections.abc import Callable
 
 import torch
 
@@ -32,6 +34,7 @@ import ringattn
 from ringattn.comm import all_reduce, resolve_group
 from ringattn.inference.cache import ShardedKVCache
 from ringattn.inference.partials import local_partial, merge_across_ranks
+from ringattn.inference.session import TurnStats
 from ringattn.integrations.hf.attention import _check_call, ringattn_mask
 from ringattn.kernels import select_kernel
 from ringattn.layout import get_layout
@@ -44,8 +47,9 @@ STATE_ATTR = "ringattn_kv_state"
 class _State:
     """One `generate` call's cache and phase, shared by every attention module of the model."""
 
-    def __init__(self, info, group, layout: str):
+    def __init__(self, info, group, layout: str, on_prefill=None, n_layers: int = 0):
         self.info, self.group, self.layout = info, group, layout
+        self.on_prefill, self.n_layers = on_prefill, n_layers  # progress: (layers done, total)
         self.caches: dict[int, ShardedKVCache] = {}  # by layer index
         self.seq_len = 0  # tokens in the sequence before the current call
         self.real: torch.Tensor | None = None  # prefill: local rows that are not padding
@@ -75,6 +79,8 @@ def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=N
         )  # fmt: skip
         cache.store(0, key[:, :, state.real], value[:, :, state.real], state.positions[state.real])
         cache.evict(0, state.seq_len)
+        if state.on_prefill is not None:
+            state.on_prefill(layer + 1, state.n_layers)
     else:
         cache.append_decoded(0, key, value, state.seq_len, state.owner)
         cache.evict(0, state.seq_len)
@@ -128,19 +134,27 @@ def generate(
     layout: str = "zigzag",
     *,
     eos_token_id: int | list[int] | None = None,
-) -> torch.Tensor:
+    on_token: Callable[[int], None] | None = None,
+    on_prefill: Callable[[int, int], None] | None = None,
+    return_stats: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, TurnStats]:
     """Greedy continuation of `input_ids` (1, S) by up to `max_new_tokens` tokens, stopping after
     an end-of-sequence token (`eos_token_id`, default the model's generation_config's).
 
     Returns (1, S + new) on every rank of `group`. The model needs no `parallelize` (its
-    attention implementation is switched for the call and restored).
+    attention implementation is switched for the call and restored). `on_token(token)` is called
+    on every rank as each new token is chosen (streaming), `on_prefill(layers_done, layers)` after
+    each layer's prefill attention; with `return_stats`, also this rank's `TurnStats` (time to
+    first token, decode time, the bytes and tokens of K/V this rank keeps).
     """
     info = resolve_group(group)
     input_ids = validated(info, input_ids.device if isinstance(input_ids, torch.Tensor) else None,
                           lambda: _check(input_ids, max_new_tokens, layout))  # fmt: skip
     _register()
     device, seq_len = input_ids.device, input_ids.shape[1]
-    state = _State(info, group, layout)
+    n_layers = getattr(model.config.get_text_config(), "num_hidden_layers", 0)
+    state = _State(info, group, layout, on_prefill, n_layers)
+    stats, start = TurnStats(prompt_tokens=seq_len), time.perf_counter()
     previous = model.config._attn_implementation
     model.set_attn_implementation(ATTENTION_NAME)
     for module in model.modules():
@@ -159,11 +173,17 @@ def generate(
         last = logits[0, row].sum(0) if len(row) else logits.new_zeros(logits.shape[-1])
         logits = all_reduce(last.float(), info)  # (vocab,), the same on every rank
         state.real = None
+        stats.prefill_s = time.perf_counter() - start
         eos, out = _eos_ids(model, eos_token_id), []
         one = torch.tensor([0, 1])
         while len(out) < max_new_tokens:
             token = int(logits.argmax())
             out.append(token)
+            if len(out) == 1:
+                decode_start = time.perf_counter()
+                stats.first_token_s = decode_start - start
+            if on_token is not None:
+                on_token(token)
             if token in eos or len(out) == max_new_tokens:
                 break
             logits = model(input_ids=torch.tensor([[token]], device=device),
@@ -172,13 +192,19 @@ def generate(
                            max_length_k=1).logits[0, -1].float()  # fmt: skip
             state.seq_len += 1
             state.owner = (state.owner + 1) % info.world_size
+        if out:
+            stats.decode_s = time.perf_counter() - decode_start
+        stats.new_tokens = len(out)
+        stats.cache_bytes = sum(cache.nbytes for cache in state.caches.values())
+        stats.cache_tokens = max((cache.tokens for cache in state.caches.values()), default=0)
     finally:
         for module in model.modules():
             if hasattr(module, STATE_ATTR):
                 delattr(module, STATE_ATTR)
         model.set_attn_implementation(previous)
     new = torch.tensor([out], dtype=input_ids.dtype, device=device).reshape(1, len(out))
-    return torch.cat([input_ids, new], dim=1)
+    tokens = torch.cat([input_ids, new], dim=1)
+    return (tokens, stats) if return_stats else tokens
 
 
 __all__ = ["generate"]
