@@ -23,6 +23,7 @@ from ringattn.train.config import TrainConfig, validate
 from ringattn.train.hf_data import load_corpus, load_tokenizer
 from ringattn.train.hf_recipe import CausalLMLoss, load_config, load_model, model_source
 from ringattn.train.main import run_train, world_size
+from ringattn.train.plot import plot
 from ringattn.train.progress import JsonLog, read_log
 
 __all__ = ["describe", "export", "plot", "run_hf_train"]
@@ -60,36 +61,6 @@ def export(cfg: TrainConfig, checkpoint: str, out_dir: str) -> str:
     return out_dir
 
 
-def plot(history: list[dict], path: str, title: str) -> str | None:
-    """Loss and next-token accuracy over the steps, and each rank's peak memory, as a PNG; None
-    without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    steps = [h["step"] for h in history]
-    fig, (ax_loss, ax_mem) = plt.subplots(1, 2, figsize=(11, 4), width_ratios=(2, 1))
-    ax_loss.plot(steps, [h["loss"] for h in history], color="tab:blue", lw=1)
-    ax_loss.set_xlabel("step")
-    ax_loss.set_ylabel("loss (mean over supervised tokens)", color="tab:blue")
-    ax_acc = ax_loss.twinx()
-    ax_acc.plot(steps, [h["accuracy"] for h in history], color="tab:orange", lw=1, alpha=0.8)
-    ax_acc.set_ylabel("next-token accuracy", color="tab:orange")
-    ax_acc.set_ylim(0, 1.02)
-    ax_loss.set_title(title, fontsize=9)
-    peaks = history[-1]["peak_mb"]
-    ax_mem.bar([str(r) for r in range(len(peaks))], peaks, color="tab:green")
-    ax_mem.set_xlabel("rank")
-    ax_mem.set_ylabel("peak memory added by training (MB)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
 def _lead() -> bool:
     return int(os.environ.get("RANK", "0")) == 0  # torchrun's rank, or the launching parent
 
@@ -117,6 +88,9 @@ def run_hf_train(cfg: TrainConfig) -> dict:
     history = [r for r in read_log(cfg.log_path) if "loss" in r]
     if history:
         title = f"ringattn train --hf {cfg.hf}: {cfg.seq_len} tokens x {cfg.batch_size}, cp {cp}"
-        image = plot(history, os.path.join(cfg.out_dir, "train.png"), title)
+        image = plot(
+            history, os.path.join(cfg.out_dir, "train.png"), title,
+            loss_label="loss (mean over supervised tokens)", accuracy_label="next-token accuracy",
+        )  # fmt: skip
         print(f"[hf] log: {cfg.log_path}" + (f"; plot: {image}" if image else ""), flush=True)
     return summary
