@@ -45,6 +45,18 @@ def test_generate_on_two_ranks_streams_the_single_process_tokens(checkpoint, tmp
     assert float(figures[3]) + float(figures[4]) == pytest.approx(total_mb, abs=2e-3)
 
 
+def test_generate_offload_kv_streams_the_same_tokens(checkpoint, capfd):
+    """--offload-kv (host-resident shards, the next layer prefetched; CPU: plain copies)."""
+    argv = ["generate", "--checkpoint", str(checkpoint), "--prompt", "offloaded prompt",
+            "--max-new-tokens", "5", "--offload-kv"]  # fmt: skip
+    assert main(argv) == 0
+    out, err = capfd.readouterr()
+    model, _ = load_model(str(checkpoint))
+    want = generate(model, list(b"offloaded prompt"), 5)
+    assert out.strip().splitlines()[-1] == "offloaded prompt|" + render(want)
+    assert "(host memory: --offload-kv)" in err
+
+
 def test_generate_rejects_bad_flags(checkpoint, tmp_path, capfd):
     empty = tmp_path / "empty.txt"
     empty.write_bytes(b"")

@@ -11,6 +11,15 @@ position p sees keys with position >= p - left, and keys older than that are dro
 
 Buffers grow by doubling (`reserve` sizes them up front, so a planned generation copies nothing);
 `nbytes` counts the kept tokens only, the figure that `ringattn generate` reports per rank.
+
+Offload (`ShardedKVCache.offload()`, `ringattn generate --offload-kv`): every layer's shard lives
+in host memory (pinned when the model computes on CUDA), rows first (capacity, B, Hkv, D) so that
+the live rows are one contiguous block. `kept(i)` returns device copies and starts the copy of
+layer i + 1 (i = last: layer 0, the next token's first), on a side CUDA stream, so it moves while
+layer i computes; on CPU the same path makes plain copies. Between the prefetch and its use the
+layer may gain the token being decoded or lose evicted rows; both ends are patched with logical
+row counters (`dropped`, `added`), so the copy equals the host rows exactly. At most two layers'
+shards are on the device at once.
 """
 
 from __future__ import annotations
@@ -78,6 +87,98 @@ class LayerCache:
         return self.tokens * per_token
 
 
+class HostLayerCache:
+    """One layer's K/V on one rank in host memory, rows first: k, v (capacity, B, Hkv, D).
+
+    Live physical rows are [start, length); logical row j (counting every token ever added) is
+    physical row start + j - dropped, so a device copy of logical rows [d, a) can be patched."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, pin: bool):
+        self.pin = pin
+        b, h, n, d = k.shape
+        self.k = torch.empty(n, b, h, d, dtype=k.dtype, pin_memory=pin)
+        self.v = torch.empty(n, b, h, d, dtype=v.dtype, pin_memory=pin)
+        self.positions = torch.empty(n, dtype=torch.int64)
+        self.start = self.length = self.dropped = self.added = 0
+        self.append(k, v, positions)
+
+    def reserve(self, extra: int) -> None:
+        need = self.length + extra
+        if need > self.k.shape[0]:
+            self._resize(max(need, 2 * self.k.shape[0]))
+
+    def _resize(self, capacity: int) -> None:
+        live, count = slice(self.start, self.length), self.length - self.start
+        k = torch.empty(capacity, *self.k.shape[1:], dtype=self.k.dtype, pin_memory=self.pin)
+        v = torch.empty(capacity, *self.v.shape[1:], dtype=self.v.dtype, pin_memory=self.pin)
+        positions = self.positions.new_empty(capacity)
+        k[:count], v[:count], positions[:count] = self.k[live], self.v[live], self.positions[live]
+        self.k, self.v, self.positions = k, v, positions
+        self.start, self.length = 0, count
+
+    def append(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
+        """Add k, v (B, Hkv, n, D) (on any device) at global `positions` (n,)."""
+        n = k.shape[2]
+        if n == 0:
+            return
+        self.reserve(n)
+        rows = slice(self.length, self.length + n)
+        self.k[rows].copy_(k.permute(2, 0, 1, 3))
+        self.v[rows].copy_(v.permute(2, 0, 1, 3))
+        self.positions[rows] = positions.to("cpu", torch.int64)
+        self.length += n
+        self.added += n
+
+    def evict_before(self, position: int) -> None:
+        live = self.positions[self.start : self.length]
+        gone = int(torch.searchsorted(live, torch.tensor(position)))
+        self.start += gone
+        self.dropped += gone
+        if self.start > (self.k.shape[0] // 2):
+            self._resize(max(1, self.length - self.start))
+
+    @property
+    def tokens(self) -> int:
+        return self.length - self.start
+
+    @property
+    def nbytes(self) -> int:
+        return self.tokens * 2 * self.k[:1].numel() * self.k.element_size()
+
+
+class _Copy:
+    """Device copies of logical rows [dropped, added) of one layer, and the copy's CUDA event."""
+
+    def __init__(self, cache: HostLayerCache, device: torch.device, stream) -> None:
+        self.dropped, self.added = cache.dropped, cache.added
+        rows = slice(cache.start, cache.length)
+        if stream is None:  # CPU: the same path, plain copies
+            self.k, self.v = cache.k[rows].clone(), cache.v[rows].clone()
+            self.event = None
+            return
+        with torch.cuda.stream(stream):
+            self.k = cache.k[rows].to(device, non_blocking=True)  # pinned: asynchronous
+            self.v = cache.v[rows].to(device, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record(stream)
+
+    def finish(self, cache: HostLayerCache, device: torch.device) -> tuple:
+        """(k, v) (B, Hkv, n, D) equal to the layer's live host rows now."""
+        if self.event is not None:
+            current = torch.cuda.current_stream(device)
+            current.wait_event(self.event)
+            self.k.record_stream(current)  # allocated on the side stream, used on this one
+            self.v.record_stream(current)
+        first = min(max(cache.dropped - self.dropped, 0), self.k.shape[0])
+        k, v = self.k[first:], self.v[first:]
+        since = max(self.added, cache.dropped)  # rows added after the copy, still live
+        if cache.added > since:
+            rows = slice(cache.start + since - cache.dropped, cache.length)
+            k = torch.cat([k, cache.k[rows].to(device, copy=True)])
+            v = torch.cat([v, cache.v[rows].to(device, copy=True)])
+        return k.permute(1, 2, 0, 3).contiguous(), v.permute(1, 2, 0, 3).contiguous()
+
+
 class ShardedKVCache:
     """This rank's part of every layer's K/V, and whose turn it is to keep the next decoded token.
 
@@ -91,10 +192,24 @@ class ShardedKVCache:
         self.rank, self.world_size = rank, world_size
         self.window = window  # left extent in tokens; None: keep everything
         self.decoded = 0  # tokens appended one at a time, for the round-robin
+        self.offloaded = False
+        self._device: torch.device | None = None  # offload: where the model computes
+        self._positions_device: torch.device | None = None
+        self._copies: dict[int, _Copy] = {}  # offload: prefetched layers
+        self._stream = None
+
+    def offload(self) -> None:
+        """Keep every layer's shard in host memory from now on (see the module docstring)."""
+        if any(layer is not None for layer in self.layers):
+            raise ValueError("offload() must be called before the cache holds any tokens")
+        self.offloaded = True
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
         """Add this rank's real tokens of a prefill or follow-up turn (padding rows removed)."""
-        if self.layers[layer] is None:
+        if self.layers[layer] is None and self.offloaded:
+            self._device, self._positions_device = k.device, positions.device
+            self.layers[layer] = HostLayerCache(k, v, positions, pin=k.device.type == "cuda")
+        elif self.layers[layer] is None:
             self.layers[layer] = LayerCache(k, v, positions)
         else:
             self.layers[layer].append(k, v, positions)
@@ -124,8 +239,29 @@ class ShardedKVCache:
                 cache.reserve(share)
 
     def kept(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The live k, v (B, Hkv, n, D) and positions (n,) of `layer`; offloaded: device copies,
+        and the next layer's copy starts."""
         cache = self.layers[layer]
-        return None if cache is None else cache.kept()
+        if cache is None or not self.offloaded:
+            return None if cache is None else cache.kept()
+        copy = self._copies.pop(layer, None) or _Copy(cache, self._device, self._side_stream())
+        k, v = copy.finish(cache, self._device)
+        positions = cache.positions[cache.start : cache.length].to(
+            self._positions_device, copy=True
+        )
+        following = (layer + 1) % len(self.layers)
+        if self.layers[following] is not None:
+            self._copies[following] = _Copy(self.layers[following], self._device,
+                                            self._side_stream())  # fmt: skip
+        return k, v, positions
+
+    def _side_stream(self):
+        if self._device is None or self._device.type != "cuda":
+            return None
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self._device)
+        self._stream.wait_stream(torch.cuda.current_stream(self._device))  # host rows written
+        return self._stream
 
     @property
     def tokens(self) -> int:

@@ -73,6 +73,8 @@ class GenerateConfig:
     seed: int = 0
     eos_id: int | None = None
     """Stop after this token id (a byte value)."""
+    offload_kv: bool = False
+    """Keep the cache shards in host memory, each layer's copied in while the previous computes."""
 
 
 def _resolve(path: str) -> str:
@@ -150,6 +152,8 @@ def check_config(cfg: GenerateConfig) -> None:
         raise ValueError(f"--prompt-file {cfg.prompt_file!r} is not a file")
     if cfg.prompt == "" or (cfg.prompt_file is not None and os.path.getsize(cfg.prompt_file) == 0):
         raise ValueError("the prompt is empty; pass at least one byte")
+    if cfg.hf is not None and cfg.offload_kv:
+        raise ValueError("--offload-kv applies to --checkpoint's decoder; drop it with --hf")
     if cfg.hf is not None:
         from ringattn.train.generate_hf import check
 
@@ -189,6 +193,8 @@ def generate_worker(cfg: GenerateConfig) -> dict:
 
     sampling = Sampling(cfg.temperature, cfg.top_k, cfg.top_p, cfg.seed)
     session = Session(model, layout=cfg.layout, merge=cfg.merge)
+    if cfg.offload_kv:
+        session.decoder.cache.offload()  # before the prefill stores anything
     start = time.perf_counter()
     tokens, stats = session.generate(prompt, cfg.max_new_tokens, sampling=sampling,
                                      eos_id=cfg.eos_id, on_token=on_token,
@@ -203,7 +209,8 @@ def generate_worker(cfg: GenerateConfig) -> dict:
         per_rank = ", ".join(f"{b / 2**20:.3f}" for b in cache_bytes)
         print(f"[generate] time to first token {stats.first_token_s * 1e3:.1f} ms (prefill of "
               f"{len(prompt)} tokens), {stats.new_tokens} tokens in {total_s:.2f} s, decode "
-              f"{stats.decode_tokens_per_s:.1f} tokens/s; KV cache per rank: {per_rank} MB",
+              f"{stats.decode_tokens_per_s:.1f} tokens/s; KV cache per rank: {per_rank} MB"
+              f"{' (host memory: --offload-kv)' if cfg.offload_kv else ''}",
               file=sys.stderr, flush=True)  # fmt: skip
     return {"tokens": tokens, "cache_bytes": stats.cache_bytes, "rank": info.rank}
 
@@ -292,6 +299,12 @@ def add_generate_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-p", type=float, default=d.top_p, help="nucleus sampling mass (1: all)")
     p.add_argument("--seed", type=int, default=d.seed, help="sampling seed, shared by all ranks")
     p.add_argument("--eos-id", type=int, default=d.eos_id, help="stop after this token id")
+    p.add_argument(
+        "--offload-kv",
+        action="store_true",
+        help="keep each rank's cache shard in host memory (pinned on CUDA) and copy each layer's "
+        "to the device while the previous layer computes (--checkpoint only)",
+    )
     p.set_defaults(run=_run_from_args)
 
 

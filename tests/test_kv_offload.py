@@ -1,0 +1,85 @@
+"""KV-cache offload (`ShardedKVCache.offload()`, `ringattn generate --offload-kv`) on CPU.
+
+The same code path as CUDA's, with plain copies instead of a side stream: the prefetched copy of
+the next layer must be patched for the token appended and the rows evicted after it was taken,
+so every `kept` must equal the plain (device-resident) cache's exactly, and decoding with it must
+give the plain decoder's logits bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ringattn.inference import CachedDecoder, ShardedKVCache
+from workers_inference import build_model
+
+
+def _kv(n: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(1, 2, n, 4, generator=gen), torch.randn(1, 2, n, 4, generator=gen)
+
+
+def test_offloaded_cache_equals_the_plain_one_with_prefetch_append_and_evict():
+    """Rank 1 of 2, 3 layers, a window of 5: a prefill, decoded tokens round-robin (this rank
+    keeps every other one), a follow-up turn of 4 tokens, more decoding; each layer's prefetched
+    copy (taken while the previous layer ran) is used after its layer appended and evicted."""
+    gen = torch.Generator().manual_seed(0)
+    plain, offloaded = ShardedKVCache(3, 1, 2, window=5), ShardedKVCache(3, 1, 2, window=5)
+    offloaded.offload()
+    position = 0
+
+    def store(n: int) -> None:
+        nonlocal position
+        positions = torch.arange(position, position + n)
+        for layer in range(3):
+            k, v = _kv(n, gen)
+            for cache in (plain, offloaded):
+                cache.store(layer, k, v, positions)
+                cache.evict(layer, position + n)
+        position += n
+
+    def decode(steps: int) -> None:
+        nonlocal position
+        for _ in range(steps):
+            owner = plain.next_owner()
+            for layer in range(3):
+                k, v = _kv(1, gen)
+                for cache in (plain, offloaded):
+                    cache.append_decoded(layer, k, v, position, owner)
+                    cache.evict(layer, position)
+                got, want = offloaded.kept(layer), plain.kept(layer)
+                for a, b in zip(got, want, strict=True):
+                    assert torch.equal(a, b), (position, layer)
+                assert (layer + 1) % 3 in offloaded._copies  # the next layer was prefetched
+            for cache in (plain, offloaded):
+                cache.decoded += 1
+            position += 1
+
+    store(9)  # rank 1's share of a prompt, as the decoder stores it
+    decode(7)
+    store(4)
+    decode(6)
+    assert offloaded.nbytes == plain.nbytes > 0 and offloaded.tokens == plain.tokens
+
+
+def test_offloaded_decoder_gives_the_plain_logits_exactly():
+    """The project's decoder, one process: prefill, 6 steps, a follow-up turn (pass-KV, then
+    pass-Q), 4 more steps, with and without a window; every logits vector equal bit for bit."""
+    model = build_model()
+    prompt = torch.randint(0, 256, (23,), generator=torch.Generator().manual_seed(1))
+    follow_up = torch.randint(0, 256, (5,), generator=torch.Generator().manual_seed(2))
+    for window, mode in ((None, "pass-kv"), (6, "pass-q")):
+        runs = []
+        for offload in (False, True):
+            decoder = CachedDecoder(model, layout="zigzag", window=window)
+            if offload:
+                decoder.cache.offload()
+            logits = [decoder.prefill(prompt)]
+            for _ in range(6):
+                logits.append(decoder.step(int(logits[-1].argmax())))
+            logits.append(decoder.extend(follow_up, mode))
+            for _ in range(4):
+                logits.append(decoder.step(int(logits[-1].argmax())))
+            runs.append(logits)
+        for i, (a, b) in enumerate(zip(*runs, strict=True)):
+            assert torch.equal(a, b), (window, i)
+        assert len({int(x.argmax()) for x in runs[0]}) > 1  # the tokens vary
