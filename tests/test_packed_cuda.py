@@ -17,7 +17,12 @@ from ringattn.packing import place
 from ringattn.plan import Call, step_blocks
 from ringattn.testing.yardstick import compare
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+_needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def cuda(fn):
+    """GPU-only: skipped without CUDA, marked `gpu` so scripts/gpu_bench.sh's `-m gpu` runs it."""
+    return pytest.mark.gpu(_needs_cuda(fn))
 
 
 def test_window_on_a_kernel_without_one_names_the_kernel_needed():
