@@ -7,8 +7,9 @@ itself (the layout's causal schedule). Two exact ways to get there (Meta, "Conte
 Scalable Million-Token Inference", 2024):
 
     pass-KV   K/V travel, queries stay: the new K/V go around the ring (ringattn.attention over the
-              new tokens) and every rank's cached K/V is gathered (posted first, so it moves while
-              the new-token attention computes); each rank merges its queries' partials.
+              new tokens), then the cached K/V shards go around the ring too, one shard held at
+              a time (each step's transfer posted before that step's compute), so no rank ever
+              holds the whole cache; each rank merges its queries' partials.
               Moves (T + P) * 2 * Hkv * D per rank.
     pass-Q    queries travel, K/V stay: the new queries are gathered, every rank attends all of
               them over its own cache and its own new K/V, and the partial (out, lse) go back to
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 import ringattn
-from ringattn.comm import GroupInfo, all_gather_async, all_to_all, wait
+from ringattn.comm import GroupInfo, RingComm, all_gather_async, all_to_all, wait
 from ringattn.inference.partials import local_partial, merge_stacked
 from ringattn.kernels import KERNELS
 from ringattn.kernels.base import Kernel
@@ -125,6 +126,9 @@ def _pad_rows(x: torch.Tensor, length: int) -> torch.Tensor:
     return torch.cat([x, pad], dim=2)
 
 
+CACHE_TAG = 3  # pass-KV's cache ring (the attention ring uses 0 and 1, reduce-scatter 2)
+
+
 def pass_kv(
     turn: Turn,
     q: torch.Tensor,
@@ -135,27 +139,33 @@ def pass_kv(
     """Attention output (B, Hq, T_local, D) float32 of this rank's new queries; K/V travel."""
     info = turn.info
     cached_k, cached_v, _ = cached
-    longest = max(turn.cache_lengths)
-    payload = torch.stack([_pad_rows(cached_k, longest), _pad_rows(cached_v, longest)])
-    gathered, works = all_gather_async(payload, info)  # (W, 2, B, Hkv, longest, D), in flight
     window = None if turn.window is None else (turn.window, 0)
     new_out, new_lse = ringattn.attention(
         q, k, v, causal=True, group=turn.group, layout=turn.layout, return_lse=True,
         cu_seqlens=list(turn.placement.bounds), window=window, backend=turn.kernel.name,
     )  # fmt: skip
-    wait(works)
-    outs, lses = [new_out.float()], [new_lse.float()]
-    for src in range(info.world_size):
+    # the cached shards travel around the ring, padded to one length (one message shape)
+    longest = max(turn.cache_lengths)
+    shard = torch.stack([_pad_rows(cached_k, longest), _pad_rows(cached_v, longest)])
+    ring = RingComm(info) if info.world_size > 1 else None
+    spare = torch.empty_like(shard) if ring else None
+    partials: list = [None] * info.world_size
+    for step in range(info.world_size):
+        src = (info.rank - step) % info.world_size  # whose cache shard we hold now
+        more = ring is not None and step + 1 < info.world_size
+        works = ring.exchange([(shard, spare)], CACHE_TAG) if more else []
         n = turn.cache_lengths[src]
-        keys = slice(0, n)
         key_positions = None if turn.cache_positions is None else turn.cache_positions[src]
         visible = None if key_positions is None else turn.visible(info.rank, key_positions)
-        out, lse = local_partial(
-            turn.kernel, q, gathered[src, 0][:, :, keys], gathered[src, 1][:, :, keys],
-            turn.scale, visible,
-        )  # fmt: skip
-        outs.append(out)
-        lses.append(lse)
+        partials[src] = local_partial(
+            turn.kernel, q, shard[0][:, :, :n], shard[1][:, :, :n], turn.scale, visible
+        )
+        if more:
+            wait(works)
+            shard, spare = spare, shard
+    # merged in rank order, whatever the ring order: the same sums as before
+    outs = [new_out.float()] + [out for out, _ in partials]
+    lses = [new_lse.float()] + [lse for _, lse in partials]
     merged, _ = merge_stacked(torch.stack(outs), torch.stack(lses))
     return merged
 
