@@ -48,8 +48,8 @@ def bench_worker(options: dict) -> dict:
     import ringattn
     from ringattn.comm import resolve_group
     from ringattn.inference import CachedDecoder
+    from ringattn.models import Transformer, model_config, set_context_parallel
     from ringattn.runtime.launch import init_distributed
-    from ringattn.train.model import Transformer, model_config, set_context_parallel
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         init_distributed()

@@ -1,10 +1,15 @@
 """The house rules, checked on the source: the layers of docs/architecture.md hold.
 
-- no import cycle between ringattn's modules (module-level imports; imports inside functions are
-  lazy by design and do not run at import time);
+- no import cycle between ringattn's modules, counting imports inside functions too;
+- no ringattn module is imported inside a function: a lazy import is for optional dependencies
+  only (transformers, triton, ...: the ringattn modules that use them import them lazily
+  themselves), never a way to dodge a cycle;
 - the core (the top-level modules, kernels/, strategies/) never imports an application package;
+- `inference/`, `planner/` and `models/` never import `train/`; `models/` imports no application
+  but `runtime/`;
 - `import ringattn` needs only torch: no optional dependency and no application is imported;
-- no module over 400 lines.
+- no module over 400 lines, no folder over 14 modules, no test file over 500 lines;
+- in library code every tensor factory names its device.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "src" / "ringattn"
 CORE_PACKAGES = ("comm", "kernels", "strategies")
-APPLICATIONS = ("train", "bench", "cli", "integrations", "runtime", "testing", "inference",
+APPLICATIONS = ("train", "bench", "cli", "integrations", "runtime", "testing", "inference", "models",
                 "planner", "hf")  # fmt: skip
 
 
@@ -29,11 +34,11 @@ def _modules() -> dict[str, pathlib.Path]:
     return found
 
 
-def _top_level_imports(path: pathlib.Path, modules: dict[str, pathlib.Path]) -> set[str]:
-    """ringattn modules imported at module level (not inside functions)."""
+def _imports(path: pathlib.Path, modules: dict[str, pathlib.Path]) -> set[str]:
+    """ringattn modules imported anywhere in the module (at module level or inside functions)."""
     tree = ast.parse(path.read_text())
     names: set[str] = set()
-    for node in tree.body:
+    for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("ringattn"):
             names.add(node.module)
             for alias in node.names:  # `from ringattn.train import checkpoint`
@@ -53,7 +58,7 @@ def _is_core(name: str) -> bool:
 
 def test_no_import_cycle():
     modules = _modules()
-    graph = {name: _top_level_imports(path, modules) - {name} for name, path in modules.items()}
+    graph = {name: _imports(path, modules) - {name} for name, path in modules.items()}
     # a package's __init__ importing its own submodules is how packages work, not a cycle
     graph = {
         name: {d for d in deps if not (name + ".").startswith(d + ".")}
@@ -115,3 +120,96 @@ def test_no_module_over_400_lines():
         if (n := len(path.read_text().splitlines())) > 400
     }
     assert not long, long
+
+
+def _function_imports(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, module) of every import statement inside a function body."""
+    found = []
+    for func in ast.walk(tree):
+        if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for node in ast.walk(func):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                found.append((node.lineno, node.module))
+            elif isinstance(node, ast.Import):
+                found.extend((node.lineno, a.name) for a in node.names)
+    return found
+
+
+def test_no_ringattn_import_inside_a_function():
+    lazy = [
+        f"{path.relative_to(ROOT)}:{line} imports {module}"
+        for path in ROOT.rglob("*.py")
+        for line, module in _function_imports(ast.parse(path.read_text()))
+        if module == "ringattn" or module.startswith("ringattn.")
+    ]
+    assert not lazy, "\n".join(lazy)
+
+
+def test_applications_stand_side_by_side():
+    """inference/, planner/ and models/ never import train/; models/ imports the core and
+    runtime/ only (the trainer, inference and the planner all build on it)."""
+    modules = _modules()
+    for name, path in modules.items():
+        room = name.split(".")[1] if "." in name else ""
+        deps = _imports(path, modules)
+        if room in ("inference", "planner", "models"):
+            bad = sorted(d for d in deps if d.startswith("ringattn.train"))
+            assert not bad, f"{name} imports {bad}"
+        if room == "models":
+            bad = sorted(
+                d
+                for d in deps
+                if not (
+                    _is_core(d)
+                    or d == "ringattn"
+                    or d.startswith(("ringattn.models", "ringattn.runtime", "ringattn.comm"))
+                )
+            )
+            assert not bad, f"{name} imports {bad}"
+
+
+def test_no_folder_over_14_modules():
+    crowded = {
+        str(folder.relative_to(ROOT.parent)): n
+        for folder in [ROOT, *(p for p in ROOT.rglob("*") if p.is_dir())]
+        if (n := len(list(folder.glob("*.py")))) > 14
+    }
+    assert not crowded, crowded
+
+
+def test_no_test_file_over_500_lines():
+    tests = pathlib.Path(__file__).resolve().parent
+    long = {p.name: n for p in tests.glob("*.py") if (n := len(p.read_text().splitlines())) > 500}
+    assert not long, long
+
+
+FACTORIES = ("tensor", "zeros", "ones", "empty", "full", "arange", "linspace", "randn", "rand",
+             "randint", "randperm", "eye", "as_tensor", "empty_strided")  # fmt: skip
+
+
+def _factory_calls_without_device(tree: ast.AST) -> list[int]:
+    """Lines of torch.<factory>(...) calls that do not pass device= (the *_like and new_*
+    forms inherit a tensor's device and are fine)."""
+    lines = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
+            continue
+        func = node.func
+        if not (isinstance(func.value, ast.Name) and func.value.id == "torch"):
+            continue
+        if func.attr in FACTORIES and not any(k.arg == "device" for k in node.keywords):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_every_tensor_factory_names_its_device():
+    """Library code creates every tensor on an explicit device (`device="cpu"` on purpose is
+    fine): a factory without one lands on the CPU next to CUDA inputs, a crash that only a GPU
+    shows. The testing/ helpers are included; the tests themselves are not library code."""
+    missing = [
+        f"{path.relative_to(ROOT)}:{line}"
+        for path in ROOT.rglob("*.py")
+        for line in _factory_calls_without_device(ast.parse(path.read_text()))
+    ]
+    assert not missing, "tensor factories without device=:\n" + "\n".join(missing)

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from ringattn.train import checkpoint as ckpt
+from ringattn.runtime import checkpoint as ckpt
 
 # DCP without a process group says it assumes a single process: it is right
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

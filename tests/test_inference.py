@@ -12,8 +12,8 @@ import torch
 
 from ringattn.inference import Sampling, choose_mode, next_token
 from ringattn.inference.cache import LayerCache
+from ringattn.inference.generate import generate as generate_without_cache
 from ringattn.kernels.reference import reference_forward
-from ringattn.train.generate import generate as generate_without_cache
 from workers_inference import build_model
 
 LAYOUTS = ("zigzag", "striped", "contiguous")

@@ -11,8 +11,8 @@ import re
 import pytest
 
 from ringattn.cli.main import main
+from ringattn.inference.generate import generate, load_model
 from ringattn.train.data import render
-from ringattn.train.generate import generate, load_model
 
 
 @pytest.fixture(scope="module")

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from ringattn.models import MODEL_SIZES, Transformer, model_config
 from ringattn.train.data import IGNORE
-from ringattn.train.model import MODEL_SIZES, Transformer, model_config
 
 
 def _model_and_batch(seed: int = 0):

@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 
 from ringattn.cli.main import main
-from ringattn.train import checkpoint as ckpt
+from ringattn.models import Transformer, model_config
+from ringattn.runtime import checkpoint as ckpt
 from ringattn.train.data import IGNORE, KeyValueTask
-from ringattn.train.model import Transformer, model_config
 from ringattn.train.progress import read_log
 
 # a tiny run: 2 layers of width 32, 64-token sequences, 3 steps

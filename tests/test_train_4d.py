@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from ringattn.train.config import TrainConfig, validate
+from ringattn.train.decoder import DECODER
 from ringattn.train.progress import read_log
 
 # 2 layers of width 32, 4 heads / 2 kv heads, 64-token sequences, 3 steps
@@ -150,7 +151,7 @@ def test_bad_degrees_fail_before_launching(tmp_path, overrides, match):
     """validate() is what the parent runs before launching and every rank before its first
     collective: the same ValueError with the values and the fix."""
     with pytest.raises(ValueError, match=match):
-        validate(TrainConfig(**_options(tmp_path, "bad", **overrides)), 4)
+        validate(TrainConfig(**_options(tmp_path, "bad", **overrides)), 4, DECODER.check)
 
 
 def test_bad_degrees_raise_on_every_rank(pools, tmp_path):

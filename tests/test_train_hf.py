@@ -19,7 +19,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from ringattn.cli.main import main
-from ringattn.train.hf_data import PackedDocuments, load_corpus
+from ringattn.train.hf.data import PackedDocuments, load_corpus
 from ringattn.train.progress import read_log
 
 LETTERS = "abcdefghijklmnopqrstuvwxyz0123456789 ."
@@ -144,7 +144,7 @@ def test_export_of_a_pretrained_model_with_its_tokenizer(llama, tmp_path, cp2_ru
     """--export of the CP = 2 run: transformers loads the model (the trained weights, exactly)
     and the tokenizer (the same ids) from the exported directory."""
     from ringattn.train.config import TrainConfig
-    from ringattn.train.hf_run import export
+    from ringattn.train.hf.run import export
 
     cfg = TrainConfig(**_options(*llama, cp2_run["out_dir"], cp=2))
     export(cfg, str(cp2_run["out_dir"] / "checkpoints" / "step-00000003"), str(tmp_path / "x"))

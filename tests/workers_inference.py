@@ -12,7 +12,7 @@ from ringattn.comm import resolve_group
 from ringattn.inference import Sampling, Session
 from ringattn.inference.partials import local_partial, merge_across_ranks
 from ringattn.kernels import KERNELS
-from ringattn.train.model import Transformer, model_config
+from ringattn.models import Transformer, model_config
 
 
 def build_model(seed: int = 0, dim: int = 32, heads: int = 4, kv_heads: int = 2) -> Transformer:

@@ -29,7 +29,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ringattn.api import attention, positions, shard
+from ringattn.api import STRATEGIES, attention, positions, shard
+from ringattn.kernels import BACKENDS
+from ringattn.layout import LAYOUTS
 from ringattn.runtime.launch import LaunchError, init_distributed, launch, running_under_torchrun
 from ringattn.testing import yardstick as ref
 
@@ -240,9 +242,6 @@ def check_rank(cfg: CheckConfig) -> list[Row]:
 
 def validate(cfg: CheckConfig) -> None:
     """Raise ValueError, listing the choices, for any unknown name, before launching anything."""
-    from ringattn.api import STRATEGIES
-    from ringattn.kernels import BACKENDS
-    from ringattn.layout import LAYOUTS
 
     for kind, names, choices in (
         ("layout", cfg.layouts, LAYOUTS),

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 
+from ringattn.cli.attention_demo import DemoConfig, run_demo
+from ringattn.cli.check import CheckConfig, run_check
 from ringattn.cli.options import LAYOUTS as _LAYOUTS
 from ringattn.cli.options import STRATEGIES as _STRATEGIES
 from ringattn.cli.options import int_list as _int_list
@@ -15,7 +17,6 @@ from ringattn.cli.options import name_list as _name_list
 
 
 def add_demo_command(sub) -> None:
-    from ringattn.cli.attention_demo import DemoConfig
 
     d = DemoConfig()
     p = sub.add_parser(
@@ -52,7 +53,6 @@ def add_demo_command(sub) -> None:
 
 
 def add_check_command(sub) -> None:
-    from ringattn.cli.check import CheckConfig
 
     c = CheckConfig()
     p = sub.add_parser(
@@ -98,14 +98,12 @@ def add_check_command(sub) -> None:
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    from ringattn.cli.attention_demo import DemoConfig, run_demo
 
     options = {k: v for k, v in vars(args).items() if k not in ("command", "json", "run")}
     return run_demo(DemoConfig(**options), json_path=args.json)
 
 
 def _run_check(args: argparse.Namespace) -> int:
-    from ringattn.cli.check import CheckConfig, run_check
 
     options = {k: v for k, v in vars(args).items() if k not in ("command", "nproc", "run")}
     if args.nproc is not None:

@@ -19,11 +19,18 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ringattn.cli.correctness import add_check_command, add_demo_command
+from ringattn.bench.million import MillionConfig, run_million
+from ringattn.bench.sweep import BenchConfig, run_bench
+from ringattn.cli.correctness import add_check_command
+from ringattn.cli.correctness import add_demo_command as add_attention_demo_command
+from ringattn.cli.generate import add_generate_command
+from ringattn.cli.layout_report import layout_report
 from ringattn.cli.options import LAYOUTS as _LAYOUTS
 from ringattn.cli.options import int_list as _int_list
 from ringattn.cli.options import name_list as _name_list
 from ringattn.cli.plan import add_parser as add_plan_command
+from ringattn.cli.train import add_demo_command as add_train_demo_command
+from ringattn.cli.train import add_train_command
 from ringattn.runtime.launch import LaunchError
 
 
@@ -56,7 +63,6 @@ def _layout_parser(sub) -> None:
 
 
 def _run_layout(args: argparse.Namespace) -> int:
-    from ringattn.cli.layout_report import layout_report
 
     return layout_report(
         world_size=args.world_size,
@@ -191,14 +197,11 @@ def _run_bench(args: argparse.Namespace) -> int:
     common = {"device": args.device, "backend": args.backend, "merge": args.merge,
               "seed": args.seed, "head_dim": args.head_dim, "json_path": args.json}  # fmt: skip
     if args.million:
-        from ringattn.bench.million import MillionConfig, run_million
-
         heads = args.heads[0] if args.heads else None
         return run_million(MillionConfig(seq_len=args.seq_len, world_size=args.world_size,
                                          heads=heads, dtype=args.dtype or "bfloat16",
                                          sample_rows=args.sample_rows, threads=args.threads,
                                          **common))  # fmt: skip
-    from ringattn.bench.sweep import BenchConfig, run_bench
 
     cfg = BenchConfig(sizes=args.sizes, masks=args.masks, passes=args.passes, layout=args.layout,
                       dtype=args.dtype, baselines=args.baselines, ranks=args.ranks,
@@ -208,34 +211,16 @@ def _run_bench(args: argparse.Namespace) -> int:
     return run_bench(cfg)
 
 
-def _train_demo_parser(sub) -> None:
-    from ringattn.train.flags import add_demo_command  # the trainer's flags live with it
-
-    add_demo_command(sub)
-
-
-def _train_parser(sub) -> None:
-    from ringattn.train.flags import add_train_command
-
-    add_train_command(sub)
-
-
-def _generate_parser(sub) -> None:
-    from ringattn.train.generate import add_generate_command  # its flags live with it
-
-    add_generate_command(sub)
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ringattn", description="Exact context-parallel (ring) attention for PyTorch."
     )
     sub = parser.add_subparsers(dest="command", required=True)
     # each subcommand's parser sets `run`, the function that takes the parsed args
-    _train_demo_parser(sub)
-    _train_parser(sub)
-    _generate_parser(sub)
-    add_demo_command(sub)
+    add_train_demo_command(sub)
+    add_train_command(sub)
+    add_generate_command(sub)
+    add_attention_demo_command(sub)
     add_check_command(sub)
     _layout_parser(sub)
     _bench_parser(sub)

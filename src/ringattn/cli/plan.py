@@ -11,6 +11,16 @@ import json
 import os
 import sys
 
+from ringattn.planner.calibrate import (
+    DEFAULT_PATH,
+    calibrate,
+    is_calibration_file,
+    load_calibration,
+)
+from ringattn.planner.hardware import get_hardware
+from ringattn.planner.models import get_model
+from ringattn.planner.search import Job, explain, rank_key, search
+
 __all__ = ["add_parser", "run_plan"]
 
 _STRATEGIES = ("ring", "allgather", "ulysses", "hybrid")
@@ -19,7 +29,6 @@ _LAYOUTS = ("zigzag", "striped", "contiguous")
 
 def add_parser(sub) -> None:
     """The `plan` subcommand on the subparsers `sub`; sets `run` to run_plan."""
-    from ringattn.planner.calibrate import DEFAULT_PATH
 
     p = sub.add_parser(
         "plan",
@@ -63,17 +72,11 @@ def add_parser(sub) -> None:
 
 
 def _job(args: argparse.Namespace, calibration: dict | None):
-    from ringattn.planner.hardware import get_hardware
-    from ringattn.planner.models import get_model
-    from ringattn.planner.search import Job
-
     missing = [f"--{k.replace('_', '-')}" for k in ("model", "hardware", "gpus", "seq_len")
                if getattr(args, k) is None]  # fmt: skip
     if missing:
         raise ValueError(f"missing {', '.join(missing)} (or run --calibrate alone)")
     if args.hardware == "cpu" and calibration is None:
-        from ringattn.planner.calibrate import calibrate, is_calibration_file, load_calibration
-
         path = args.calibration
         if os.path.exists(path) and not is_calibration_file(path):
             raise ValueError(f"--calibration {path} exists and is not a calibration file; "
@@ -113,12 +116,9 @@ def _table(plans: list[dict], top: int) -> str:
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    from ringattn.planner.search import explain, rank_key, search
 
     calibration = None
     if args.calibrate:
-        from ringattn.planner.calibrate import calibrate
-
         log = (lambda text: print(text, file=sys.stderr)) if args.json else print
         calibration = calibrate(args.calibration, log=log)
         if args.model is None and args.hardware is None:

@@ -1,7 +1,8 @@
-"""The project's decoder (train/model.py `Transformer`) run over a sharded KV cache.
+"""The project's decoder (models/decoder.py `Transformer`) run over a sharded KV cache.
 
 The model's own modules do all the per-token work (embedding, norms, projections, RoPE, SwiGLU,
-output); only attention is replaced, layer by layer:
+output: `Attention.project` and `Attention.output`); only the attend step is replaced, layer by
+layer:
 
     prefill(prompt)   the prompt sharded by the layout (any length: cu_seqlens = [0, S]), each
                       layer's attention = ringattn.attention over the whole prompt; each rank
@@ -28,26 +29,9 @@ from ringattn.inference.partials import check_merge, local_partial, merge_across
 from ringattn.inference.turns import Turn, check_mode, choose_mode, pass_kv, pass_q
 from ringattn.kernels import select_kernel
 from ringattn.layout import get_layout
+from ringattn.models.decoder import Transformer
+from ringattn.models.rope import rope_angles
 from ringattn.packing import place
-from ringattn.train.model import Attention, Transformer, apply_rope, rope_angles
-
-
-def _project(
-    attn: Attention, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q (B, Hq, S, D), k, v (B, Hkv, S, D) of normed hidden states h (B, S, dim), RoPE applied:
-    the first half of train/model.py's Attention.forward (heads from the projections' width)."""
-    b, s, _ = h.shape
-    q = attn.wq(h).view(b, s, -1, attn.head_dim).transpose(1, 2)  # (B, Hq, S, D)
-    k = attn.wk(h).view(b, s, -1, attn.head_dim).transpose(1, 2)  # (B, Hkv, S, D)
-    v = attn.wv(h).view(b, s, -1, attn.head_dim).transpose(1, 2)  # (B, Hkv, S, D)
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
-
-
-def _output(attn: Attention, out: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """The attention block's output projection of out (B, Hq, S, D)."""
-    b, _, s, _ = out.shape
-    return attn.wo(out.to(like.dtype).transpose(1, 2).reshape(b, s, -1))  # (B, S, dim)
 
 
 class CachedDecoder:
@@ -117,7 +101,7 @@ class CachedDecoder:
         cos, sin = self._angles(positions)
         x = model.tok_embeddings(local)  # (1, S_local, dim)
         for index, layer in enumerate(model.layers):
-            q, k, v = _project(layer.attention, layer.attention_norm(x), cos, sin)
+            q, k, v = layer.attention.project(layer.attention_norm(x), cos, sin)
             if self.kernel is None:
                 self.kernel = select_kernel(self.backend, q, k)
             out = ringattn.attention(
@@ -126,7 +110,7 @@ class CachedDecoder:
             )  # fmt: skip
             self.cache.store(index, k[:, :, real], v[:, :, real], positions[real])
             self.cache.evict(index, seq_len)
-            x = x + _output(layer.attention, out, x)
+            x = x + layer.attention.output(out, x.dtype)
             x = x + layer.feed_forward(layer.ffn_norm(x))
             if progress is not None:
                 progress(index + 1, len(model.layers))
@@ -141,7 +125,7 @@ class CachedDecoder:
         cos, sin = self._angles(torch.tensor([position]))
         x = model.tok_embeddings(torch.tensor([[token]]))  # (1, 1, dim)
         for index, layer in enumerate(model.layers):
-            q, k, v = _project(layer.attention, layer.attention_norm(x), cos, sin)  # S = 1
+            q, k, v = layer.attention.project(layer.attention_norm(x), cos, sin)  # S = 1
             self.cache.append_decoded(index, k, v, position, owner)
             self.cache.evict(index, position)
             kept = self.cache.kept(index)
@@ -152,7 +136,7 @@ class CachedDecoder:
             out, lse = local_partial(self.kernel, q, kept[0], kept[1], self.scale)
             ref = self_score(q, k, self.scale) if self.merge == "allreduce" else None
             out = merge_across_ranks(out, lse, self.info, self.merge, ref)
-            x = x + _output(layer.attention, out, x)
+            x = x + layer.attention.output(out, x.dtype)
             x = x + layer.feed_forward(layer.ffn_norm(x))
         self.cache.decoded += 1
         self.next_pos += 1
@@ -188,11 +172,11 @@ class CachedDecoder:
         x = model.tok_embeddings(local)  # (1, T_local, dim)
         attend = pass_kv if mode == "pass-kv" else pass_q
         for layer_index, layer in enumerate(model.layers):
-            q, k, v = _project(layer.attention, layer.attention_norm(x), cos, sin)
+            q, k, v = layer.attention.project(layer.attention_norm(x), cos, sin)
             out = attend(turn, q, k, v, self.cache.kept(layer_index))
             self.cache.store(layer_index, k[:, :, real], v[:, :, real], positions[real])
             self.cache.evict(layer_index, cached + new)
-            x = x + _output(layer.attention, out, x)
+            x = x + layer.attention.output(out, x.dtype)
             x = x + layer.feed_forward(layer.ffn_norm(x))
         self.next_pos = cached + new
         return self._last_logits(x, positions, cached + new - 1)

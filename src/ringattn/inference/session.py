@@ -22,7 +22,7 @@ import torch
 from ringattn.inference.decoder import CachedDecoder
 from ringattn.inference.sampling import Sampling, next_token
 from ringattn.inference.turns import check_mode
-from ringattn.train.model import Transformer
+from ringattn.models import Transformer
 from ringattn.validate import validated
 
 GREEDY = Sampling()

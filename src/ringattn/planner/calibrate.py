@@ -30,6 +30,9 @@ import time
 
 import torch
 
+from ringattn.kernels import KERNELS
+from ringattn.runtime.launch import init_distributed, launch
+
 __all__ = ["DEFAULT_PATH", "calibrate", "is_calibration_file", "load_calibration", "machine_key"]
 
 DEFAULT_PATH = os.path.join(os.path.expanduser("~"), ".cache", "ringattn", "calibration-cpu.json")
@@ -91,7 +94,6 @@ def _attention_rates(kernel, heads: int, n: int, d: int, causal: bool, repeats: 
 
 
 def _attention(repeats: int) -> dict:
-    from ringattn.kernels import KERNELS
 
     kernel, heads = KERNELS["cpu_flash"], 4
     table: dict = {f"{p}_{m}": {} for p in ("fwd", "bwd") for m in ("full", "causal")}
@@ -123,8 +125,6 @@ def _elementwise(repeats: int) -> float:
 def _gloo_worker(sizes: tuple[int, ...], repeats: int) -> dict:
     import torch.distributed as dist
 
-    from ringattn.runtime.launch import init_distributed
-
     init_distributed("gloo")
     rank = dist.get_rank()
     result = {}
@@ -148,7 +148,6 @@ def _gloo_worker(sizes: tuple[int, ...], repeats: int) -> dict:
 
 
 def _gloo(repeats: int) -> dict:
-    from ringattn.runtime.launch import launch
 
     one_way = launch(_gloo_worker, 2, SIZES, repeats)[0]
     small, large = one_way[str(SIZES[0])], one_way[str(SIZES[-1])]

@@ -12,6 +12,8 @@ import json
 import os
 from dataclasses import dataclass
 
+from ringattn.models import MODEL_SIZES
+
 __all__ = ["MODELS", "ModelSpec", "get_model", "model_names"]
 
 
@@ -76,7 +78,6 @@ MODELS: dict[str, ModelSpec] = {
 
 def _trainer_presets() -> dict[str, ModelSpec]:
     """The trainer's MODEL_SIZES, read from the trainer so the two never drift apart."""
-    from ringattn.train.model import MODEL_SIZES
 
     return {
         size: ModelSpec(

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ringattn.runtime.heartbeat import RUN_DIR_ENV, STALL_S, Watchdog, start_beating
+from ringattn.runtime.heartbeat import RUN_DIR_ENV, STALL_S, Watchdog, start_beating, stop_beating
 
 __all__ = ["LaunchError", "init_distributed", "launch", "running_under_torchrun"]
 
@@ -143,7 +143,6 @@ def _child_env(nproc: int, run_dir: str) -> None:
 def _run_rank(fn: Callable[..., Any], *args: Any) -> Any:
     """A child's entry point: `fn(*args)`, then its heartbeat stops (a finished rank is not a
     frozen one)."""
-    from ringattn.runtime.heartbeat import stop_beating
 
     try:
         return fn(*args)

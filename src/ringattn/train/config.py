@@ -1,7 +1,8 @@
 """What a training run is: `TrainConfig` (one field per flag) and the checks made before any
 process starts.
 
-`validate(cfg, world_size)` is a pure function of the flags and the number of processes: the
+`validate(cfg, world_size, check)` is a pure function of the flags, the number of processes and the
+model recipe's own `check` (recipe.py; the config never imports a recipe): the
 parent calls it before launching (so a bad flag is a ValueError in one process, not W tracebacks),
 and every rank calls it again in `build_run`, before its first collective, so a run started under
 torchrun fails the same way on every rank. It returns the (dp, cp) degrees.
@@ -15,14 +16,12 @@ with the run that resumes from it.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import ringattn
-from ringattn.train.data import get_dataset
-from ringattn.train.mesh import degrees
-from ringattn.train.model import MODEL_SIZES, ModelConfig, model_config
-from ringattn.train.pipeline import SCHEDULES
-from ringattn.train.tensor_parallel import check_tensor_parallel
+from ringattn.models.config import MODEL_SIZES, ModelConfig, model_config
+from ringattn.runtime.mesh import degrees
 
 __all__ = ["DTYPES", "IDENTITY", "TrainConfig", "validate"]
 
@@ -134,8 +133,12 @@ class TrainConfig:
         return min(self.steps, self.stop_at) if self.stop_at > 0 else self.steps
 
 
-def validate(cfg: TrainConfig, world_size: int) -> tuple[int, int]:
-    """Raise ValueError (values and fix) before any process starts; return (dp, cp)."""
+def validate(
+    cfg: TrainConfig, world_size: int, check: Callable[[TrainConfig, int], None] | None = None
+) -> tuple[int, int]:
+    """Raise ValueError (values and fix) before any process starts; return (dp, cp).
+
+    `check(cfg, cp)` is the model's own check (a ModelRecipe's `check`), run last."""
     if cfg.model not in MODEL_SIZES:
         raise ValueError(f"unknown --model {cfg.model!r}; choose from {', '.join(MODEL_SIZES)}")
     cfg.model_config()
@@ -153,10 +156,6 @@ def validate(cfg: TrainConfig, world_size: int) -> tuple[int, int]:
             f"--seq-len {cfg.seq_len} is not divisible by {chunks} ({cfg.layout} layout on cp={cp} "
             f"ranks); use {fixed}"
         )
-    if not cfg.hf:  # the decoder's tp and pp (--hf refuses both in its own check)
-        check_tensor_parallel(cfg.model_config(), cfg.tp, cfg.seq_len // cp)
-        if cfg.pp > 1:
-            _check_pipeline(cfg)
     if cfg.strategy == "hybrid" and not (cfg.ulysses > 0 and cp % cfg.ulysses == 0):
         raise ValueError(
             f"--strategy hybrid needs --ulysses U, a divisor of cp={cp} (Ulysses "
@@ -167,29 +166,6 @@ def validate(cfg: TrainConfig, world_size: int) -> tuple[int, int]:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
     if cfg.fail_at_step >= 0 and not 0 <= cfg.fail_rank < world_size:
         raise ValueError(f"--fail-rank {cfg.fail_rank} is not a rank of {world_size}")
-    if cfg.hf:  # the model, its tokenizer and the text (transformers imported only here)
-        from ringattn.train.hf_recipe import check
-
-        check(cfg)
-    elif cfg.export:
-        raise ValueError("--export writes a Hugging Face model directory: it needs --hf DIR")
-    else:
-        get_dataset(cfg.data, cfg.seq_len, cfg.seed, cfg.keys, cfg.copies, cfg.noisy)
+    if check is not None:  # what only the model can see: its shape, its data (recipe.check)
+        check(cfg, cp)
     return dp, cp
-
-
-def _check_pipeline(cfg: TrainConfig) -> None:
-    layers = cfg.model_config().n_layers
-    if cfg.pp > layers:
-        raise ValueError(f"--pp {cfg.pp} stages need at least {cfg.pp} blocks; the model has "
-                         f"{layers}: use --pp <= {layers} or more --layers")  # fmt: skip
-    if cfg.pp_schedule not in SCHEDULES:
-        raise ValueError(f"unknown --pp-schedule {cfg.pp_schedule!r}; choose from {SCHEDULES}")
-    if cfg.microbatches < 1 or cfg.batch_size % cfg.microbatches:
-        raise ValueError(
-            f"--microbatches {cfg.microbatches} must divide --batch-size {cfg.batch_size} (each "
-            f"rank's batch is split into micro-batches); pick a divisor of {cfg.batch_size}"
-        )
-    if cfg.pp_schedule == "1f1b" and cfg.microbatches < cfg.pp:
-        raise ValueError(f"--pp-schedule 1f1b needs --microbatches >= --pp {cfg.pp}, got "
-                         f"{cfg.microbatches}; use more micro-batches or gpipe")  # fmt: skip

@@ -49,6 +49,7 @@ from dataclasses import dataclass
 import torch
 
 import ringattn
+from ringattn.models.loss import IGNORE  # re-exported: the data's labels use it
 
 __all__ = [
     "IGNORE",
@@ -62,7 +63,6 @@ __all__ = [
     "shard_batch",
 ]
 
-IGNORE = -100  # label of a token that is not supervised (F.cross_entropy's ignore_index)
 
 _FILLER = torch.tensor(list(b"abcdefghijklmnopqrstuvwxyz "), dtype=torch.int64)
 _QUERY = ord("?")

@@ -20,6 +20,7 @@ import shutil
 import time
 
 from ringattn.train.config import TrainConfig, validate
+from ringattn.train.decoder import DECODER
 from ringattn.train.main import run_train, world_size
 from ringattn.train.plot import plot
 from ringattn.train.progress import read_log
@@ -50,7 +51,7 @@ def run_train_demo(cfg: TrainConfig, make_plot: bool = True) -> int:
             shutil.rmtree(old)
         elif os.path.exists(old):
             os.remove(old)
-    dp, cp = validate(cfg, world_size(cfg))
+    dp, cp = validate(cfg, world_size(cfg), DECODER.check)
     mcfg = cfg.model_config()
     print(
         f"[demo] training a {mcfg.n_layers}-layer decoder (dim {mcfg.dim}, {mcfg.n_heads} heads, "

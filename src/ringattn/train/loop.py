@@ -26,9 +26,9 @@ from dataclasses import asdict
 
 import torch
 
+from ringattn.comm.world import gather_over_world
 from ringattn.runtime.heartbeat import report_progress
 from ringattn.train.config import TrainConfig
-from ringattn.train.mesh import gather_over_world
 from ringattn.train.progress import JsonLog, ProgressBar
 from ringattn.train.run import Run
 from ringattn.train.step import learning_rate, train_step

@@ -2,7 +2,7 @@
 
     parent (ringattn train)            rank r of W = dp x cp (launched here, or torchrun's ranks)
     -----------------------            ----------------------------------------------------------
-    validate(cfg, W)                   train_worker(cfg):
+    validate(cfg, W, recipe.check)     train_worker(cfg):
     launch(train_worker, W, cfg) --->    device = init_distributed(timeout)
                                          run = build_run(cfg, device)       run.py
                                          train(run)                         loop.py
@@ -20,11 +20,11 @@ import os
 
 import torch.distributed as dist
 
+from ringattn.runtime import checkpoint as ckpt
 from ringattn.runtime.launch import LaunchError, init_distributed, launch, running_under_torchrun
-from ringattn.train import checkpoint as ckpt
 from ringattn.train.config import TrainConfig, validate
 from ringattn.train.loop import train
-from ringattn.train.run import build_run
+from ringattn.train.run import build_run, recipe_for
 
 __all__ = ["run_train", "train_worker", "world_size"]
 
@@ -44,7 +44,7 @@ def train_worker(cfg: TrainConfig) -> dict:
 
 def run_train(cfg: TrainConfig) -> dict:
     """`ringattn train`: launch the ranks (or join torchrun's world); return rank 0's summary."""
-    validate(cfg, world_size(cfg))
+    validate(cfg, world_size(cfg), recipe_for(cfg).check)
     os.makedirs(cfg.out_dir, exist_ok=True)
     if running_under_torchrun():
         return train_worker(cfg)

@@ -1,8 +1,8 @@
 """Build a training run ONCE, on every rank: mesh, model, optimizer, data, checkpoint state.
 
-    build_run(cfg, device, recipe=DECODER)                         (one rank; collective)
-      validate(cfg, world_size)           config.py: the same ValueError on every rank, first
-      mesh     = build_mesh(dp, cp[, ulysses])                     mesh.py
+    build_run(cfg, device, recipe=recipe_for(cfg))                 (one rank; collective)
+      validate(cfg, world_size, recipe.check)  config.py: the same ValueError on every rank, first
+      mesh     = build_mesh(dp, cp[, ulysses])                     runtime/mesh.py
       [warm-up step of a tiny model]      --memory-warmup: code pages into the baseline
       meter    = Meter(device).start()    every rank's baseline gathered
       model    = recipe.build(cfg)        plain single-device model, seeded: same weights anywhere
@@ -12,10 +12,8 @@
       data     = Loader(dataset, dp row, cp group, layout)                             data.py
       -> Run                              what the loop (loop.py) takes, and all it takes
 
-`ModelRecipe` is the seam for other models and other parallelisms: `build(cfg)` makes the plain
-model, `parallelize(model, mesh, cfg)` applies parallelism to it from outside (gpt-fast and
-torchtitan style), so the model's code never mentions a process group. `DECODER` is the Llama-style
-decoder of model.py with mesh.py's dp x cp parallelism.
+The model comes from a `ModelRecipe` (recipe.py): `DECODER` (decoder.py: models/ over the 4-D
+mesh) or, with --hf, `HF` (hf/recipe.py); `recipe_for(cfg)` picks it.
 
 Checkpoints are read here (resume) and written by `Run.save`, so the training state written
 beside the model (`train_state.json`: step, config, world size) is defined in one module. A
@@ -25,63 +23,31 @@ differences listed.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from ringattn.comm.world import gather_over_world
+from ringattn.models.config import ModelConfig
+from ringattn.runtime import checkpoint as ckpt
+from ringattn.runtime.mesh import Mesh, build_mesh
 from ringattn.runtime.meter import Meter
-from ringattn.train import checkpoint as ckpt
 from ringattn.train.config import IDENTITY, TrainConfig, validate
 from ringattn.train.data import Loader, get_dataset, shard_batch
-from ringattn.train.mesh import Mesh, build_mesh, gather_over_world, parallelize
-from ringattn.train.model import ModelConfig, Transformer
+from ringattn.train.decoder import DECODER, decoder_of, parallelize_decoder
+from ringattn.train.hf.recipe import HF
+from ringattn.train.recipe import ModelRecipe
 from ringattn.train.step import build_optimizer, forward_backward
 
-__all__ = ["DECODER", "ModelRecipe", "Run", "build_run"]
+__all__ = ["DECODER", "ModelRecipe", "Run", "build_run", "recipe_for"]
 
 
-@dataclass(frozen=True)
-class ModelRecipe:
-    """How a run makes its model. Both are module-level functions (ranks are spawned).
-
-    `build(cfg)`: the plain single-device model, on CPU, initialised from the global RNG (seeded
-    with cfg.seed just before); `model(inputs, positions, labels)` must return (loss sum,
-    supervised tokens, right predictions), see step.py.
-    `parallelize(model, mesh, cfg)`: the same model made parallel over `mesh` (returns it).
-    `loader(cfg, mesh, device)`: the run's data when the model brings its own (a tokenizer:
-    hf_recipe.HF); None: data.Loader over `--data`.
-    """
-
-    build: Callable[[TrainConfig], nn.Module]
-    parallelize: Callable[[nn.Module, Mesh, TrainConfig], nn.Module]
-    loader: Callable[[TrainConfig, Mesh, torch.device], Loader] | None = None
-
-
-def build_decoder(cfg: TrainConfig) -> Transformer:
-    """model.Transformer of the --model preset and overrides, with --loss-chunk."""
-    return _decoder(cfg.model_config(), cfg)
-
-
-def _decoder(mcfg: ModelConfig, cfg: TrainConfig) -> Transformer:
-    model = Transformer(mcfg)
-    model.loss_chunk = cfg.loss_chunk
-    return model
-
-
-def parallelize_decoder(model: nn.Module, mesh: Mesh, cfg: TrainConfig) -> nn.Module:
-    """CP attention over mesh.cp (--layout, --strategy), FSDP2 over every rank (--dtype)."""
-    param_dtype = None if cfg.dtype == "float32" else getattr(torch, cfg.dtype)
-    return parallelize(
-        model, mesh, layout=cfg.layout, strategy=cfg.strategy,
-        checkpoint_blocks=cfg.activation_checkpointing, param_dtype=param_dtype,
-        microbatches=cfg.microbatches, pp_schedule=cfg.pp_schedule,
-    )  # fmt: skip
-
-
-DECODER = ModelRecipe(build=build_decoder, parallelize=parallelize_decoder)
+def recipe_for(cfg: TrainConfig) -> ModelRecipe:
+    """The recipe of a run: train/hf/recipe.HF with --hf (transformers, imported only when it
+    runs), else train/decoder.DECODER."""
+    return HF if cfg.hf else DECODER
 
 
 @dataclass
@@ -137,11 +103,9 @@ class Run:
 def build_run(cfg: TrainConfig, device: torch.device, recipe: ModelRecipe | None = None) -> Run:
     """Everything the loop needs, built once (see the module docstring). Collective: every rank
     of the default process group calls it (or one process, without a group)."""
-    if recipe is None and cfg.hf:  # --hf: a transformers model (imports transformers)
-        from ringattn.train.hf_recipe import HF as recipe
-    recipe = recipe or DECODER
+    recipe = recipe or recipe_for(cfg)
     world_size = dist.get_world_size() if dist.is_initialized() else 1
-    validate(cfg, world_size)
+    validate(cfg, world_size, recipe.check)
     ulysses = cfg.ulysses if cfg.strategy == "hybrid" else 0
     mesh = build_mesh(device, cfg.dp, cfg.cp, ulysses, tp=cfg.tp, pp=cfg.pp)
     if cfg.memory_warmup:
@@ -170,7 +134,7 @@ def _warm_up(cfg: TrainConfig, mesh: Mesh, device: torch.device) -> None:
     tp = mesh.tp  # heads and tokens that split over tp as the real model's do
     tiny = ModelConfig(dim=16 * tp, n_layers=mesh.pp, n_heads=2 * tp, n_kv_heads=tp,
                        ffn_dim=32 * tp)  # fmt: skip
-    model = parallelize_decoder(_decoder(tiny, cfg).to(device), mesh, cfg)
+    model = parallelize_decoder(decoder_of(tiny, cfg).to(device), mesh, cfg)
     optimizer = build_optimizer(model, cfg)
     tokens = torch.zeros(cfg.microbatches, 8 * mesh.cp * tp, dtype=torch.int64)
     batch = shard_batch(tokens, tokens, mesh.cp_group, cfg.layout, device)

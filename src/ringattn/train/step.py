@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ringattn.comm.world import sum_over_world
 from ringattn.train.config import TrainConfig
 from ringattn.train.data import Batch
-from ringattn.train.mesh import sum_over_world
 
 __all__ = ["StepStats", "build_optimizer", "forward_backward", "learning_rate", "train_step"]
 

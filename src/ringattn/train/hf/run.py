@@ -1,7 +1,7 @@
 """`ringattn train --hf DIR` around the common trainer: what it trains, the export, the plot.
 
     run_hf_train(cfg)                                    (the parent, or every torchrun rank)
-      validate(cfg, W)          config.py -> hf_recipe.check: every --hf mistake, before launch
+      validate(cfg, W, HF.check)  config.py -> hf/recipe.check: every --hf mistake, before launch
       "hf" record + [hf] lines  rank 0: model source, tokenization (tokenizer or bytes), corpus
       run_train(cfg)            main.py: the ranks build their Run with hf_recipe.HF and train
       export(cfg, checkpoint)   rank 0, --export DIR: the final DCP checkpoint -> save_pretrained
@@ -18,10 +18,11 @@ from __future__ import annotations
 import os
 import warnings
 
-from ringattn.train import checkpoint as ckpt
+from ringattn.integrations.hf.source import load_config, load_model, load_tokenizer, model_source
+from ringattn.runtime import checkpoint as ckpt
 from ringattn.train.config import TrainConfig, validate
-from ringattn.train.hf_data import load_corpus, load_tokenizer
-from ringattn.train.hf_recipe import CausalLMLoss, load_config, load_model, model_source
+from ringattn.train.hf.data import load_corpus
+from ringattn.train.hf.recipe import HF, CausalLMLoss
 from ringattn.train.main import run_train, world_size
 from ringattn.train.plot import plot
 from ringattn.train.progress import JsonLog, read_log
@@ -67,7 +68,7 @@ def _lead() -> bool:
 
 def run_hf_train(cfg: TrainConfig) -> dict:
     """`ringattn train --hf`: validate, say what is trained, train, export, plot (rank 0)."""
-    dp, cp = validate(cfg, world_size(cfg))
+    dp, cp = validate(cfg, world_size(cfg), HF.check)
     if _lead():
         os.makedirs(cfg.out_dir, exist_ok=True)
         record = describe(cfg)

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
+import ringattn.hf
+from ringattn.integrations.hf.source import load_tokenizer
 from ringattn.train.data import global_batch
 
 __all__ = ["Corpus", "DocumentBatch", "DocumentLoader", "PackedDocuments", "load_corpus"]
@@ -114,19 +116,6 @@ def _load_corpus(path: str, tokenizer_dir: str | None, vocab_size: int, _files: 
     return Corpus(torch.cat(pieces), starts, how)
 
 
-def load_tokenizer(directory: str):
-    """The tokenizer saved in `directory` (local files only); ValueError when it cannot load."""
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(directory, local_files_only=True)
-    except (OSError, ValueError, TypeError, KeyError) as err:
-        raise ValueError(
-            f"{directory} has tokenizer files but they do not load ({err}); fix or remove them "
-            f"(without a tokenizer, text is read as bytes mod vocab_size)"
-        ) from None
-
-
 @dataclass(frozen=True)
 class PackedDocuments:
     """Windows of `seq_len` tokens of a corpus; `sample(i)` -> (input_ids, position_ids)."""
@@ -186,7 +175,6 @@ class DocumentLoader:
         return ids.reshape(1, -1), positions.reshape(1, -1)  # (1, B * S)
 
     def batch(self, step: int) -> DocumentBatch:
-        import ringattn.hf
 
         ids, positions = self.full(step)
         full = {"input_ids": ids, "labels": ids, "position_ids": positions}

@@ -1,6 +1,6 @@
-"""Pipeline parallelism for model.py's decoder with `torch.distributed.pipelining`: the blocks are
-split into pp stages, each rank of a pipeline runs one, and micro-batches flow through them on a
-GPipe or 1F1B schedule.
+"""Pipeline parallelism for models/decoder.py's decoder with `torch.distributed.pipelining`: the
+blocks are split into pp stages, each rank of a pipeline runs one, and micro-batches flow through
+them on a GPipe or 1F1B schedule.
 
     pp = 2, 4 blocks, M micro-batches of the rank's batch (B, S):
 
@@ -14,8 +14,8 @@ GPipe or 1F1B schedule.
 `norm`...), so its state dict has the same keys as the whole model's: DCP checkpoints written under
 one pp degree load under another (or none), each rank reading its own layers.
 
-The loss is the global token mean, as without pipelining (step.py): the last stage returns, for
-each micro-batch, its sum of token losses divided by the supervised tokens of the whole global
+The loss is the global token mean, as without pipelining (train/step.py): the last stage returns,
+for each micro-batch, its sum of token losses divided by the supervised tokens of the whole global
 batch (known before the step: a sum over the world of each last stage's count), the schedule
 backpropagates it without scaling (scale_grads=False), and FSDP2 sums the gradients over dp x cp.
 The stage runs its own backward, so it offers `forward_backward(batch, device)`, and its own
@@ -29,8 +29,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ringattn.train.data import IGNORE, Batch
-from ringattn.train.model import Transformer, chunked_cross_entropy, rope_angles
+from ringattn.comm.world import sum_over_world
+from ringattn.models.decoder import Transformer
+from ringattn.models.loss import IGNORE, chunked_cross_entropy
+from ringattn.models.rope import rope_angles
 
 __all__ = ["SCHEDULES", "DecoderStage", "split_stage", "stage_layers"]
 
@@ -99,11 +101,11 @@ class DecoderStage(nn.Module):
         kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[self.schedule_name]
         return kind(stage, self.microbatches, loss_fn=_the_loss, scale_grads=False)
 
-    def forward_backward(self, batch: Batch, device: torch.device) -> tuple[float, float, float]:
+    def forward_backward(self, batch: object, device: torch.device) -> tuple[float, float, float]:
         """Forward and backward of the global mean token loss through the pipeline (collective
-        over the world); the global (loss sum, supervised tokens, right predictions)."""
-        from ringattn.train.mesh import sum_over_world
+        over the world); the global (loss sum, supervised tokens, right predictions).
 
+        `batch` is the trainer's Batch: `inputs`, `labels` (B, S) and `positions` (S,)."""
         if self._schedule is None:
             self._schedule = self._build_schedule(device)
         self._positions, self._sums = batch.positions, []

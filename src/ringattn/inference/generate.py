@@ -21,29 +21,31 @@ old path without a cache (the whole sequence re-run per token): the tests' refer
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
 import warnings
-from dataclasses import dataclass, fields
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
+import torch.distributed.checkpoint as dcp
 
-from ringattn.layout import LAYOUTS
-from ringattn.runtime.launch import init_distributed, launch, running_under_torchrun
-from ringattn.train import checkpoint as ckpt
-from ringattn.train.data import KeyValueTask, render
-from ringattn.train.model import Transformer, model_config
+from ringattn.comm import all_gather_ints, resolve_group
+from ringattn.inference.generate_hf import check as check_hf
+from ringattn.inference.generate_hf import hf_worker
+from ringattn.inference.sampling import Sampling
+from ringattn.inference.session import Session
+from ringattn.models import Transformer, model_config
+from ringattn.runtime import checkpoint as ckpt
+from ringattn.runtime.launch import init_distributed
 
-__all__ = [
-    "GenerateConfig",
-    "add_generate_command",
-    "generate",
-    "generate_worker",
-    "load_model",
-    "run_generate",
-]
+__all__ = ["GenerateConfig", "check_config", "generate", "generate_worker", "load_model", "prompt",
+           "resolve_checkpoint"]  # fmt: skip
+
+
+def _bytes(tokens: list[int]) -> str:
+    return bytes(t % 256 for t in tokens).decode("utf-8", errors="replace")
 
 
 @dataclass
@@ -75,9 +77,14 @@ class GenerateConfig:
     """Stop after this token id (a byte value)."""
     offload_kv: bool = False
     """Keep the cache shards in host memory, each layer's copied in while the previous computes."""
+    prompt_ids: list[int] | None = None
+    """The prompt's tokens, resolved from the flags before launch (`prompt`); not a flag."""
+    answer: int | None = None
+    """The right next token when the prompt is a key-value sample; not a flag."""
 
 
-def _resolve(path: str) -> str:
+def resolve_checkpoint(path: str) -> str:
+    """`path` itself when it is a checkpoint, else the newest checkpoint in it (ValueError)."""
     newest = ckpt.latest(path)
     if newest is not None:
         return newest
@@ -93,9 +100,7 @@ def _resolve(path: str) -> str:
 
 def load_model(path: str) -> tuple[Transformer, dict]:
     """The model of checkpoint `path` on one process (CPU), and its training state."""
-    import torch.distributed.checkpoint as dcp
-
-    path = _resolve(path)
+    path = resolve_checkpoint(path)
     state = ckpt.read_state(path)
     cfg = state["config"]
     model = Transformer(model_config(
@@ -122,20 +127,21 @@ def generate(model: Transformer, tokens: list[int], max_new_tokens: int) -> list
     return out[len(tokens) :]
 
 
-def _prompt(cfg: GenerateConfig, train_cfg: dict) -> tuple[list[int], int | None]:
-    """The prompt tokens, and the right answer when it is a key-value sample (else None)."""
+def prompt(
+    cfg: GenerateConfig, train_cfg: dict, task: Callable[[dict], object] | None = None
+) -> tuple[list[int], int | None]:
+    """The prompt tokens, and the right answer when it is a key-value sample (else None).
+
+    `task(train_cfg)` makes the training run's task (a fresh stream of it: `sample(i)` gives
+    (inputs, labels)); only needed when neither --prompt nor --prompt-file is given."""
     if cfg.prompt_file is not None:
         with open(cfg.prompt_file, "rb") as f:
             return list(f.read()), None
     if cfg.prompt is not None:
         return list(cfg.prompt.encode()), None
-    if train_cfg["data"] != "key-value":
+    if train_cfg["data"] != "key-value" or task is None:
         raise ValueError(f"the run trained on {train_cfg['data']!r}; pass --prompt TEXT")
-    task = KeyValueTask(
-        train_cfg["seq_len"], train_cfg["keys"], train_cfg["copies"], train_cfg["noisy"],
-        seed=train_cfg["seed"] + 1,  # a different stream from every training sample
-    )  # fmt: skip
-    inputs, labels = task.sample(cfg.sample)
+    inputs, labels = task(train_cfg).sample(cfg.sample)
     answer_at = int((labels >= 0).nonzero()[-1])  # the last query's key
     return inputs[: answer_at + 1].tolist(), int(labels[answer_at])
 
@@ -155,33 +161,31 @@ def check_config(cfg: GenerateConfig) -> None:
     if cfg.hf is not None and cfg.offload_kv:
         raise ValueError("--offload-kv applies to --checkpoint's decoder; drop it with --hf")
     if cfg.hf is not None:
-        from ringattn.train.generate_hf import check
-
-        check(cfg)
+        check_hf(cfg)
     else:
-        _resolve(cfg.checkpoint)
+        resolve_checkpoint(cfg.checkpoint)
 
 
-def generate_worker(cfg: GenerateConfig) -> dict:
-    """One rank: load, join the group, generate; rank 0 prints as the tokens come."""
-    from ringattn.comm import all_gather_ints, resolve_group
-    from ringattn.inference import Sampling, Session
+def generate_worker(cfg: GenerateConfig, render: Callable[[list[int]], str] = _bytes) -> dict:
+    """One rank: load, join the group, generate; rank 0 prints as the tokens come.
 
+    `render` writes tokens as text (a module-level function: ranks are spawned); the CLI passes
+    the key-value task's, which shows its record tokens as {K=v}."""
     if cfg.hf is not None:
-        from ringattn.train.generate_hf import hf_worker
-
         return hf_worker(cfg)
     model, state = load_model(cfg.checkpoint)  # before the group exists: a plain local load
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         init_distributed()
     info = resolve_group(None)
     lead = info.rank == 0
-    prompt, answer = _prompt(cfg, state["config"])
+    prompt, answer = cfg.prompt_ids, cfg.answer
+    if prompt is None:
+        raise ValueError("GenerateConfig.prompt_ids is unset: resolve the prompt first (prompt)")
     if lead:
         print(f"model from {cfg.checkpoint} (step {state['step']}, {state['config']['model']} "
               f"size), {len(prompt)} prompt tokens on {info.world_size} ranks ({cfg.layout})",
               flush=True)  # fmt: skip
-        _print_head(prompt, answer)
+        _print_head(prompt, answer, render)
 
     def on_prefill(done: int, total: int) -> None:
         if lead:
@@ -215,7 +219,7 @@ def generate_worker(cfg: GenerateConfig) -> dict:
     return {"tokens": tokens, "cache_bytes": stats.cache_bytes, "rank": info.rank}
 
 
-def _print_head(prompt: list[int], answer: int | None) -> None:
+def _print_head(prompt: list[int], answer: int | None, render: Callable[[list[int]], str]) -> None:
     """What precedes the streamed tokens: the prompt (text) or the key-value sample's records."""
     if answer is None:
         print(render(prompt) + "|", end="", flush=True)
@@ -226,89 +230,3 @@ def _print_head(prompt: list[int], answer: int | None) -> None:
     print(f"  {' '.join(records)}")
     print(f"prompt ends: ...{render(prompt[-30:])}")
     print("generated:   ", end="", flush=True)
-
-
-def run_generate(cfg: GenerateConfig) -> int:
-    """`ringattn generate`: launch the ranks (or join torchrun's world, or run in-process)."""
-    check_config(cfg)
-    if running_under_torchrun() or cfg.nproc == 1:
-        generate_worker(cfg)
-    else:
-        launch(generate_worker, cfg.nproc, cfg)
-    return 0
-
-
-def add_generate_command(sub: argparse._SubParsersAction) -> None:
-    """The `generate` subcommand and its flags, for cli/main.py; defaults from GenerateConfig."""
-    d = GenerateConfig()
-    p = sub.add_parser(
-        "generate",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        help="decoding from a training checkpoint or a local Hugging Face model (--hf) over a "
-        "KV cache sharded across --nproc ranks",
-        description="Load a checkpoint written by `ringattn train` or `ringattn demo` (or, with "
-        "--hf DIR, a local transformers model: train/generate_hf.py) on --nproc "
-        "local processes (or torchrun's ranks), prefill the prompt context-parallel (each rank "
-        "keeps its shard of the KV cache) and decode, streaming the tokens; prints the time to "
-        "first token, decode tokens/s and each rank's KV-cache MB. Without --prompt or "
-        "--prompt-file, a run trained on the key-value task is asked a fresh sample's last "
-        "query, and the right answer is shown.",
-    )
-    source = p.add_mutually_exclusive_group()
-    source.add_argument(
-        "--checkpoint",
-        default=d.checkpoint,
-        help="a step-N checkpoint or a directory of them (the newest is used)",
-    )
-    source.add_argument(
-        "--hf",
-        default=d.hf,
-        metavar="DIR",
-        help="a local Hugging Face model directory (config.json, weights, tokenizer; a bare "
-        "config.json: random init from --seed) decoded greedily with ringattn.hf.generate; "
-        "without a tokenizer the prompt's bytes mod vocab_size are the tokens",
-    )
-    p.add_argument("--prompt", default=d.prompt, help="text to continue (bytes are tokens)")
-    p.add_argument("--prompt-file", default=d.prompt_file, help="a file whose bytes are the prompt")
-    p.add_argument(
-        "--max-new-tokens", type=int, default=d.max_new_tokens, help="tokens to generate"
-    )
-    p.add_argument(
-        "--sample",
-        type=int,
-        default=d.sample,
-        help="which fresh key-value sample to ask (without --prompt)",
-    )
-    p.add_argument("--nproc", type=int, default=d.nproc, help="ranks the KV cache is sharded over")
-    p.add_argument(
-        "--layout",
-        choices=tuple(LAYOUTS),
-        default=d.layout,
-        help="how the prompt is sharded",
-    )
-    p.add_argument(
-        "--merge",
-        choices=("allgather", "allreduce"),
-        default=d.merge,
-        help="the one collective per layer that merges the ranks' partial attention per token",
-    )
-    p.add_argument("--temperature", type=float, default=d.temperature, help="0 = greedy")
-    p.add_argument(
-        "--top-k", type=int, default=d.top_k, help="sample among the k likeliest (0: all)"
-    )
-    p.add_argument("--top-p", type=float, default=d.top_p, help="nucleus sampling mass (1: all)")
-    p.add_argument("--seed", type=int, default=d.seed, help="sampling seed, shared by all ranks")
-    p.add_argument("--eos-id", type=int, default=d.eos_id, help="stop after this token id")
-    p.add_argument(
-        "--offload-kv",
-        action="store_true",
-        help="keep each rank's cache shard in host memory (pinned on CUDA) and copy each layer's "
-        "to the device while the previous layer computes (--checkpoint only)",
-    )
-    p.set_defaults(run=_run_from_args)
-
-
-def _run_from_args(args: argparse.Namespace) -> int:
-    return run_generate(
-        GenerateConfig(**{f.name: getattr(args, f.name) for f in fields(GenerateConfig)})
-    )

@@ -11,16 +11,19 @@ from __future__ import annotations
 import argparse
 from dataclasses import fields
 
+from ringattn import LAYOUTS
+from ringattn.api import STRATEGIES
+from ringattn.models import MODEL_SIZES
 from ringattn.train.config import DTYPES, TrainConfig
-from ringattn.train.model import MODEL_SIZES
+from ringattn.train.demo import demo_config, run_train_demo
+from ringattn.train.hf.run import run_hf_train
+from ringattn.train.main import run_train
 
 __all__ = ["add_arguments", "add_demo_command", "add_train_command", "config_from_args"]
 
 
 def add_arguments(p: argparse.ArgumentParser, d: TrainConfig, *, demo: bool = False) -> None:
     """The flags of `ringattn train` (and of `ringattn demo`, which hides a few) on parser `p`."""
-    from ringattn import LAYOUTS
-    from ringattn.api import STRATEGIES
 
     m = p.add_argument_group("model")
     m.add_argument(
@@ -249,7 +252,6 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 def add_demo_command(sub: argparse._SubParsersAction) -> None:
     """`ringattn demo`: the train flags with the demo's defaults, and --no-plot."""
-    from ringattn.train.demo import demo_config
 
     p = sub.add_parser(
         "demo",
@@ -267,7 +269,6 @@ def add_demo_command(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    from ringattn.train.demo import run_train_demo
 
     return run_train_demo(config_from_args(args), make_plot=not args.no_plot)
 
@@ -290,12 +291,9 @@ def add_train_command(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_train(args: argparse.Namespace) -> int:
-    from ringattn.train.main import run_train
-
     cfg = config_from_args(args)
-    if cfg.hf:  # a transformers model: says what it trains, then exports and plots
-        from ringattn.train.hf_run import run_hf_train as run_train
-    summary = run_train(cfg)
+    # a transformers model: says what it trains, then exports and plots
+    summary = run_hf_train(cfg) if cfg.hf else run_train(cfg)
     if summary.get("checkpoint") and summary.get("rank", 0) == 0:
         print(f"checkpoint: {summary['checkpoint']}")
     return 0

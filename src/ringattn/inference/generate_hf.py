@@ -2,7 +2,7 @@
 
     parent (ringattn generate --hf DIR)        rank r of W (launched by generate.run_generate)
     -----------------------------------        --------------------------------------------------
-    check(cfg): the model directory and the    load the model (hf_recipe: from_pretrained when DIR
+    check(cfg): the model directory and the    load the model (hf/source: from_pretrained when DIR
       prompt, ValueErrors before any launch      has weights, else from_config with --seed)
                                                encode the prompt: DIR's tokenizer, else bytes mod
                                                  vocab_size
@@ -24,6 +24,11 @@ import time
 
 import torch
 
+import ringattn.hf
+from ringattn.comm import all_gather_ints, resolve_group
+from ringattn.integrations.hf.source import load_config, load_model, load_tokenizer, model_source
+from ringattn.runtime.launch import init_distributed
+
 __all__ = ["check", "hf_worker"]
 
 
@@ -43,8 +48,6 @@ def _prompt_bytes(cfg) -> bytes:
 
 def encode(cfg, source, vocab_size: int) -> tuple[list[int], object]:
     """The prompt's token ids and the tokenizer (None: bytes mod vocab_size)."""
-    from ringattn.train.hf_data import load_tokenizer
-
     if source.tokenizer_dir is None:
         return [b % vocab_size for b in _prompt_bytes(cfg)], None
     tokenizer = load_tokenizer(source.tokenizer_dir)
@@ -61,8 +64,6 @@ def encode(cfg, source, vocab_size: int) -> tuple[list[int], object]:
 
 def check(cfg) -> None:
     """Every --hf mistake as a ValueError in the parent, before any process starts."""
-    from ringattn.train.hf_recipe import load_config, model_source
-
     if cfg.prompt is None and cfg.prompt_file is None:
         raise ValueError("--hf needs a prompt: pass --prompt TEXT or --prompt-file FILE")
     if cfg.temperature != 0 or cfg.top_k != 0 or cfg.top_p != 1.0:
@@ -79,11 +80,6 @@ def check(cfg) -> None:
 
 def hf_worker(cfg) -> dict:
     """One rank of `ringattn generate --hf`: load, join the group, generate, rank 0 prints."""
-    import ringattn.hf
-    from ringattn.comm import all_gather_ints, resolve_group
-    from ringattn.runtime.launch import init_distributed
-    from ringattn.train.hf_recipe import load_model, model_source
-
     source = model_source(cfg.hf)
     torch.manual_seed(cfg.seed)  # from_config: the same random weights on every rank
     model = load_model(source).eval()  # before the group exists: a plain local load

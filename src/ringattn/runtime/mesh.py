@@ -12,8 +12,8 @@ attention, tensor parallelism, FSDP2.
   row's group (`set_context_parallel`), everything else is per token and untouched.
 - dp: rows read different samples.
 - tp: the ranks of a tp group hold the same tokens and split each layer's heads and MLP columns
-  (tensor_parallel.py); between layers the residual stream is split over tp by sequence.
-- pp: the decoder's blocks split into stages (pipeline.py).
+  (models/tensor_parallel.py); between layers the residual stream is split over tp by sequence.
+- pp: the decoder's blocks split into stages (models/pipeline.py).
 - Parameters are sharded with FSDP2 (`fully_shard`) over the flattened dp x cp sub-mesh
   ("dp_cp"), as torchtitan does; with tp > 1 they are already TP DTensors and FSDP shards them
   again over dp_cp (2-D parameters on the ("dp_cp", "tp") mesh). The parameters are the same on
@@ -26,9 +26,9 @@ attention, tensor parallelism, FSDP2.
 
 FSDP2 works with gloo on CPU in torch 2.13 (checked: reduce-scatter, all-gather, DCP state dicts).
 
-`parallelize` is the decoder's: `run.DECODER` pairs it with the model's constructor, and a
-model family with other layers brings its own. `sum_over_world` and `gather_over_world` are the
-trainer's two scalar collectives (loss counts, memory figures).
+How a model is put on this mesh is the model's business: models/parallelize.py does it for the
+decoder, train/hf/recipe.py for a Hugging Face model. The trainer's two scalar collectives (loss
+counts, memory figures) are comm/world.py's.
 """
 
 from __future__ import annotations
@@ -37,18 +37,12 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch import nn
-
-from ringattn.train.model import Transformer, set_context_parallel
 
 __all__ = [
     "DIMS",
     "Mesh",
     "build_mesh",
     "degrees",
-    "gather_over_world",
-    "parallelize",
-    "sum_over_world",
 ]
 
 DIMS = ("pp", "dp", "cp", "tp")
@@ -138,67 +132,3 @@ def build_mesh(
         tp=tp, pp=pp, tp_rank=mesh.get_local_rank("tp"), pp_rank=mesh.get_local_rank("pp"),
         tp_mesh=mesh["tp"], pp_group=mesh["pp"].get_group(), device_mesh=mesh,
     )  # fmt: skip
-
-
-def parallelize(
-    model: Transformer,
-    mesh: Mesh,
-    *,
-    layout: str,
-    strategy: str,
-    checkpoint_blocks: bool = False,
-    param_dtype: torch.dtype | None = None,
-    microbatches: int = 1,
-    pp_schedule: str = "gpipe",
-) -> nn.Module:
-    """Make `model` context-parallel over mesh.cp, tensor-parallel over mesh.tp (when > 1), and
-    shard it with FSDP2 over dp x cp.
-
-    `param_dtype` (e.g. bfloat16) runs forward/backward in that dtype with float32 master
-    weights and float32 gradient reduction (FSDP's mixed precision).
-    """
-    set_context_parallel(model, mesh.cp_group, layout=layout, strategy=strategy)
-    model.checkpoint_blocks = checkpoint_blocks
-    if mesh.fsdp_mesh is None:
-        return model
-    if mesh.tp > 1:
-        from ringattn.train.tensor_parallel import apply_tensor_parallel
-
-        apply_tensor_parallel(model, mesh.tp_mesh)
-    if mesh.pp > 1:  # this rank keeps its stage's blocks: a DecoderStage (pipeline.py)
-        from ringattn.train.pipeline import split_stage
-
-        model = split_stage(model, mesh.pp, mesh.pp_rank, mesh.pp_group,
-                            microbatches=microbatches, schedule=pp_schedule,
-                            tp_share=(mesh.tp, mesh.tp_rank))  # fmt: skip
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-    blocks = model.layers.values() if isinstance(model.layers, nn.ModuleDict) else model.layers
-    modules = [*blocks, model]  # one all-gather per block, the root holds the rest
-    for module in modules:
-        fully_shard(module, mesh=mesh.fsdp_mesh, mp_policy=policy)
-    for module in modules:
-        # a plain SUM over ranks (see the module docstring); forcing SUM collectives keeps it off
-        # PREMUL_SUM, which gloo does not have
-        module.set_gradient_divide_factor(1.0)
-        module.set_force_sum_reduction_for_comms(True)
-    return model
-
-
-def sum_over_world(values: list[float], device: torch.device) -> list[float]:
-    """Each value summed over every rank (float64); the values themselves on one process."""
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    if dist.is_initialized():
-        dist.all_reduce(t)
-    return t.tolist()
-
-
-def gather_over_world(value: float, device: torch.device) -> list[float]:
-    """Every rank's `value`, in rank order (a list of one on one process)."""
-    t = torch.tensor([value], dtype=torch.float64, device=device)
-    if not dist.is_initialized():
-        return [value]
-    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-    dist.all_gather(out, t)
-    return [x.item() for x in out]

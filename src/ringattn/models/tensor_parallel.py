@@ -1,4 +1,4 @@
-"""Tensor parallelism (Megatron-style, with sequence parallelism) for model.py's decoder, applied
+"""Tensor parallelism (Megatron-style, with sequence parallelism) for models/decoder.py's decoder,
 from outside with `torch.distributed.tensor.parallel`: the model's code stays single-device.
 
 One block on a tp group of T ranks, the tokens (B, S) of this cp rank, h = heads / T:
@@ -17,7 +17,7 @@ Outside the blocks: the embedding is RowwiseParallel (vocab rows over tp; its ou
 reduce-scattered to the sequence split), the final norm is SequenceParallel and so is the output
 projection (weight replicated, each rank projects its own S/T tokens), and a forward pre-hook on
 the model keeps each rank's share of the labels: every token's loss is then computed once, on one
-tp rank, and step.py's sums over the world stay the global sums. Gradients of replicated weights
+tp rank, and the trainer's sums over the world stay the global sums. Gradients of replicated weights
 (norms, output) are summed over tp by DTensor; FSDP2 sums everything over dp x cp.
 
 The vocabulary is not split for the loss (torchtitan's loss_parallel): the output projection is
@@ -29,7 +29,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ringattn.train.model import ModelConfig, Transformer
+from ringattn.models.config import ModelConfig
+from ringattn.models.decoder import Transformer
 
 __all__ = ["apply_tensor_parallel", "check_tensor_parallel"]
 
