@@ -21,8 +21,8 @@ import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "src" / "ringattn"
 CORE_PACKAGES = ("comm", "kernels", "strategies")
-APPLICATIONS = ("train", "bench", "cli", "integrations", "runtime", "testing", "inference", "models",
-                "planner", "hf")  # fmt: skip
+APPLICATIONS = ("train", "bench", "cli", "integrations", "runtime", "testing", "inference",
+                "models", "planner", "hf")  # fmt: skip
 
 
 def _modules() -> dict[str, pathlib.Path]:

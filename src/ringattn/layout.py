@@ -154,7 +154,7 @@ class Layout:
         _, pieces = self.split(seq_len, world_size)
         return torch.cat(
             [
-                torch.arange(p.count) * p.stride + p.global_offset
+                torch.arange(p.count, device="cpu") * p.stride + p.global_offset
                 for p in sorted(pieces[rank], key=lambda p: p.local_offset)
             ]
         )

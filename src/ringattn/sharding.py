@@ -99,7 +99,7 @@ class _Unshard(torch.autograd.Function):
         gathered = all_gather_cat(x_local, dim, info)  # shards end to end, rank 0 first
         held = torch.cat([placement.global_indices(r) for r in range(info.world_size)])
         rows = torch.nonzero(held >= 0).flatten()
-        order = torch.empty(placement.seq_len, dtype=torch.int64)
+        order = torch.empty(placement.seq_len, dtype=torch.int64, device=held.device)
         order[held[rows]] = rows  # global token t sits at row order[t] of `gathered`
         ctx.dim, ctx.info, ctx.placement = dim, info, placement
         return gathered.index_select(dim, order.to(x_local.device))
@@ -167,7 +167,7 @@ def positions(
     index = placement.global_indices(info.rank)
     if within_document:
         bounds = placement.bounds
-        starts = torch.zeros(placement.local_len, dtype=torch.int64)
+        starts = torch.zeros(placement.local_len, dtype=torch.int64, device=index.device)
         for run in placement.runs[info.rank]:
             starts[run.local_start : run.local_start + run.length] = bounds[run.doc]
         index = torch.where(index >= 0, index - starts, index)

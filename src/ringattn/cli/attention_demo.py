@@ -60,7 +60,10 @@ def make_inputs(cfg: DemoConfig) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(cfg.seed)
     dtype = getattr(torch, cfg.dtype)
     heads = (cfg.heads, cfg.kv_heads, cfg.kv_heads, cfg.heads)
-    return [torch.randn(1, h, cfg.seq_len, cfg.head_dim, generator=gen).to(dtype) for h in heads]
+    return [
+        torch.randn(1, h, cfg.seq_len, cfg.head_dim, generator=gen, device="cpu").to(dtype)
+        for h in heads
+    ]
 
 
 # Seconds in progress lines count from the parent's start; spawned ranks inherit it.

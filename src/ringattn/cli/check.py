@@ -88,7 +88,10 @@ def _inputs(cfg: CheckConfig, seq_len: int, heads: str, dtype: torch.dtype, devi
     seed = zlib.crc32(f"{cfg.seed}/{seq_len}/{heads}".encode())
     gen = torch.Generator().manual_seed(seed)
     shapes = [(cfg.batch, h, seq_len, cfg.head_dim) for h in (num_q, num_kv, num_kv, num_q)]
-    return [torch.randn(s, generator=gen, dtype=torch.float64).to(device, dtype) for s in shapes]
+    return [
+        torch.randn(s, generator=gen, dtype=torch.float64, device="cpu").to(device, dtype)
+        for s in shapes
+    ]
 
 
 @dataclass

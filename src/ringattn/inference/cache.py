@@ -68,7 +68,7 @@ class LayerCache:
     def evict_before(self, position: int) -> None:
         """Drop every kept token whose position is below `position` (a prefix, see module doc)."""
         live = self.positions[self.start : self.length]
-        self.start += int(torch.searchsorted(live, torch.tensor(position)))
+        self.start += int(torch.searchsorted(live, torch.tensor(position, device=live.device)))
         if self.start > (self.k.shape[2] // 2):  # compact: the dead prefix must not grow forever
             self._resize(max(1, self.length - self.start))
 
@@ -96,9 +96,10 @@ class HostLayerCache:
     def __init__(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, pin: bool):
         self.pin = pin
         b, h, n, d = k.shape
-        self.k = torch.empty(n, b, h, d, dtype=k.dtype, pin_memory=pin)
-        self.v = torch.empty(n, b, h, d, dtype=v.dtype, pin_memory=pin)
-        self.positions = torch.empty(n, dtype=torch.int64)
+        # host memory on purpose: the offloaded cache lives on the CPU (pinned with CUDA)
+        self.k = torch.empty(n, b, h, d, dtype=k.dtype, device="cpu", pin_memory=pin)
+        self.v = torch.empty(n, b, h, d, dtype=v.dtype, device="cpu", pin_memory=pin)
+        self.positions = torch.empty(n, dtype=torch.int64, device=positions.device)
         self.start = self.length = self.dropped = self.added = 0
         self.append(k, v, positions)
 
@@ -109,8 +110,10 @@ class HostLayerCache:
 
     def _resize(self, capacity: int) -> None:
         live, count = slice(self.start, self.length), self.length - self.start
-        k = torch.empty(capacity, *self.k.shape[1:], dtype=self.k.dtype, pin_memory=self.pin)
-        v = torch.empty(capacity, *self.v.shape[1:], dtype=self.v.dtype, pin_memory=self.pin)
+        k = torch.empty(capacity, *self.k.shape[1:], dtype=self.k.dtype, device="cpu",
+                        pin_memory=self.pin)  # fmt: skip
+        v = torch.empty(capacity, *self.v.shape[1:], dtype=self.v.dtype, device="cpu",
+                        pin_memory=self.pin)  # fmt: skip
         positions = self.positions.new_empty(capacity)
         k[:count], v[:count], positions[:count] = self.k[live], self.v[live], self.positions[live]
         self.k, self.v, self.positions = k, v, positions
@@ -131,7 +134,7 @@ class HostLayerCache:
 
     def evict_before(self, position: int) -> None:
         live = self.positions[self.start : self.length]
-        gone = int(torch.searchsorted(live, torch.tensor(position)))
+        gone = int(torch.searchsorted(live, torch.tensor(position, device=live.device)))
         self.start += gone
         self.dropped += gone
         if self.start > (self.k.shape[0] // 2):
@@ -223,7 +226,7 @@ class ShardedKVCache:
     ) -> None:
         """Append one decoded token's k, v (B, Hkv, 1, D) on its owner only."""
         if owner == self.rank:
-            self.store(layer, k, v, torch.tensor([position]))
+            self.store(layer, k, v, torch.tensor([position], device=k.device))
 
     def evict(self, layer: int, next_query: int) -> None:
         """With a window, drop what a query at `next_query` or later can no longer see."""

@@ -122,8 +122,9 @@ class CachedDecoder:
         """Feed one token (the same on every rank); logits (vocab,) of the next one."""
         model, position = self.model, self.next_pos
         owner = self.cache.next_owner()
-        cos, sin = self._angles(torch.tensor([position]))
-        x = model.tok_embeddings(torch.tensor([[token]]))  # (1, 1, dim)
+        device = model.tok_embeddings.weight.device
+        cos, sin = self._angles(torch.tensor([position], device=device))
+        x = model.tok_embeddings(torch.tensor([[token]], device=device))  # (1, 1, dim)
         for index, layer in enumerate(model.layers):
             q, k, v = layer.attention.project(layer.attention_norm(x), cos, sin)  # S = 1
             self.cache.append_decoded(index, k, v, position, owner)
@@ -132,7 +133,7 @@ class CachedDecoder:
             if self.kernel is None:
                 self.kernel = select_kernel(self.backend, q, k)
             if kept is None:
-                kept = (k[:, :, :0], v[:, :, :0], torch.empty(0, dtype=torch.int64))
+                kept = (k[:, :, :0], v[:, :, :0], torch.empty(0, dtype=torch.int64, device=device))
             out, lse = local_partial(self.kernel, q, kept[0], kept[1], self.scale)
             ref = self_score(q, k, self.scale) if self.merge == "allreduce" else None
             out = merge_across_ranks(out, lse, self.info, self.merge, ref)
@@ -187,7 +188,7 @@ class CachedDecoder:
             return None
         _, _, mine = self.cache.kept(0)
         longest = max(lengths)
-        padded = torch.full((longest,), -1, dtype=torch.int64)
+        padded = torch.full((longest,), -1, dtype=torch.int64, device=mine.device)
         padded[: mine.numel()] = mine
         gathered, works = all_gather_async(padded, self.info)
         wait(works)

@@ -119,10 +119,10 @@ def load_model(path: str) -> tuple[Transformer, dict]:
 def generate(model: Transformer, tokens: list[int], max_new_tokens: int) -> list[int]:
     """Greedy continuation of `tokens` by `max_new_tokens` tokens, without a KV cache: the whole
     sequence runs again for every token (one process; the reference for the cached path)."""
-    out = list(tokens)
+    out, device = list(tokens), model.tok_embeddings.weight.device
     for _ in range(max_new_tokens):
-        x = torch.tensor([out])  # (1, S)
-        logits = model(x, torch.arange(len(out)))  # (1, S, vocab)
+        x = torch.tensor([out], device=device)  # (1, S)
+        logits = model(x, torch.arange(len(out), device=device))  # (1, S, vocab)
         out.append(int(logits[0, -1].argmax()))
     return out[len(tokens) :]
 

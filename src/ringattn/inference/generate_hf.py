@@ -120,7 +120,7 @@ def hf_worker(cfg) -> dict:
 
     start = time.perf_counter()
     tokens, stats = ringattn.hf.generate(
-        model, torch.tensor([prompt]), cfg.max_new_tokens, layout=cfg.layout,
+        model, torch.tensor([prompt], device=model.device), cfg.max_new_tokens, layout=cfg.layout,
         eos_token_id=cfg.eos_id, on_token=on_token, on_prefill=on_prefill, return_stats=True,
     )  # fmt: skip
     total_s = time.perf_counter() - start

@@ -133,7 +133,8 @@ class Session:
         self.turns += 1
         stats = TurnStats(prompt_tokens=len(prompt))
         start = time.perf_counter()
-        tokens = torch.tensor(([] if self.pending is None else [self.pending]) + prompt)
+        tokens = torch.tensor(([] if self.pending is None else [self.pending]) + prompt,
+                              device=self.decoder.model.tok_embeddings.weight.device)  # fmt: skip
         if self.decoder.next_pos == 0:
             logits = self.decoder.prefill(tokens, on_prefill)
         else:

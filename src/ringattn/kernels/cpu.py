@@ -42,7 +42,9 @@ class CpuFlashKernel(Kernel):
     @staticmethod
     def _bias(q, visible):
         """Additive mask in q's dtype (the op's rule): 0 where visible, -inf elsewhere."""
-        return torch.zeros(visible.shape, dtype=q.dtype).masked_fill(~visible, -math.inf)
+        return torch.zeros(visible.shape, dtype=q.dtype, device=visible.device).masked_fill(
+            ~visible, -math.inf
+        )
 
     def forward_band(self, q, k, v, band, scale):
         # every row of a band block sees a key, so the op's lse needs no fix-up

@@ -40,7 +40,7 @@ def _probe(kernel: Kernel, q: torch.Tensor, k: torch.Tensor) -> bool:
     shape_q, shape_kv = (1, 2 * groups, 16, q.shape[-1]), (1, 2, 16, q.shape[-1])
 
     def rand(shape: tuple[int, ...]) -> torch.Tensor:
-        return torch.randn(shape, generator=gen).to(device=q.device, dtype=q.dtype)
+        return torch.randn(shape, generator=gen, device="cpu").to(device=q.device, dtype=q.dtype)
 
     pq, pk, pv, pdout = rand(shape_q), rand(shape_kv), rand(shape_kv), rand(shape_q)
     scale = 1.0 / math.sqrt(q.shape[-1])

@@ -132,12 +132,12 @@ def triton_available() -> bool:
 def _probe(device: torch.device) -> bool:
     """Run the kernel once on a small strided case with -inf rows and compare with `merge_`."""
     gen = torch.Generator().manual_seed(0)
-    full_out = torch.randn(2, 3, 10, 40, generator=gen)
-    full_lse = torch.randn(2, 3, 10, generator=gen)
+    full_out = torch.randn(2, 3, 10, 40, generator=gen, device="cpu")  # moved below
+    full_lse = torch.randn(2, 3, 10, generator=gen, device="cpu")
     full_lse[0, 0, :3] = float("-inf")  # an empty accumulator row
     full_out[0, 0, :3] = 0.0
-    block_out = torch.randn(2, 3, 5, 40, generator=gen).bfloat16()
-    block_lse = torch.randn(2, 3, 5, generator=gen)
+    block_out = torch.randn(2, 3, 5, 40, generator=gen, device="cpu").bfloat16()
+    block_lse = torch.randn(2, 3, 5, generator=gen, device="cpu")
     block_lse[0, 0, 1:3] = float("-inf")  # row 1: one empty side; row 2: both empty
     block_lse[1, 2, 4] = float("-inf")
     want_out, want_lse = full_out.clone(), full_lse.clone()

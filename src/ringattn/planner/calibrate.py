@@ -77,14 +77,14 @@ def _best_s(fn, repeats: int, min_sample_s: float = 0.02) -> float:
 def _matmul(repeats: int) -> dict:
     rates = {}
     for w in WIDTHS:
-        a, b = torch.randn(2048, w), torch.randn(w, w)
+        a, b = torch.randn(2048, w, device="cpu"), torch.randn(w, w, device="cpu")
         rates[str(w)] = 2 * 2048 * w * w / _best_s(lambda a=a, b=b: a @ b, repeats) / 1e9
     return rates
 
 
 def _attention_rates(kernel, heads: int, n: int, d: int, causal: bool, repeats: int):
     """(forward, backward) GFLOP/s of one block shape; causal flops are visible pairs only."""
-    q, k, v, dout = (torch.randn(1, heads, n, d) for _ in range(4))
+    q, k, v, dout = (torch.randn(1, heads, n, d, device="cpu") for _ in range(4))
     scale = d**-0.5
     flops = 4 * heads * n * n * d / (2 if causal else 1)
     out, lse = kernel.forward(q, k, v, causal, scale)
@@ -110,7 +110,7 @@ def _attention(repeats: int) -> dict:
 
 
 def _elementwise(repeats: int) -> float:
-    x, w = torch.randn(1 << 20), torch.randn(1 << 20)
+    x, w = torch.randn(1 << 20, device="cpu"), torch.randn(1 << 20, device="cpu")
 
     def passes():  # 4 passes, each reading one or two tensors and writing one
         y = x * w
@@ -129,7 +129,7 @@ def _gloo_worker(sizes: tuple[int, ...], repeats: int) -> dict:
     rank = dist.get_rank()
     result = {}
     for size in sizes:
-        buf = torch.zeros(size // 4)
+        buf = torch.zeros(size // 4, device="cpu")
         times = []
         for i in range(repeats + 1):
             dist.barrier()

@@ -74,7 +74,7 @@ class HeadPlan:
         per_kv = len(heads) // len(kv)
         if len(heads) % len(kv) == 0 and index == [j // per_kv for j in range(len(heads))]:
             return None
-        return torch.tensor(index)
+        return torch.tensor(index, device="cpu")  # host index; the caller moves it
 
 
 def check_heads(hq: int, size: int, what: str) -> None:

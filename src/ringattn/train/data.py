@@ -64,7 +64,8 @@ __all__ = [
 ]
 
 
-_FILLER = torch.tensor(list(b"abcdefghijklmnopqrstuvwxyz "), dtype=torch.int64)
+# samples are made on the host (seeded CPU generators) and moved to the device by the Loader
+_FILLER = torch.tensor(list(b"abcdefghijklmnopqrstuvwxyz "), dtype=torch.int64, device="cpu")
 _QUERY = ord("?")
 N_KEYS, N_VALUES = 12, 10  # keys A..L, values 0..9
 _RECORD = 128  # record token of (key k, value v): 128 + N_VALUES * k + v, bytes 128..247
@@ -119,22 +120,26 @@ class KeyValueTask:
     def sample(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, labels), each (seq_len,) int64, of sample `index`."""
         gen = _generator(self.seed, index)
-        seq = _FILLER[torch.randint(len(_FILLER), (self.seq_len + 1,), generator=gen)]
-        keys = torch.randperm(N_KEYS, generator=gen)[: self.n_keys]
-        answer = torch.randint(N_VALUES, (self.n_keys,), generator=gen)
+        seq = _FILLER[torch.randint(len(_FILLER), (self.seq_len + 1,), generator=gen, device="cpu")]
+        keys = torch.randperm(N_KEYS, generator=gen, device="cpu")[: self.n_keys]
+        answer = torch.randint(N_VALUES, (self.n_keys,), generator=gen, device="cpu")
         # each key: its answer in all but `noisy` of its copies, any other value in those
         values = answer[:, None].repeat(1, self.copies)  # (n_keys, copies)
-        shift = torch.randint(1, N_VALUES, (self.n_keys, self.noisy), generator=gen)
+        shift = torch.randint(1, N_VALUES, (self.n_keys, self.noisy), generator=gen, device="cpu")
         values[:, : self.noisy] = (answer[:, None] + shift) % N_VALUES  # never the answer
         records = _RECORD + N_VALUES * keys[:, None] + values  # (n_keys, copies)
         query_start = self.seq_len + 1 - 3 * self.n_keys
-        where = torch.randperm(query_start, generator=gen)[: records.numel()]
+        where = torch.randperm(query_start, generator=gen, device="cpu")[: records.numel()]
         seq[where] = records.flatten()
-        asked = torch.randperm(self.n_keys, generator=gen)  # every key, in a random order
+        asked = torch.randperm(
+            self.n_keys, generator=gen, device="cpu"
+        )  # every key, in a random order
         query = [torch.full_like(asked, _QUERY), ord("A") + keys[asked], ord("0") + answer[asked]]
         seq[query_start:] = torch.stack(query, 1).flatten()  # ?C7?A0?K3...
-        labels = torch.full((self.seq_len,), IGNORE, dtype=torch.int64)
-        at = query_start + 3 * torch.arange(self.n_keys) + 1  # input KEY -> label its answer
+        labels = torch.full((self.seq_len,), IGNORE, dtype=torch.int64, device="cpu")
+        at = (
+            query_start + 3 * torch.arange(self.n_keys, device="cpu") + 1
+        )  # input KEY -> label its answer
         labels[at] = seq[at + 1]
         return seq[:-1], labels
 
@@ -157,7 +162,9 @@ class TextData:
 
     def sample(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         gen = _generator(self.seed, index)
-        start = int(torch.randint(len(self._bytes) - self.seq_len, (1,), generator=gen))
+        start = int(
+            torch.randint(len(self._bytes) - self.seq_len, (1,), generator=gen, device="cpu")
+        )
         window = self._bytes[start : start + self.seq_len + 1].to(torch.int64)
         return window[:-1], window[1:]
 
@@ -174,7 +181,11 @@ def _read_bytes(path: str) -> torch.Tensor:
         with open(name, "rb") as f:
             parts.append(f.read())
     data = b"\n".join(parts)
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0)
+    return (
+        torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        if data
+        else torch.empty(0, device="cpu")
+    )
 
 
 def get_dataset(

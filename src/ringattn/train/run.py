@@ -136,7 +136,7 @@ def _warm_up(cfg: TrainConfig, mesh: Mesh, device: torch.device) -> None:
                        ffn_dim=32 * tp)  # fmt: skip
     model = parallelize_decoder(decoder_of(tiny, cfg).to(device), mesh, cfg)
     optimizer = build_optimizer(model, cfg)
-    tokens = torch.zeros(cfg.microbatches, 8 * mesh.cp * tp, dtype=torch.int64)
+    tokens = torch.zeros(cfg.microbatches, 8 * mesh.cp * tp, dtype=torch.int64, device=device)
     batch = shard_batch(tokens, tokens, mesh.cp_group, cfg.layout, device)
     forward_backward(model, batch, device)
     optimizer.step()

@@ -75,14 +75,14 @@ def _documents(position_ids: torch.Tensor | None, cu_seqlens: object, seq_len: i
     return [0, *starts.tolist(), seq_len]
 
 
-def _default_positions(bounds: list[int], per_document: bool) -> torch.Tensor:
+def _default_positions(bounds: list[int], per_document: bool, device: torch.device) -> torch.Tensor:
     """(1, S) positions 0..S-1, or restarting at 0 in each document."""
     seq_len = bounds[-1]
     if not per_document:
-        return torch.arange(seq_len).unsqueeze(0)
-    lengths = torch.tensor([b - a for a, b in itertools.pairwise(bounds)])
-    starts = torch.repeat_interleave(torch.tensor(bounds[:-1]), lengths)
-    return (torch.arange(seq_len) - starts).unsqueeze(0)
+        return torch.arange(seq_len, device=device).unsqueeze(0)
+    lengths = torch.tensor([b - a for a, b in itertools.pairwise(bounds)], device=device)
+    starts = torch.repeat_interleave(torch.tensor(bounds[:-1], device=device), lengths)
+    return (torch.arange(seq_len, device=device) - starts).unsqueeze(0)
 
 
 def _take(full: torch.Tensor, index: torch.Tensor, fill: int) -> torch.Tensor:
@@ -96,8 +96,8 @@ def shift_labels(labels: torch.Tensor, bounds: list[int]) -> torch.Tensor:
     """(1, S) labels -> the label each token predicts: labels[t + 1], -100 at every document end."""
     shifted = torch.full_like(labels, IGNORE)
     shifted[:, :-1] = labels[:, 1:]
-    ends = torch.tensor([end - 1 for end in bounds[1:] if end > 0], dtype=torch.int64)
-    shifted[:, ends.to(labels.device)] = IGNORE
+    ends = [end - 1 for end in bounds[1:] if end > 0]
+    shifted[:, torch.tensor(ends, dtype=torch.int64, device=labels.device)] = IGNORE
     return shifted
 
 
@@ -140,10 +140,10 @@ def shard_batch(
     bounds = _documents(position_ids, batch.get("cu_seqlens"), seq_len)
     index = ringattn.positions(seq_len, group=group, layout=layout, cu_seqlens=bounds)
     if position_ids is None:
-        position_ids = _default_positions(bounds, batch.get("cu_seqlens") is not None)
+        position_ids = _default_positions(bounds, batch.get("cu_seqlens") is not None, ids.device)
     # kept on the CPU: the attention function reads the bounds on the host (a CUDA copy would
     # cost a device sync in every layer)
-    cu = torch.tensor(bounds, dtype=torch.int32)
+    cu = torch.tensor(bounds, dtype=torch.int32, device="cpu")
     local = {
         "input_ids": _take(ids, index, 0),
         "position_ids": _take(position_ids.to(ids.device), index, 0),

@@ -160,7 +160,7 @@ def generate(
     for module in model.modules():
         setattr(module, STATE_ATTR, state)
     try:
-        bounds = torch.tensor([0, seq_len])
+        bounds = torch.tensor([0, seq_len], device="cpu")  # read on the host, like shard_batch's
         common = {"group": group, "layout": layout, "cu_seqlens": bounds}
         local = ringattn.shard(input_ids, 1, **common)  # (1, S_local), padding: token 0
         positions = ringattn.positions(seq_len, device=device, **common)
@@ -175,7 +175,7 @@ def generate(
         state.real = None
         stats.prefill_s = time.perf_counter() - start
         eos, out = _eos_ids(model, eos_token_id), []
-        one = torch.tensor([0, 1])
+        one = torch.tensor([0, 1], device="cpu")
         while len(out) < max_new_tokens:
             token = int(logits.argmax())
             out.append(token)

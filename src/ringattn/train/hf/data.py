@@ -102,7 +102,7 @@ def _load_corpus(path: str, tokenizer_dir: str | None, vocab_size: int, _files: 
             ids = tokenizer(doc.decode("utf-8", errors="replace"))["input_ids"]
             if eos is not None and (not ids or ids[-1] != eos):
                 ids = [*ids, eos]  # the model learns where a document ends
-            pieces.append(torch.tensor(ids, dtype=torch.int64))
+            pieces.append(torch.tensor(ids, dtype=torch.int64, device="cpu"))
         how = f"the model's tokenizer ({type(tokenizer).__name__}, {len(tokenizer)} tokens)"
         top = max(int(p.max()) for p in pieces if len(p))
         if top >= vocab_size:
@@ -111,7 +111,7 @@ def _load_corpus(path: str, tokenizer_dir: str | None, vocab_size: int, _files: 
                 f"vocab_size is {vocab_size}; use the tokenizer the model was made for, or "
                 f"raise vocab_size in config.json"
             )
-    lengths = torch.tensor([len(p) for p in pieces])
+    lengths = torch.tensor([len(p) for p in pieces], device="cpu")  # the corpus is host data
     starts = torch.cumsum(lengths, 0) - lengths
     return Corpus(torch.cat(pieces), starts, how)
 
@@ -136,8 +136,12 @@ class PackedDocuments:
         """(tokens, positions), each (seq_len,) int64: positions count from each document's
         start, or from the window's start for the document the window cuts into."""
         gen = torch.Generator().manual_seed((self.seed * 1_000_003 + index) % (2**63))
-        first = int(torch.randint(len(self.corpus.tokens) - self.seq_len + 1, (1,), generator=gen))
-        where = torch.arange(first, first + self.seq_len)
+        first = int(
+            torch.randint(
+                len(self.corpus.tokens) - self.seq_len + 1, (1,), generator=gen, device="cpu"
+            )
+        )
+        where = torch.arange(first, first + self.seq_len, device="cpu")
         doc = torch.searchsorted(self.corpus.starts, where, right=True) - 1
         begins = self.corpus.starts[doc].clamp(min=first)
         return self.corpus.tokens[where], where - begins
