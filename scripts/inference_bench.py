@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seq-len", type=int, default=8192, help="prompt tokens")
     p.add_argument("--world-sizes", default="1,2,4", help="comma-separated W")
-    p.add_argument("--model", default="base", help="model size preset (train/model.py)")
+    p.add_argument("--model", default="base", help="model size preset (models/config.py)")
     p.add_argument("--layout", default="zigzag")
     p.add_argument("--repeats", type=int, default=5, help="timed prefills / training forwards")
     p.add_argument("--decode-tokens", type=int, default=16, help="timed decode steps per merge")

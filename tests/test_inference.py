@@ -1,6 +1,6 @@
 """Inference over a sharded KV cache: equal to the single-process decoder without a cache.
 
-References: the same model re-run on the whole sequence for every token (train/generate.py's
+References: the same model re-run on the whole sequence for every token (inference/generate.py's
 `generate`, no cache, one process), and float64 attention over the full cache for the merge.
 Multi-rank cases run in worker pools (workers_inference.py).
 """

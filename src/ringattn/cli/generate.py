@@ -19,6 +19,7 @@ from ringattn.inference.generate import (
     prompt,
     resolve_checkpoint,
 )
+from ringattn.inference.partials import MERGES
 from ringattn.layout import LAYOUTS
 from ringattn.runtime import checkpoint as ckpt
 from ringattn.runtime.launch import launch, running_under_torchrun
@@ -99,7 +100,7 @@ def add_generate_command(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--merge",
-        choices=("allgather", "allreduce"),
+        choices=MERGES,
         default=d.merge,
         help="the one collective per layer that merges the ranks' partial attention per token",
     )

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import argparse
 
-LAYOUTS = ("contiguous", "zigzag", "striped")
-STRATEGIES = ("ring", "allgather", "ulysses", "hybrid")
+from ringattn.api import STRATEGIES as _STRATEGIES
+from ringattn.layout import LAYOUTS as _LAYOUTS
+
+# the core's registries, in their own order (one list of names, not a copy of it)
+LAYOUTS = tuple(_LAYOUTS)
+STRATEGIES = tuple(_STRATEGIES)
 
 
 def int_list(text: str) -> list[int]:

@@ -14,6 +14,7 @@ from dataclasses import fields
 from ringattn import LAYOUTS
 from ringattn.api import STRATEGIES
 from ringattn.models import MODEL_SIZES
+from ringattn.models.pipeline import SCHEDULES
 from ringattn.train.config import DTYPES, TrainConfig
 from ringattn.train.demo import demo_config, run_train_demo
 from ringattn.train.hf.run import run_hf_train
@@ -90,7 +91,7 @@ def add_arguments(p: argparse.ArgumentParser, d: TrainConfig, *, demo: bool = Fa
     g.add_argument(
         "--pp-schedule",
         default=d.pp_schedule,
-        choices=("gpipe", "1f1b"),
+        choices=SCHEDULES,
         help="pp > 1: pipeline schedule (1f1b needs --microbatches >= --pp)",
     )
     g.add_argument(

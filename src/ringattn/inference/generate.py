@@ -34,10 +34,13 @@ import torch.distributed.checkpoint as dcp
 from ringattn.comm import all_gather_ints, resolve_group
 from ringattn.inference.generate_hf import check as check_hf
 from ringattn.inference.generate_hf import hf_worker
+from ringattn.inference.partials import MERGES
 from ringattn.inference.sampling import Sampling
 from ringattn.inference.session import Session
+from ringattn.layout import LAYOUTS
 from ringattn.models import Transformer, model_config
 from ringattn.runtime import checkpoint as ckpt
+from ringattn.runtime.flags import check_at_least, check_choice
 from ringattn.runtime.launch import init_distributed
 
 __all__ = ["GenerateConfig", "check_config", "generate", "generate_worker", "load_model", "prompt",
@@ -148,10 +151,10 @@ def prompt(
 
 def check_config(cfg: GenerateConfig) -> None:
     """ValueErrors for flags that cannot work, before any process starts."""
-    if not isinstance(cfg.max_new_tokens, int) or cfg.max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens must be >= 1, got {cfg.max_new_tokens}")
-    if cfg.nproc < 1:
-        raise ValueError(f"--nproc must be >= 1, got {cfg.nproc}")
+    check_at_least("max-new-tokens", cfg.max_new_tokens, 1)
+    check_at_least("nproc", cfg.nproc, 1)
+    check_choice("layout", cfg.layout, LAYOUTS)
+    check_choice("merge", cfg.merge, MERGES)
     if cfg.prompt is not None and cfg.prompt_file is not None:
         raise ValueError("pass --prompt or --prompt-file, not both")
     if cfg.prompt_file is not None and not os.path.isfile(cfg.prompt_file):

@@ -1,15 +1,16 @@
-"""The trainer: a Llama-style decoder (or a Hugging Face model) trained over a pp x dp x cp x tp
-mesh (TP/SP, pipeline stages, FSDP2, DCP checkpoints that reshard), the demo, generation.
+"""The trainer: a Llama-style decoder (models/) or a Hugging Face model (hf/) trained over a
+pp x dp x cp x tp mesh (TP/SP, pipeline stages, FSDP2, DCP checkpoints that reshard), the demo.
 
-    ringattn train / demo (cli/main.py)
-      flags.py   flags -> TrainConfig                     config.py: fields, validate()
+    ringattn train / demo (cli/train.py: flags -> TrainConfig)
+      config.py  TrainConfig fields, validate(cfg, W, recipe.check)
       main.py    run_train: validate, launch W ranks (runtime/launch.py) or join torchrun's world
                    rank: train_worker -> init_distributed
-      run.py       build_run(cfg, device, recipe) -> Run, built ONCE:
-                     mesh.py    Mesh (pp, dp, cp, tp), parallelize (TP, PP, CP, FSDP2)
-                     model.py   plain single-device decoder (recipe.build)
+      run.py       build_run(cfg, device, recipe_for(cfg)) -> Run, built ONCE:
+                     recipe.py   ModelRecipe(build, parallelize, loader, check)
+                     decoder.py  DECODER: models/decoder.py + models/parallelize.py
+                     hf/         HF: a transformers causal LM, its packed documents, the export
+                     runtime/mesh.py, runtime/checkpoint.py: the mesh; resume
                      step.py    AdamW
-                     checkpoint.py  resume: newest complete checkpoint
                      data.py    Loader: step -> this rank's Batch (ringattn.shard / positions)
       loop.py      train(run): for each step, step.py's train_step; log, progress, run.save
                    -> run.summary() back to the parent

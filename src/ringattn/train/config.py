@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import ringattn
 from ringattn.models.config import MODEL_SIZES, ModelConfig, model_config
+from ringattn.runtime.flags import check_at_least, check_choice
 from ringattn.runtime.mesh import degrees
 
 __all__ = ["DTYPES", "IDENTITY", "TrainConfig", "validate"]
@@ -39,7 +40,7 @@ class TrainConfig:
     model: str = "small"
     """Model size preset: tiny, small, base, large (see model.MODEL_SIZES)."""
     hf: str = ""
-    """A local Hugging Face model directory or config.json to train instead (hf_recipe.py)."""
+    """A local Hugging Face model directory or config.json to train instead (train/hf/recipe.py)."""
     export: str = ""
     """--hf: write the final checkpoint's weights here as a save_pretrained directory."""
     dim: int = 0
@@ -139,16 +140,12 @@ def validate(
     """Raise ValueError (values and fix) before any process starts; return (dp, cp).
 
     `check(cfg, cp)` is the model's own check (a ModelRecipe's `check`), run last."""
-    if cfg.model not in MODEL_SIZES:
-        raise ValueError(f"unknown --model {cfg.model!r}; choose from {', '.join(MODEL_SIZES)}")
+    check_choice("model", cfg.model, MODEL_SIZES)
     cfg.model_config()
-    if cfg.dtype not in DTYPES:
-        raise ValueError(f"unknown --dtype {cfg.dtype!r}; choose from {', '.join(DTYPES)}")
-    if world_size < 1:
-        raise ValueError(f"--nproc must be >= 1, got {world_size}")
+    check_choice("dtype", cfg.dtype, DTYPES)
+    check_at_least("nproc", world_size, 1)
     dp, cp = degrees(world_size, cfg.dp, cfg.cp, cfg.tp, cfg.pp)
-    if cfg.layout not in ringattn.LAYOUTS:
-        raise ValueError(f"unknown --layout {cfg.layout!r}; choose from {sorted(ringattn.LAYOUTS)}")
+    check_choice("layout", cfg.layout, ringattn.LAYOUTS)
     chunks = cp * ringattn.LAYOUTS[cfg.layout].chunks_per_rank
     if cfg.seq_len % chunks and not cfg.hf:  # ringattn.hf pads any length
         fixed = -(-cfg.seq_len // chunks) * chunks
@@ -161,9 +158,8 @@ def validate(
             f"--strategy hybrid needs --ulysses U, a divisor of cp={cp} (Ulysses "
             f"inside groups of U ranks, a ring across them); got {cfg.ulysses}"
         )
-    for name in ("steps", "batch_size"):
-        if getattr(cfg, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
+    check_at_least("steps", cfg.steps, 1)
+    check_at_least("batch-size", cfg.batch_size, 1)
     if cfg.fail_at_step >= 0 and not 0 <= cfg.fail_rank < world_size:
         raise ValueError(f"--fail-rank {cfg.fail_rank} is not a rank of {world_size}")
     if check is not None:  # what only the model can see: its shape, its data (recipe.check)

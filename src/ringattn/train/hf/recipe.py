@@ -72,7 +72,7 @@ class CausalLMLoss(nn.Module):
     """A transformers causal LM under the trainer's contract (step.py).
 
     forward(inputs, positions, labels): `inputs` the model's keyword arguments for this rank's
-    tokens (hf_data.DocumentBatch), `labels` (1, S_local) already shifted on the global sequence.
+    tokens (hf/data.DocumentBatch), `labels` (1, S_local) already shifted on the global sequence.
     Returns (sum of the token cross-entropies, supervised tokens, right argmax predictions).
     `layers` are the modules FSDP2 shards one by one (models/parallelize.py), the model's decoder
     layers as named by its `_no_split_modules`.

@@ -3,7 +3,7 @@
     run_hf_train(cfg)                                    (the parent, or every torchrun rank)
       validate(cfg, W, HF.check)  config.py -> hf/recipe.check: every --hf mistake, before launch
       "hf" record + [hf] lines  rank 0: model source, tokenization (tokenizer or bytes), corpus
-      run_train(cfg)            main.py: the ranks build their Run with hf_recipe.HF and train
+      run_train(cfg)            main.py: the ranks build their Run with hf/recipe.HF and train
       export(cfg, checkpoint)   rank 0, --export DIR: the final DCP checkpoint -> save_pretrained
       OUT_DIR/train.png         rank 0: loss and accuracy over every logged step, peak memory
 
