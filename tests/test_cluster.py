@@ -22,8 +22,8 @@ import pytest
 import torch
 
 from ringattn.cli.main import main
+from ringattn.runtime import checkpoint as ckpt
 from ringattn.runtime.outcome import EXIT_CHECKPOINT, EXIT_DIVERGED, EXIT_HARD, EXIT_PREEMPTED
-from ringattn.train import checkpoint as ckpt
 from ringattn.train.progress import read_log
 
 TINY = {

@@ -13,8 +13,8 @@ import time
 
 import torch
 
+from ringattn.runtime import checkpoint as ckpt
 from ringattn.runtime.outcome import EXIT_FROZEN_PEER, EXIT_PREEMPTED
-from ringattn.train import checkpoint as ckpt
 from ringattn.train.progress import read_log
 
 TINY = {"model": "tiny", "dim": 32, "seq_len": 64, "keys": 3, "copies": 2, "warmup": 1,

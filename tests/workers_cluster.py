@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ringattn.train import checkpoint as ckpt
+from ringattn.runtime import checkpoint as ckpt
 from ringattn.train.config import TrainConfig
 from ringattn.train.loop import train
 from ringattn.train.run import build_run
