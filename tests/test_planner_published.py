@@ -14,6 +14,7 @@ import shlex
 import pytest
 
 from ringattn.cli.main import build_parser, main
+from ringattn.cli.train import config_from_args
 from ringattn.planner.hardware import get_hardware
 from ringattn.planner.kernels import attention_tflops, check_kernel, default_kernel
 from ringattn.planner.models import get_model
@@ -21,7 +22,6 @@ from ringattn.planner.oversubscribe import oversubscription_cost
 from ringattn.planner.published import check_published, llama3_405b, torchtitan_8b
 from ringattn.planner.search import evaluate
 from ringattn.train.config import TrainConfig, validate
-from ringattn.train.flags import config_from_args
 
 # published 2.37x fall in one doubling at constant tokens per rank: more than the 2x that the
 # attention work can grow by (docs/plan.md); checked against that bound instead

@@ -28,6 +28,7 @@ from ringattn.runtime.launch import init_distributed, launch
 __all__ = ["measure_oversubscription", "oversubscription_cost"]
 
 CHUNK = (256, 512)  # rows, width of the matmul chunk
+CPU = "cpu"  # on purpose: this measures the CPU (gloo), whatever accelerator the machine has
 MESSAGE = 1 << 16  # float32 elements per ring message (256 KB)
 
 
@@ -48,8 +49,8 @@ def _ring_worker(iters: int, repeats: int, matmuls: int) -> float:
     init_distributed("gloo")
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
-    a, b = torch.randn(*CHUNK), torch.randn(CHUNK[1], CHUNK[1])
-    send, recv = torch.randn(MESSAGE), torch.empty(MESSAGE)
+    a, b = torch.randn(*CHUNK, device=CPU), torch.randn(CHUNK[1], CHUNK[1], device=CPU)
+    send, recv = torch.randn(MESSAGE, device=CPU), torch.empty(MESSAGE, device=CPU)
     best = float("inf")
     for _ in range(repeats + 1):  # the first round warms up
         dist.barrier()
@@ -62,7 +63,7 @@ def _ring_worker(iters: int, repeats: int, matmuls: int) -> float:
             for req in dist.batch_isend_irecv(ops):
                 req.wait()
         best = min(best, (time.perf_counter() - start) / iters)
-    slowest = torch.tensor([best])
+    slowest = torch.tensor([best], device=CPU)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     dist.destroy_process_group()
     return float(slowest)
@@ -73,7 +74,7 @@ def _matmuls_for(target_s: float = 5e-3) -> int:
     saved = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        a, b = torch.randn(*CHUNK), torch.randn(CHUNK[1], CHUNK[1])
+        a, b = torch.randn(*CHUNK, device=CPU), torch.randn(CHUNK[1], CHUNK[1], device=CPU)
         torch.tanh(a @ b)
         start = time.perf_counter()
         for _ in range(20):

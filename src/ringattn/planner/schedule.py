@@ -21,10 +21,11 @@ Schedule1F1B); its defaults, --pp-schedule gpipe --microbatches 1, are the plann
 
 from __future__ import annotations
 
+from ringattn.models.pipeline import SCHEDULES as TRAINER_SCHEDULES
+
 __all__ = ["PP_SCHEDULES", "TRAINER_SCHEDULES", "bubble_slots", "check_schedule", "kept"]
 
-PP_SCHEDULES = ("gpipe", "1f1b", "interleaved")
-TRAINER_SCHEDULES = ("gpipe", "1f1b")
+PP_SCHEDULES = (*TRAINER_SCHEDULES, "interleaved")
 
 
 def check_schedule(
