@@ -124,7 +124,7 @@ def _job(args: argparse.Namespace, calibration: dict | None):
                              "give a new path (it will be measured and written there)")  # fmt: skip
         try:
             calibration = load_calibration(path)
-        except ValueError as why:  # none yet, or another machine's: measure this one (~20 s)
+        except ValueError as why:  # none yet, or another machine's: measure this one (~2 min)
             print(f"[plan] {why}; calibrating now", file=sys.stderr)
             calibration = calibrate(args.calibration, log=lambda t: print(t, file=sys.stderr))
     hw = get_hardware(args.hardware, tflops=args.tflops, intra_bw=args.intra_bw,

@@ -22,8 +22,9 @@ full ratio at the same length.
 Other hardware: H200 and H800 have the H100's SMs and clocks, so the same tables. A100: the
 FlashAttention-2 rate as a fraction of peak is 2.00x (forward) and 1.94x (forward + backward) the
 Hopper fraction, derived from ring-flash-attention's published single-GPU flash_attn rates on
-8xA100 vs 8xH800 (the same shape); no stored figure gives cuDNN, flex or efficient on an A100, so
-they take the same factor. B200: no stored figure; the Hopper fractions of peak are used.
+8xA100 vs 8xH800 (the same shape); no stored figure gives cuDNN, flex or efficient on an A100:
+they take the same factor, capped at FlashAttention-2's A100 rate (scaling cuDNN's Hopper lead
+would put it above the A100's peak). B200: no stored figure; the Hopper fractions of peak are used.
 FlashAttention-3 runs on Hopper only (refused elsewhere).
 
 Dtypes, as the library's kernels take them: flash2, flash3, cudnn, flex take bf16/fp16 only;
@@ -134,6 +135,24 @@ def _interp(table: tuple[float, ...], block: float) -> float:
     return table[-1]
 
 
+def _h100_rate(
+    kernel: str, block: float, causal: bool, backward: bool, fp8: bool
+) -> tuple[float, float]:
+    """TFLOP/s of `kernel` on an H100, and the plateau of the table it came from."""
+    curve = CURVES[kernel]
+    if fp8 and not backward:
+        full, causal_t = curve.fp8_fwd, None
+    elif backward:
+        full, causal_t = curve.bwd, None
+    else:
+        full, causal_t = curve.fwd_full, curve.fwd_causal
+    rate = _interp(full, block)
+    if causal:  # the forward's causal / full ratio when the figure has no causal bars
+        rate = _interp(causal_t, block) if causal_t else rate * (
+            _interp(curve.fwd_causal, block) / _interp(curve.fwd_full, block))  # fmt: skip
+    return rate, full[-1]
+
+
 def attention_tflops(
     kernel: str,
     arch: str,
@@ -148,24 +167,13 @@ def attention_tflops(
     rates_override: tuple[float, float] | None = None,
 ) -> float:
     """TFLOP/s of `kernel` on blocks of `block` keys (see the module docstring)."""
-    curve = CURVES[kernel]
-    if fp8 and not backward:
-        full, causal_t = curve.fp8_fwd, None
-    elif backward:
-        full, causal_t = curve.bwd, None
-    else:
-        full, causal_t = curve.fwd_full, curve.fwd_causal
-    rate = _interp(full, block)
-    if causal:  # the forward's causal / full ratio when the figure has no causal bars
-        rate = _interp(causal_t, block) if causal_t else rate * (
-            _interp(curve.fwd_causal, block) / _interp(curve.fwd_full, block))  # fmt: skip
+    rate, plateau = _h100_rate(kernel, block, causal, backward, fp8)
     if rates_override:
-        plateau = full[-1]
-        rate *= rates_override[1 if backward else 0] / plateau
-        return rate
+        return rate * rates_override[1 if backward else 0] / plateau
+    if arch == "ampere":  # no stored figure has any kernel beat FlashAttention-2 on an A100
+        rate = min(rate, _h100_rate("flash2", block, causal, backward, False)[0])
+        rate *= A100_FACTOR["bwd" if backward else "fwd"]
     fraction = rate / H100_BF16
-    if arch == "ampere":
-        fraction *= A100_FACTOR["bwd" if backward else "fwd"]
     if dtype in ("fp32", "tf32"):  # efficient only (check_kernel): three TF32 products
         return fraction * tf32_peak / 3
     return fraction * bf16_peak
