@@ -218,6 +218,10 @@ def calibrate(path: str = DEFAULT_PATH, repeats: int = 5, log=print) -> dict:
     shared = _oversubscription(cores)
     result["oversubscription"] = shared["cost"]
     result["oversubscription_detail"] = shared
+    if shared.get("busy"):
+        log(f"[calibrate] warning: load average {max(shared['load_average']):.1f} on {cores} "
+            "cores while measuring: other processes distort every figure here (the sharing "
+            "cost most); calibrate again on a quiet machine")  # fmt: skip
     log("[calibrate] the trainer's per-step floor (tiny model, 512 tokens, 2 processes)...")
     result["step_floor_s"] = _step_floor()
     result["step_floor_nproc"] = 2

@@ -13,11 +13,18 @@ and a woken process starts on cold caches. The planner measured that cost instea
 cost = 1 means the processes take turns for free; the planner multiplies its nproc / cores
 stretch by it (hardware.Hardware.slowdown), linearly from 1 at nproc = cores to the measured
 value at 2 x cores, and the measured value beyond. Each process keeps the fastest of its samples
-(other sessions' load only ever slows a sample down) and the ring runs at its slowest rank.
+(other sessions' load only ever slows a sample down), the ring runs at its slowest rank, and the
+two sizes are launched alternately, twice each, the fastest launch of each counting.
+
+Other processes on the machine make this meaningless: with L other busy processes, 2 x cores
+ring processes get a larger share of the cores than `cores` do, so the ratio drifts towards
+(L + 2 cores) / (2 (L + cores)) < 1. The load average before and after is recorded, and
+`busy` is set when it exceeded the core count (`ringattn plan --calibrate` then says so).
 """
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -85,12 +92,20 @@ def _matmuls_for(target_s: float = 5e-3) -> int:
     return max(1, round(target_s / once))
 
 
-def measure_oversubscription(cores: int, iters: int = 10, repeats: int = 12) -> dict:
+def measure_oversubscription(
+    cores: int, iters: int = 10, repeats: int = 12, rounds: int = 2
+) -> dict:
     """{"2 x cores": cost} (see the module docstring), with the two times it comes from."""
     if cores < 2:  # a ring of `cores` processes needs two
-        return {"cost": {}, "iteration_s": {}, "matmuls_per_iteration": 0}
+        return {"cost": {}, "iteration_s": {}, "matmuls_per_iteration": 0, "busy": False}
+    load = [os.getloadavg()[0]]
     matmuls = _matmuls_for()
-    times = {n: launch(_ring_worker, n, iters, repeats, matmuls)[0] for n in (cores, 2 * cores)}
+    times = {cores: float("inf"), 2 * cores: float("inf")}
+    for _ in range(rounds):
+        for n in (cores, 2 * cores):
+            times[n] = min(times[n], launch(_ring_worker, n, iters, repeats, matmuls)[0])
+    load.append(os.getloadavg()[0])
     ratio = times[2 * cores] / (2 * times[cores])
     return {"cost": {str(2 * cores): ratio}, "iteration_s": {str(k): v for k, v in times.items()},
-            "matmuls_per_iteration": matmuls}  # fmt: skip
+            "matmuls_per_iteration": matmuls, "load_average": load,
+            "busy": max(load) > cores}  # fmt: skip
