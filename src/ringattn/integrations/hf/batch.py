@@ -32,6 +32,7 @@ import itertools
 import torch
 
 import ringattn
+from ringattn.integrations.hf.vision import MULTIMODAL_KEYS
 from ringattn.packing import check_cu_seqlens
 
 IGNORE = -100
@@ -42,6 +43,7 @@ _KEYS = (
     "cu_seqlens",
     "attention_mask",
     "num_items_in_batch",
+    *MULTIMODAL_KEYS,
 )
 
 
@@ -131,6 +133,13 @@ def shard_batch(
             "restart at 0, or cu_seqlens)"
         )
     position_ids = batch.get("position_ids")
+    multimodal = [key for key in MULTIMODAL_KEYS if batch.get(key) is not None]
+    if multimodal and (position_ids is not None or batch.get("cu_seqlens") is not None):
+        raise ValueError(
+            f"shard_batch got {multimodal} with position_ids or cu_seqlens: a multimodal batch is "
+            f"one sequence whose positions the model computes (3-D M-RoPE); packing several "
+            f"multimodal documents is not supported"
+        )
     if position_ids is not None:
         multi = isinstance(position_ids, torch.Tensor) and position_ids.dim() == 3
         if multi and position_ids.shape[1:] == (1, seq_len):
@@ -144,13 +153,13 @@ def shard_batch(
     # kept on the CPU: the attention function reads the bounds on the host (a CUDA copy would
     # cost a device sync in every layer)
     cu = torch.tensor(bounds, dtype=torch.int32, device="cpu")
-    local = {
-        "input_ids": _take(ids, index, 0),
-        "position_ids": _take(position_ids.to(ids.device), index, 0),
-        "cu_seq_lens_q": cu,
-        "cu_seq_lens_k": cu,
-        "use_cache": False,
-    }
+    if multimodal:  # the model merges the images and numbers positions on the whole sequence,
+        # and the decoder's pre-hook (vision.py) cuts them into this rank's rows
+        local = {"input_ids": ids, **{key: batch[key] for key in multimodal}}
+    else:
+        local = {"input_ids": _take(ids, index, 0),
+                 "position_ids": _take(position_ids.to(ids.device), index, 0)}  # fmt: skip
+    local.update({"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "use_cache": False})
     labels = batch.get("labels")
     if labels is not None:
         shifted = shift_labels(_check_tokens("labels", labels, seq_len), bounds)

@@ -20,6 +20,12 @@ module as an attribute for the call, as `parallelize` does with its context).
 
 A layer's sliding window (`sliding_window = w`: keys with q - k < w) bounds what that layer keeps.
 Attention sinks (gpt-oss's `s_aux`) scale the merged output by sigmoid(lse - sink).
+
+Vision-language models (vision.py): the prompt goes in whole with its images
+(`pixel_values=...`, `image_grid_thw=...`, `mm_token_type_ids=...`, as the processor returns
+them); the vision tower keeps its own attention, and the text decoder's pre-hook cuts the merged
+embeddings and (3-D M-RoPE) positions into this rank's rows and notes the largest position, so
+that decoded token i sits at position max + 1 + i, as in `model.generate`.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from ringattn.comm import all_reduce, resolve_group
 from ringattn.inference.cache import ShardedKVCache
 from ringattn.inference.partials import local_partial, merge_across_ranks
 from ringattn.inference.session import TurnStats
+from ringattn.integrations.hf import vision
 from ringattn.integrations.hf.attention import _check_call, ringattn_mask
 from ringattn.kernels import select_kernel
 from ringattn.layout import get_layout
@@ -55,6 +62,7 @@ class _State:
         self.real: torch.Tensor | None = None  # prefill: local rows that are not padding
         self.positions: torch.Tensor | None = None  # prefill: global position of each row
         self.owner = 0  # decode: the rank that keeps this token's K/V
+        self.next_position: int | None = None  # a VLM's first decoded position (vision.py)
         self.kernel = None
 
 
@@ -109,8 +117,12 @@ def _eos_ids(model, eos_token_id) -> set[int]:
     return {int(eos_token_id)} if isinstance(eos_token_id, int) else {int(t) for t in eos_token_id}
 
 
-def _check(input_ids, max_new_tokens, layout) -> tuple[torch.Tensor, tuple]:
+def _check(input_ids, max_new_tokens, layout, multimodal) -> tuple[torch.Tensor, tuple]:
     get_layout(layout)
+    unknown = sorted(set(multimodal) - set(vision.MULTIMODAL_KEYS))
+    if unknown:
+        raise ValueError(f"ringattn.hf.generate does not know the inputs {unknown}; it takes "
+                         f"input_ids and {list(vision.MULTIMODAL_KEYS)}")  # fmt: skip
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[0] != 1:
         shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else input_ids
         raise ValueError(f"input_ids must be a (1, S) tensor of the whole prompt, got {shape}")
@@ -137,6 +149,7 @@ def generate(
     on_token: Callable[[int], None] | None = None,
     on_prefill: Callable[[int, int], None] | None = None,
     return_stats: bool = False,
+    **multimodal: torch.Tensor,
 ) -> torch.Tensor | tuple[torch.Tensor, TurnStats]:
     """Greedy continuation of `input_ids` (1, S) by up to `max_new_tokens` tokens, stopping after
     an end-of-sequence token (`eos_token_id`, default the model's generation_config's).
@@ -145,18 +158,27 @@ def generate(
     attention implementation is switched for the call and restored). `on_token(token)` is called
     on every rank as each new token is chosen (streaming), `on_prefill(layers_done, layers)` after
     each layer's prefill attention; with `return_stats`, also this rank's `TurnStats` (time to
-    first token, decode time, the bytes and tokens of K/V this rank keeps).
+    first token, decode time, the bytes and tokens of K/V this rank keeps). A vision-language
+    model (Qwen2-VL, LLaVA) also takes the processor's image inputs as keywords (`pixel_values`,
+    `image_grid_thw`, `mm_token_type_ids`, the video equivalents), the same on every rank.
     """
     info = resolve_group(group)
-    input_ids = validated(info, input_ids.device if isinstance(input_ids, torch.Tensor) else None,
-                          lambda: _check(input_ids, max_new_tokens, layout))  # fmt: skip
+    where = input_ids.device if isinstance(input_ids, torch.Tensor) else None
+    input_ids = validated(
+        info, where, lambda: _check(input_ids, max_new_tokens, layout, multimodal)
+    )
+    multimodal = {key: value for key, value in multimodal.items() if value is not None}
+    whole = bool(multimodal) or vision.is_multimodal(model)  # a VLM takes the whole prompt
+    if whole:
+        vision.check_family(model)
+        vision.install(model)
     _register()
     device, seq_len = input_ids.device, input_ids.shape[1]
     n_layers = getattr(model.config.get_text_config(), "num_hidden_layers", 0)
     state = _State(info, group, layout, on_prefill, n_layers)
     stats, start = TurnStats(prompt_tokens=seq_len), time.perf_counter()
-    previous = model.config._attn_implementation
-    model.set_attn_implementation(ATTENTION_NAME)
+    previous = model.config.get_text_config()._attn_implementation
+    model.set_attn_implementation(vision.text_attention(model, ATTENTION_NAME))
     for module in model.modules():
         setattr(module, STATE_ATTR, state)
     try:
@@ -166,9 +188,14 @@ def generate(
         positions = ringattn.positions(seq_len, device=device, **common)
         state.real, state.positions = (positions >= 0).nonzero().flatten(), positions
         state.seq_len = seq_len  # the next query's position: what a window must keep for it
-        logits = model(input_ids=local, position_ids=positions.clamp(min=0)[None],
-                       use_cache=False, cu_seq_lens_q=bounds, cu_seq_lens_k=bounds,
-                       max_length_q=seq_len, max_length_k=seq_len).logits  # fmt: skip
+        lengths = {"cu_seq_lens_q": bounds, "cu_seq_lens_k": bounds, "max_length_q": seq_len,
+                   "max_length_k": seq_len}  # fmt: skip
+        if whole:  # the prompt, the images; the decoder's pre-hook cuts (vision.py)
+            logits = model(input_ids=input_ids, **multimodal, use_cache=False, **lengths).logits
+        else:
+            logits = model(input_ids=local, position_ids=positions.clamp(min=0)[None],
+                           use_cache=False, **lengths).logits  # fmt: skip
+        shift = 0 if state.next_position is None else state.next_position - seq_len
         row = (positions == seq_len - 1).nonzero().flatten()
         last = logits[0, row].sum(0) if len(row) else logits.new_zeros(logits.shape[-1])
         logits = all_reduce(last.float(), info)  # (vocab,), the same on every rank
@@ -187,7 +214,7 @@ def generate(
             if token in eos or len(out) == max_new_tokens:
                 break
             logits = model(input_ids=torch.tensor([[token]], device=device),
-                           position_ids=torch.tensor([[state.seq_len]], device=device),
+                           position_ids=torch.tensor([[state.seq_len + shift]], device=device),
                            use_cache=False, cu_seq_lens_q=one, cu_seq_lens_k=one, max_length_q=1,
                            max_length_k=1).logits[0, -1].float()  # fmt: skip
             state.seq_len += 1
@@ -201,7 +228,7 @@ def generate(
         for module in model.modules():
             if hasattr(module, STATE_ATTR):
                 delattr(module, STATE_ATTR)
-        model.set_attn_implementation(previous)
+        model.set_attn_implementation(vision.text_attention(model, previous))
     new = torch.tensor([out], dtype=input_ids.dtype, device=device).reshape(1, len(out))
     tokens = torch.cat([input_ids, new], dim=1)
     return (tokens, stats) if return_stats else tokens

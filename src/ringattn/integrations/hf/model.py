@@ -10,12 +10,19 @@ functions (`AttentionInterface.register`, `AttentionMaskInterface.register`), pu
 belongs to this model, two models can use two different groups), and
 `model.set_attn_implementation("ringattn")`. The per-token layers need nothing: they run on the
 local tokens as they are.
+
+Two more kinds of model get one hook each (public `register_forward_hook` /
+`register_forward_pre_hook`, no patching): a MoE model's router load-balancing loss is recomputed
+over the whole sequence (moe.py), and a vision-language model keeps its vision tower's own
+attention (only the text config is switched) while a pre-hook on its text decoder cuts the merged
+embeddings and positions into this rank's rows (vision.py).
 """
 
 from __future__ import annotations
 
 from ringattn.api import STRATEGIES
 from ringattn.comm import resolve_group
+from ringattn.integrations.hf import moe, vision
 from ringattn.integrations.hf.attention import ATTENTION_NAME, CONTEXT_ATTR, CPContext, register
 from ringattn.layout import get_layout
 from ringattn.validate import check_names
@@ -28,6 +35,7 @@ def parallelize(
     strategy: str = "ring",
     *,
     backend: str = "auto",
+    router_group: object = None,
 ) -> object:
     """Make `model`'s attention exact over a sequence sharded across `group`; returns `model`.
 
@@ -36,6 +44,11 @@ def parallelize(
     `group` is a ProcessGroup, a 1-D DeviceMesh or None (the default group); `layout`, `strategy`
     and `backend` are those of `ringattn.attention`. Feed the model batches from
     `ringattn.hf.shard_batch` with the same group and layout.
+
+    MoE models: with `output_router_logits`, the router load-balancing loss is taken over the
+    tokens of `router_group` (default: `group`; a trainer passes its whole dp x cp world to get
+    the global batch's) and each rank adds its share (moe.py). Vision-language models (Qwen2-VL,
+    LLaVA): the vision tower keeps its attention; the text decoder gets ringattn's (vision.py).
     """
     get_layout(layout)
     check_names(strategy, STRATEGIES, backend)
@@ -54,17 +67,25 @@ def parallelize(
                 f"{type(model).__name__}: chunked attention (config.attention_chunk_size={chunk}) "
                 f"is not supported by ringattn.hf; transformers applies it only through its masks"
             )
+    multimodal = vision.is_multimodal(model)
+    if multimodal:
+        vision.check_family(model)
+    resolve_group(router_group)
     register()
     context = CPContext(group, layout, strategy, backend)
     for module in model.modules():
         setattr(module, CONTEXT_ATTR, context)
-    model.set_attn_implementation(ATTENTION_NAME)
-    if model.config._attn_implementation != ATTENTION_NAME:
+    model.set_attn_implementation(vision.text_attention(model, ATTENTION_NAME))
+    kept = model.config.get_text_config()._attn_implementation
+    if kept != ATTENTION_NAME:
         raise ValueError(
-            f"{type(model).__name__} kept attn_implementation="
-            f"{model.config._attn_implementation!r}: it does not dispatch attention through "
-            f"transformers' AttentionInterface, so ringattn.hf cannot parallelize it"
+            f"{type(model).__name__} kept attn_implementation={kept!r}: it does not dispatch "
+            f"attention through transformers' AttentionInterface, so ringattn.hf cannot "
+            f"parallelize it"
         )
+    moe.install(model, group if router_group is None else router_group)
+    if multimodal:
+        vision.install(model)
     return model
 
 
