@@ -184,3 +184,30 @@ def generate_equal(rank, world_size, *, arch, layout, new_tokens=5):
     )
     model.train()
     return got.tolist(), want.tolist()
+
+
+def train(rank, world_size, options):
+    """`ringattn train --hf` in this pool's world: rank 0's logged loss and aux_loss per step, the
+    initial and the final full parameters."""
+    from ringattn.train.config import TrainConfig
+    from ringattn.train.loop import train as train_run
+    from ringattn.train.run import build_run
+    from workers_train import CPU, full_parameters
+
+    run = build_run(TrainConfig(**options), CPU)
+    start = full_parameters(run.model)
+    run = train_run(run)
+    params = full_parameters(run.model)
+    history = [(h["loss"], h.get("aux_loss")) for h in run.history]
+    return {
+        "history": history,
+        "params": params if rank == 0 else None,
+        "start": start if rank == 0 else None,
+    }
+
+
+def save_config(directory) -> None:
+    """The tiny Mixtral's config.json (random init under --hf) with the router loss on."""
+    config = _config("mixtral")
+    config.architectures = ["MixtralForCausalLM"]
+    config.save_pretrained(directory)

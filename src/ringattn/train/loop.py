@@ -136,6 +136,8 @@ def train(run: Run, stop: StopRequest | None = None) -> Run:
                 "flops": flops, "mfu": achieved / (peak * run.mesh.world_size) if peak else None,
                 "applied": stats.applied,
             }  # fmt: skip
+            if stats.aux_loss is not None:  # a MoE router loss: the objective is loss + aux_loss
+                record["aux_loss"] = stats.aux_loss
             if not stats.applied:
                 record["non_finite"] = {str(r): w for r, w in stats.bad_ranks().items()}
                 bad.append(_bad_step_text(done, stats))

@@ -21,6 +21,9 @@ spreads one rank's NaN gradient to every shard, so a non-finite norm is seen eve
 
 The model's contract: `model(inputs, positions, labels)` returns (sum of the token losses,
 number of supervised tokens, number predicted right), never a mean (model.Transformer does).
+A model may return a fourth value: a term already at its global scale whose sum over the ranks
+is added to the objective as is (a MoE router's load-balancing loss, train/hf/recipe.py); it is
+logged beside the token loss as `aux_loss`.
 """
 
 from __future__ import annotations
@@ -67,23 +70,26 @@ def forward_backward(
     the gradients over all ranks, which gives the gradient of the global mean exactly, however
     unequally the supervised tokens are spread over the ranks.
     """
-    return _forward_backward(model, batch, device)[1:]
+    return _forward_backward(model, batch, device)[1:4]
 
 
 def _forward_backward(
     model: torch.nn.Module, batch: Batch, device: torch.device
-) -> tuple[float, float, float, float]:
-    """forward_backward with this rank's own loss sum first (a pipeline stage: the global one)."""
+) -> tuple[float, float, float, float, float | None]:
+    """forward_backward with this rank's own loss sum first (a pipeline stage: the global one)
+    and the global sum of the model's extra loss term last (None without one)."""
     if hasattr(model, "forward_backward"):  # a pipeline stage runs its own (pipeline.py)
         total_loss, total_count, total_correct = model.forward_backward(batch, device)
-        return total_loss, total_loss, total_count, total_correct
-    loss_sum, count, correct = model(batch.inputs, batch.positions, batch.labels)
+        return total_loss, total_loss, total_count, total_correct, None
+    loss_sum, count, correct, *extra = model(batch.inputs, batch.positions, batch.labels)
     local_loss = loss_sum.item()
-    total_loss, total_count, total_correct = sum_over_world(
-        [local_loss, count.item(), correct.item()], device
-    )
-    (loss_sum / max(total_count, 1.0)).backward()
-    return local_loss, total_loss, total_count, total_correct
+    sums = sum_over_world([local_loss, count.item(), correct.item()]
+                          + [term.item() for term in extra], device)  # fmt: skip
+    objective = loss_sum / max(sums[1], 1.0)
+    for term in extra:  # each rank's share; the shares sum to the term (e.g. coef * router aux)
+        objective = objective + term
+    objective.backward()
+    return local_loss, sums[0], sums[1], sums[2], (sums[3] if extra else None)
 
 
 @dataclass(frozen=True)
@@ -97,6 +103,8 @@ class StepStats:
     """Norm of the whole (global) gradient before clipping."""
     flags: tuple[int, ...] = ()
     """Every rank's flag word (STOP | BAD_LOSS | BAD_GRAD), in rank order."""
+    aux_loss: float | None = None
+    """The model's extra loss term added to the token loss (a MoE router loss), if any."""
 
     @property
     def applied(self) -> bool:
@@ -140,7 +148,9 @@ def train_step(
     loss or gradient norm is non-finite; the gradients are zeroed after. Collective."""
     for group in optimizer.param_groups:
         group["lr"] = lr
-    local_loss, total_loss, total_count, total_correct = _forward_backward(model, batch, device)
+    local_loss, total_loss, total_count, total_correct, aux = _forward_backward(
+        model, batch, device
+    )
     if hasattr(model, "clip_grad_norm_"):  # a pipeline stage: the norm of every stage's grads
         grad_norm = model.clip_grad_norm_(grad_clip)
     else:
@@ -150,7 +160,7 @@ def train_step(
     bits = (STOP if stop_requested else 0) | (0 if math.isfinite(local_loss) else BAD_LOSS)
     bits |= 0 if math.isfinite(norm) else BAD_GRAD
     flags = tuple(share_flags(bits, device))
-    stats = StepStats(total_loss, total_count, total_correct, norm, flags)
+    stats = StepStats(total_loss, total_count, total_correct, norm, flags, aux)
     if stats.applied:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)

@@ -31,6 +31,7 @@ every rank (the mismatch flag rides in the same all-reduce), never a silently wr
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -143,8 +144,10 @@ def _hook(module, args, kwargs, output):
     if info.world_size > 1:
         from torch.distributed.nn.functional import all_reduce
 
-        stats = all_reduce(stats, group=info.group)
-    if float(stats[-1]) > 0:
+        with warnings.catch_warnings():  # "deprecated": its replacement has no autograd here
+            warnings.simplefilter("ignore", FutureWarning)
+            stats = all_reduce(stats, group=info.group)  # backward: all-reduce of the grads
+    if float(stats[-1].detach()) > 0:
         raise ValueError(
             f"{type(module).__name__}: its router auxiliary loss (out.aux_loss) is not the "
             f"Switch-Transformer load-balancing loss E * sum_e f_e * P_e over top-"

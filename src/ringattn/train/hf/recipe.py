@@ -13,7 +13,10 @@
 
 The trainer's contract is `model(inputs, positions, labels)` -> (loss SUM, supervised count,
 right predictions), divided by the global count in step.py. `CausalLMLoss` computes these from
-the model's logits rather than taking transformers' own loss, which is already a mean.
+the model's logits rather than taking transformers' own loss, which is already a mean. A MoE
+model with `output_router_logits` in its config also returns this rank's share of
+`router_aux_loss_coef * aux`, the load-balancing loss over the tokens of every dp x cp rank
+(ringattn.hf's router hook): the objective is transformers' `out.loss` of the global batch.
 
 `check(cfg)` is called by config.validate, in the parent before any process starts and again on
 every rank: every error a user can make with --hf (no such directory, no config.json, a model
@@ -26,6 +29,7 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -91,12 +95,17 @@ class CausalLMLoss(nn.Module):
     def forward(
         self, inputs: dict, positions: torch.Tensor, labels: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        logits = self.model(**inputs).logits.float().flatten(0, 1)  # (S_local, vocab)
+        from ringattn.integrations.hf.moe import aux_share
+
+        out = self.model(**inputs)
+        logits = out.logits.float().flatten(0, 1)  # (S_local, vocab)
         labels = labels.flatten()  # (S_local,)
         supervised = labels != IGNORE
         loss_sum = F.cross_entropy(logits, labels, ignore_index=IGNORE, reduction="sum")
         correct = ((logits.argmax(-1) == labels) & supervised).sum()
-        return loss_sum, supervised.sum(), correct
+        router = aux_share(self.model, out)  # a MoE router loss: this rank's share, or None
+        extra = () if router is None else (router,)
+        return loss_sum, supervised.sum(), correct, *extra
 
 
 def build(cfg: TrainConfig) -> CausalLMLoss:
@@ -108,7 +117,10 @@ def parallelize_hf(model: nn.Module, mesh: Mesh, cfg: TrainConfig) -> nn.Module:
     """CP attention over mesh.cp (ringattn.hf), then FSDP2 over every rank (models/parallelize.py:
     the same sharding, mixed precision and divide factor 1 as the decoder)."""
 
-    ringattn.hf.parallelize(model.model, mesh.cp_group, layout=cfg.layout, strategy=cfg.strategy)
+    # a MoE router's statistics over the whole global batch: every dp x cp rank's tokens
+    world = dist.group.WORLD if dist.is_initialized() else None
+    ringattn.hf.parallelize(model.model, mesh.cp_group, layout=cfg.layout, strategy=cfg.strategy,
+                            router_group=world)  # fmt: skip
     if cfg.activation_checkpointing:
         model.model.gradient_checkpointing_enable({"use_reentrant": False})
     param_dtype = None if cfg.dtype == "float32" else getattr(torch, cfg.dtype)
