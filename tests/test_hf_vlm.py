@@ -55,8 +55,34 @@ def test_generate_with_images_equals_model_generate(pools, arch, world_size, ima
 
 
 def test_unsupported_family_names_its_setting():
+    from transformers import AutoModelForImageTextToText
+
+    with torch.device("meta"):  # no weights needed to be refused
+        model = AutoModelForImageTextToText.from_config(workers_hf_vlm._config("gemma3"))
     with pytest.raises(ValueError, match=r"model_type='gemma3'.*bidirectionally"):
-        ringattn.hf.parallelize(workers_hf_vlm.build("gemma3"))
+        ringattn.hf.parallelize(model)
+
+
+def test_mask_overlay_raises_instead_of_a_wrong_loss():
+    """A text model whose masks carry an overlay (Gemma 3 with use_bidirectional_attention):
+    transformers' or_mask_function cannot be applied by ringattn, so the forward raises."""
+    from transformers import AutoModelForCausalLM, Gemma3TextConfig
+
+    config = Gemma3TextConfig(
+        vocab_size=100,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        sliding_window=4,
+        use_bidirectional_attention=True,
+    )
+    model = ringattn.hf.parallelize(AutoModelForCausalLM.from_config(config))
+    ids = torch.arange(9).unsqueeze(0)
+    with pytest.raises(ValueError, match="mask overlay"):
+        model(**ringattn.hf.shard_batch({"input_ids": ids, "labels": ids}))
 
 
 def test_shard_batch_keeps_multimodal_inputs_whole():

@@ -192,8 +192,17 @@ def ringattn_mask(
     """The mask function for "ringattn": no mask (ringattn masks by global position).
 
     A user's 2-D padding mask is passed through untouched, so that the attention function, which
-    knows the process group, can require it to be all ones on every rank.
+    knows the process group, can require it to be all ones on every rank. transformers sets
+    `use_vmap` exactly when the model adds a mask overlay (`or_mask_function` /
+    `and_mask_function`: Gemma 3's bidirectional image tokens, for one), which ringattn cannot
+    apply: an error, not a wrong loss.
     """
+    if kwargs.get("use_vmap"):
+        raise ValueError(
+            "the model adds a mask overlay to causal attention (or_mask_function / "
+            "and_mask_function, e.g. bidirectional image tokens); ringattn.hf applies only "
+            "causality, documents and sliding windows"
+        )
     return attention_mask
 
 
