@@ -125,7 +125,8 @@ def _cut(module, args, kwargs):
         index = ringattn.positions(
             seq_len, group=context.group, layout=context.layout, cu_seqlens=bounds
         )
-        if len(index) == seq_len and not torch.equal(index, torch.arange(seq_len)):
+        identity = torch.arange(seq_len, device=index.device)
+        if len(index) == seq_len and not torch.equal(index, identity):
             raise ValueError(
                 f"{type(module).__name__}: a {seq_len}-token sequence leaves each rank "
                 f"{seq_len} rows (mostly padding), so ringattn.hf cannot tell a whole sequence "

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import ringattn.hf
+from ringattn.integrations.hf.moe import aux_share
 from ringattn.integrations.hf.source import load_config, load_model, model_source
 from ringattn.models.parallelize import parallelize
 from ringattn.runtime.mesh import Mesh
@@ -95,8 +96,6 @@ class CausalLMLoss(nn.Module):
     def forward(
         self, inputs: dict, positions: torch.Tensor, labels: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        from ringattn.integrations.hf.moe import aux_share
-
         out = self.model(**inputs)
         logits = out.logits.float().flatten(0, 1)  # (S_local, vocab)
         labels = labels.flatten()  # (S_local,)
