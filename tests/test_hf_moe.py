@@ -32,7 +32,7 @@ def _cases(arch: str, world_size: int) -> list[tuple[str, str, str]]:
 @pytest.mark.parametrize("arch", ARCHS)
 def test_router_loss_matches_single_device(pools, arch, world_size):
     cases = _cases(arch, world_size)
-    rows = pools(world_size).run("workers_hf_moe:compare", arch=arch, cases=cases)[0]
+    rows = pools(world_size).run("workers_hf_moe:compare", arch=arch, cases=cases, timeout=600)[0]
     assert [row[0] for row in rows] == cases
     failures = []
     for case, loss_error, aux_error, grad_error, name, aux_share in rows:
@@ -81,17 +81,40 @@ def test_train_hf_moe_dp2_cp2_equals_one_process(pools, tmp_path):
     (tmp_path / "docs").mkdir()
     for i in range(8):
         (tmp_path / "docs" / f"{i}.txt").write_text(f"document {i} " + "abcdefgh"[i:] * (2 + i))
-    options = {"hf": str(tmp_path / "mixtral"), "data": f"text:{tmp_path / 'docs'}",
-               "seq_len": 29, "steps": 2, "warmup": 1, "lr": 1e-2, "quiet": True,
-               "checkpoint_every": -1}  # fmt: skip
-    want = pools(1).run("workers_hf_moe:train", {**options, "batch_size": 2,
-                        "out_dir": str(tmp_path / "one")})[0]  # fmt: skip
-    got = pools(4).run("workers_hf_moe:train", {**options, "batch_size": 1, "dp": 2, "cp": 2,
-                       "layout": "striped", "out_dir": str(tmp_path / "four")})[0]  # fmt: skip
+    options = {
+        "hf": str(tmp_path / "mixtral"),
+        "data": f"text:{tmp_path / 'docs'}",
+        "seq_len": 29,
+        "steps": 2,
+        "warmup": 1,
+        "lr": 1e-2,
+        "quiet": True,
+        "checkpoint_every": -1,
+    }
+    want = pools(1).run(
+        "workers_hf_moe:train",
+        {**options, "batch_size": 2, "out_dir": str(tmp_path / "one")},
+        timeout=600,
+    )[0]
+    got = pools(4).run(
+        "workers_hf_moe:train",
+        {
+            **options,
+            "batch_size": 1,
+            "dp": 2,
+            "cp": 2,
+            "layout": "striped",
+            "out_dir": str(tmp_path / "four"),
+        },
+        timeout=600,
+    )[0]
     assert all(aux is not None and aux > 1e-3 * loss for loss, aux in want["history"])
-    torch.testing.assert_close(torch.tensor(got["history"], dtype=torch.float64),
-                               torch.tensor(want["history"], dtype=torch.float64),
-                               rtol=1e-5, atol=0)  # fmt: skip
+    torch.testing.assert_close(
+        torch.tensor(got["history"], dtype=torch.float64),
+        torch.tensor(want["history"], dtype=torch.float64),
+        rtol=1e-5,
+        atol=0,
+    )
     for name, value in want["params"].items():
         moved = (value - want["start"][name]).abs().max()
         assert moved > 1e-3, f"{name} did not train"

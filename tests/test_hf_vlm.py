@@ -28,7 +28,7 @@ CASES = [("zigzag", "ring", 1), ("striped", "allgather", 2), ("zigzag", "allgath
 @pytest.mark.parametrize("arch", ["qwen2_vl", "llava"])
 def test_vlm_matches_single_device(pools, arch, world_size):
     cases = CASES if arch == "qwen2_vl" else CASES[:2]
-    rows = pools(world_size).run("workers_hf_vlm:compare", arch=arch, cases=cases)[0]
+    rows = pools(world_size).run("workers_hf_vlm:compare", arch=arch, cases=cases, timeout=600)[0]
     assert [row[0] for row in rows] == cases
     failures = []
     for case, loss_error, grad_error, name, local_len, tower in rows:

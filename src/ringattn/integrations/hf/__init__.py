@@ -15,8 +15,10 @@ global sequence before sharding and passes the whole sequence's supervised-token
 transformers' own causal-LM loss gives this rank's share of the single-device loss.
 
 Modules: attention.py (the attention and mask functions), batch.py (shard_batch), model.py
-(parallelize). transformers is imported here, so this package is imported only explicitly
-(`import ringattn.hf`); `import ringattn` never imports it.
+(parallelize), moe.py (the MoE router loss over the whole sequence), vision.py (vision-language
+models: the decoder's sequence cut), generate.py (greedy decoding over a sharded KV cache),
+source.py (loading a local model). transformers is imported here, so this package is imported
+only explicitly (`import ringattn.hf`); `import ringattn` never imports it.
 """
 
 from ringattn.integrations.hf.attention import ATTENTION_NAME

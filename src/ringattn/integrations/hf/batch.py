@@ -23,6 +23,10 @@ Every rank passes the same full batch and gets back its own tokens in the layout
    shift again) with `num_items_in_batch`, the supervised-token count of the whole sequence: the
    loss is this rank's sum of token losses over that count, so the sum over ranks is the
    single-device mean and the summed gradients are the single-device gradients.
+5. Images and videos (`pixel_values`, `image_grid_thw`, `mm_token_type_ids`, ...: vision.py).
+   input_ids, the pixels and the token types stay whole (the model merges the image embeddings
+   and numbers the 3-D positions on the whole sequence; a pre-hook on its text decoder cuts
+   them); only the labels are sharded as above.
 """
 
 from __future__ import annotations
@@ -113,6 +117,9 @@ def shard_batch(
     per packed document, or 3-D M-RoPE positions (3, 1, S)), `cu_seqlens` ([0, e1, ..., S]),
     `attention_mask` (all ones only) and `num_items_in_batch` (a global supervised-token count to
     divide by instead of this sequence's, e.g. over data-parallel ranks or accumulation steps).
+    A vision-language batch also holds what the processor returns (`pixel_values`,
+    `image_grid_thw`, `mm_token_type_ids`, the video equivalents): those and input_ids are then
+    returned whole, for the model's own merge (vision.py).
     `group` and `layout` must be those given to `parallelize`. Returns input_ids, position_ids,
     cu_seq_lens_q/k, use_cache=False and, with labels, labels, shift_labels and num_items_in_batch.
     """
