@@ -1,13 +1,13 @@
 """Vision-language models under CP: the summed loss and gradients equal one process's.
 
 Qwen2-VL (3-D M-RoPE positions from image_grid_thw and mm_token_type_ids, a vision tower with its
-own attention and 2x2 patch merging) with one and with two images at CP = 2 and 3, and LLaVA (a
-CLIP vision tower and a Llama decoder, another family), tiny random-weight configs; zigzag and
-striped, ring and all-gather. The batch is what a processor returns, built by hand. Reference: the
-same weights with eager attention on one process. Gates: loss relative 1e-5, gradients (the
-vision tower's included) 1e-4 of each tensor's largest entry. Also: greedy ringattn.hf.generate
-with the images equals model.generate, families that cannot be supported raise naming their
-setting, and shard_batch keeps the multimodal inputs whole.
+own attention and 2x2 patch merging) with one image, two images and a 2-frame video at CP = 2
+and 3, and LLaVA (a CLIP vision tower and a Llama decoder, another family), tiny random-weight
+configs; zigzag and striped, ring and all-gather. The batch is what a processor returns, built
+by hand. Reference: the same weights with eager attention on one process. Gates: loss relative
+1e-5, gradients (the vision tower's included) 1e-4 of each tensor's largest entry. Also: greedy
+ringattn.hf.generate with the images equals model.generate, families that cannot be supported
+raise naming their setting, and shard_batch keeps the multimodal inputs whole.
 """
 
 from __future__ import annotations
@@ -21,13 +21,19 @@ import ringattn.hf
 import workers_hf_vlm
 
 LOSS_RTOL, GRAD_RTOL = 1e-5, 1e-4
-CASES = [("zigzag", "ring", 1), ("striped", "allgather", 2), ("zigzag", "allgather", 2)]
+# (layout, strategy, images); 0 images: one 2-frame video instead (Qwen2-VL only)
+CASES = [
+    ("zigzag", "ring", 1),
+    ("striped", "allgather", 2),
+    ("zigzag", "allgather", 2),
+    ("striped", "ring", 0),
+]
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("arch", ["qwen2_vl", "llava"])
 def test_vlm_matches_single_device(pools, arch, world_size):
-    cases = CASES if arch == "qwen2_vl" else CASES[:2]
+    cases = CASES if arch == "qwen2_vl" else CASES[:2]  # LLaVA: images only
     rows = pools(world_size).run("workers_hf_vlm:compare", arch=arch, cases=cases, timeout=600)[0]
     assert [row[0] for row in rows] == cases
     failures = []

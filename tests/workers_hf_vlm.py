@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 import ringattn.hf
 
-VOCAB, IMAGE, VSTART, VEND = 100, 97, 96, 95
+VOCAB, IMAGE, VIDEO, VSTART, VEND = 100, 97, 98, 96, 95
 QWEN_GRIDS = ([1, 4, 6], [1, 4, 4])  # (t, h, w) patches: 6 and 4 merged tokens
 LLAVA_TOKENS = 16  # (8 / 2)^2 patches per image, the CLS token dropped
 
@@ -51,7 +51,7 @@ def _config(arch: str):
             text_config={**text, "rope_parameters": rope},
             vision_config=vision,
             image_token_id=IMAGE,
-            video_token_id=98,
+            video_token_id=VIDEO,
             vision_start_token_id=VSTART,
             vision_end_token_id=VEND,
             attn_implementation="eager",
@@ -101,9 +101,14 @@ def build(arch: str) -> torch.nn.Module:
 
 def data(arch: str, images: int) -> dict[str, torch.Tensor]:
     """A processor's output for text, `images` images, text: input_ids, labels (-100 on the image
-    tokens), pixel_values (+ image_grid_thw, mm_token_type_ids for Qwen2-VL)."""
+    tokens), pixel_values (+ image_grid_thw, mm_token_type_ids for Qwen2-VL). images = 0 with
+    Qwen2-VL: one 2-frame video instead (pixel_values_videos, video_grid_thw)."""
     gen = torch.Generator().manual_seed(images)
     pieces, pixels = [torch.randint(0, 90, (5,), generator=gen)], []
+    if images == 0:  # a video: (t, h, w) = (2, 4, 4) patches, 8 merged tokens
+        pixels.append(torch.randn(32, 3 * 2 * 2, generator=gen))
+        pieces += [torch.tensor([VSTART]), torch.full((8,), VIDEO), torch.tensor([VEND])]
+        pieces.append(torch.randint(0, 90, (9,), generator=gen))
     for i in range(images):
         if arch == "qwen2_vl":
             grid = QWEN_GRIDS[i]
@@ -115,8 +120,14 @@ def data(arch: str, images: int) -> dict[str, torch.Tensor]:
             pieces.append(torch.full((LLAVA_TOKENS,), IMAGE))
         pieces.append(torch.randint(0, 90, (7 + 2 * i,), generator=gen))
     ids = torch.cat(pieces)[None]  # (1, S)
-    labels = ids.masked_fill(ids == IMAGE, -100)
-    batch = {"input_ids": ids, "labels": labels, "pixel_values": torch.cat(pixels)}
+    labels = ids.masked_fill((ids == IMAGE) | (ids == VIDEO), -100)
+    batch = {"input_ids": ids, "labels": labels}
+    if images == 0:
+        batch["pixel_values_videos"] = pixels[0]
+        batch["video_grid_thw"] = torch.tensor([[2, 4, 4]])
+        batch["mm_token_type_ids"] = (ids == VIDEO).int() * 2
+        return batch
+    batch["pixel_values"] = torch.cat(pixels)
     if arch == "qwen2_vl":
         batch["image_grid_thw"] = torch.tensor(QWEN_GRIDS[:images])
         batch["mm_token_type_ids"] = (ids == IMAGE).int()
