@@ -102,3 +102,14 @@ def test_shard_batch_keeps_multimodal_inputs_whole():
     assert local["labels"][0, index >= 0].tolist() == want[index[index >= 0]].tolist()
     with pytest.raises(ValueError, match="packing several multimodal documents"):
         ringattn.hf.shard_batch({**batch, "cu_seqlens": [0, 20, 35]})
+
+
+def test_flash_attention_in_the_vision_tower_is_refused():
+    """A flash vision tower would take shard_batch's cu_seq_lens_q as its own: refused."""
+    from transformers import AutoModelForImageTextToText
+
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(workers_hf_vlm._config("qwen2_vl"))
+    model.config.vision_config._attn_implementation = "flash_attention_2"
+    with pytest.raises(ValueError, match=r"vision_config uses attn_implementation='flash_att"):
+        ringattn.hf.parallelize(model)

@@ -66,6 +66,16 @@ def check_family(model: torch.nn.Module) -> None:
     """ValueError unless `model` is a VLM family whose merged embeddings ringattn can split."""
     model_type = getattr(model.config, "model_type", None)
     if model_type in FAMILIES:
+        for key in model.config.sub_configs:
+            implementation = getattr(getattr(model.config, key, None), "_attn_implementation", "")
+            if key != "text_config" and "flash" in str(implementation):
+                # the tower would get shard_batch's cu_seq_lens_q beside its own (a TypeError)
+                raise ValueError(
+                    f"{type(model).__name__}: {key} uses attn_implementation="
+                    f"{implementation!r}, which takes the text's document bounds as its own; "
+                    f"give the vision tower sdpa or eager: model.set_attn_implementation("
+                    f"{{{key!r}: 'sdpa'}}) before parallelize"
+                )
         return
     reason = _REFUSED.get(model_type, "this family has not been checked against one device")
     raise ValueError(
