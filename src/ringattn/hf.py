@@ -4,6 +4,7 @@
     ringattn.hf.parallelize(model, group=None, layout="zigzag", strategy="ring")
     batch = ringattn.hf.shard_batch({"input_ids": ids, "labels": labels}, layout="zigzag")
     model(**batch).loss.backward()
+    ringattn.hf.loss(model, batch, chunk=1024).backward()    # the same, logits never whole
 
 A thin façade over ringattn.integrations.hf (see there and docs/hf.md). Importing it imports
 transformers (`pip install ringattn[hf]`); `import ringattn` alone does not.
@@ -11,5 +12,6 @@ transformers (`pip install ringattn[hf]`); `import ringattn` alone does not.
 
 from ringattn.integrations.hf import parallelize, shard_batch
 from ringattn.integrations.hf.generate import generate  # decoding over a sharded KV cache
+from ringattn.integrations.hf.loss import loss  # chunked cross-entropy: logits never whole
 
-__all__ = ["generate", "parallelize", "shard_batch"]
+__all__ = ["generate", "loss", "parallelize", "shard_batch"]

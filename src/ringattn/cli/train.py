@@ -18,7 +18,7 @@ from ringattn.models import MODEL_SIZES
 from ringattn.models.pipeline import SCHEDULES
 from ringattn.train.config import DTYPES, TrainConfig
 from ringattn.train.demo import demo_config, run_train_demo
-from ringattn.train.hf.run import run_hf_train
+from ringattn.train.hf.run import EXPORT_DTYPES, run_hf_train
 from ringattn.train.main import run_train
 
 __all__ = ["add_arguments", "add_demo_command", "add_train_command", "config_from_args"]
@@ -212,6 +212,13 @@ def add_arguments(p: argparse.ArgumentParser, d: TrainConfig, *, demo: bool = Fa
             metavar="DIR",
             help="--hf: after training, write the final checkpoint's model as a "
             "save_pretrained directory (AutoModelForCausalLM.from_pretrained(DIR) loads it)",
+        )
+        o.add_argument(
+            "--export-dtype",
+            default=d.export_dtype,
+            choices=("", *EXPORT_DTYPES),
+            help="--export: the weights' dtype (default: the dtype of the model --hf loaded, "
+            "its config.json's dtype, else float32)",
         )
     o.add_argument(
         "--stop-at",

@@ -4,6 +4,9 @@
                                                              --> loss sum, right predictions
     backward: each chunk's logits are recomputed (activation checkpointing), never stored
 
+`output` is the decoder's nn.Linear, or any module from hidden to logits (a Hugging Face model's
+lm_head with its logit scaling or soft-capping: integrations/hf/loss.py).
+
 The result is summed, never averaged: the caller divides by the number of supervised tokens over
 all ranks, so the sum over a context-parallel group is the single-device loss. `IGNORE` marks a
 token that is not supervised (F.cross_entropy's ignore_index).
@@ -22,7 +25,7 @@ IGNORE = -100  # label of a token that is not supervised (F.cross_entropy's igno
 
 
 def _chunk_loss(
-    hidden: torch.Tensor, output: nn.Linear, labels: torch.Tensor
+    hidden: torch.Tensor, output: nn.Module, labels: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     logits = output(hidden).float()  # (n, vocab)
     loss = F.cross_entropy(logits, labels, ignore_index=IGNORE, reduction="sum")
@@ -31,7 +34,7 @@ def _chunk_loss(
 
 
 def chunked_cross_entropy(
-    hidden: torch.Tensor, output: nn.Linear, labels: torch.Tensor, chunk: int
+    hidden: torch.Tensor, output: nn.Module, labels: torch.Tensor, chunk: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss sum, supervised count, correct count) of hidden (N, dim) against labels (N,).
 

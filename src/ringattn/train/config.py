@@ -45,6 +45,8 @@ class TrainConfig:
     """A local Hugging Face model directory or config.json to train instead (train/hf/recipe.py)."""
     export: str = ""
     """--hf: write the final checkpoint's weights here as a save_pretrained directory."""
+    export_dtype: str = ""
+    """--export in this dtype (float32, bfloat16, float16); empty: the dtype the model came in."""
     dim: int = 0
     """Override the preset's model width (0 = keep)."""
     layers: int = 0

@@ -12,11 +12,13 @@
     loader             hf/data.DocumentLoader: packed documents through ringattn.hf.shard_batch
 
 The trainer's contract is `model(inputs, positions, labels)` -> (loss SUM, supervised count,
-right predictions), divided by the global count in step.py. `CausalLMLoss` computes these from
-the model's logits rather than taking transformers' own loss, which is already a mean. A MoE
+right predictions), divided by the global count in step.py. `CausalLMLoss` computes these with
+integrations/hf/loss.py (--loss-chunk rows of lm_head + cross-entropy at a time, recomputed in
+backward: the logits are never whole) rather than taking transformers' own loss, a mean. A MoE
 model with `output_router_logits` in its config also returns this rank's share of
 `router_aux_loss_coef * aux`, the load-balancing loss over the tokens of every dp x cp rank
 (ringattn.hf's router hook): the objective is transformers' `out.loss` of the global batch.
+Such a model runs its own forward (whole logits): the router hook reads the causal LM's output.
 
 `check(cfg)` is called by config.validate, in the parent before any process starts and again on
 every rank: every error a user can make with --hf (no such directory, no config.json, a model
@@ -30,20 +32,21 @@ import os
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 import ringattn.hf
-from ringattn.integrations.hf.moe import aux_share
+from ringattn.integrations.hf.loss import logits_loss, loss_sum
+from ringattn.integrations.hf.moe import ROUTER_ATTR, aux_share
 from ringattn.integrations.hf.source import load_config, load_model, model_source
 from ringattn.models.parallelize import parallelize
 from ringattn.runtime.mesh import Mesh
 from ringattn.train.config import TrainConfig
-from ringattn.train.data import IGNORE
 from ringattn.train.hf.data import DocumentLoader, PackedDocuments, load_corpus
 from ringattn.train.recipe import ModelRecipe
 
-__all__ = ["HF", "CausalLMLoss", "check"]
+__all__ = ["EXPORT_DTYPES", "HF", "CausalLMLoss", "check"]
+
+EXPORT_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def check(cfg: TrainConfig, cp: int) -> None:
@@ -66,6 +69,10 @@ def check(cfg: TrainConfig, cp: int) -> None:
             "--export writes the weights of the run's final checkpoint, and --checkpoint-every "
             "-1 writes none; use --checkpoint-every 0 (only at the end) or N"
         )
+    if cfg.export_dtype and cfg.export_dtype not in EXPORT_DTYPES:
+        raise ValueError(
+            f"unknown --export-dtype {cfg.export_dtype!r}; choose from {', '.join(EXPORT_DTYPES)}"
+        )
     if cfg.export and os.path.isfile(cfg.export):
         raise ValueError(f"--export {cfg.export} is a file; give a directory to write the model to")
     corpus = load_corpus(cfg.data[len("text:") :], source.tokenizer_dir,
@@ -83,9 +90,11 @@ class CausalLMLoss(nn.Module):
     layers as named by its `_no_split_modules`.
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, loss_chunk: int = 0) -> None:
         super().__init__()
         self.model = model
+        self.loss_chunk = loss_chunk
+        """Tokens per chunk of lm_head + cross-entropy (0: the model's own, whole logits)."""
         names = set(getattr(model, "_no_split_modules", None) or ())
         self._blocks = tuple(m for m in model.modules() if type(m).__name__ in names)
 
@@ -96,20 +105,17 @@ class CausalLMLoss(nn.Module):
     def forward(
         self, inputs: dict, positions: torch.Tensor, labels: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        out = self.model(**inputs)
-        logits = out.logits.float().flatten(0, 1)  # (S_local, vocab)
-        labels = labels.flatten()  # (S_local,)
-        supervised = labels != IGNORE
-        loss_sum = F.cross_entropy(logits, labels, ignore_index=IGNORE, reduction="sum")
-        correct = ((logits.argmax(-1) == labels) & supervised).sum()
-        router = aux_share(self.model, out)  # a MoE router loss: this rank's share, or None
-        extra = () if router is None else (router,)
-        return loss_sum, supervised.sum(), correct, *extra
+        if getattr(self.model, ROUTER_ATTR, None) is None:
+            return loss_sum(self.model, inputs, labels, self.loss_chunk)
+        out = self.model(**inputs)  # a MoE model: its router hook reads the causal LM's output
+        loss, count, correct = logits_loss(out.logits, labels)
+        router = aux_share(self.model, out)  # this rank's share of the router loss, or None
+        return (loss, count, correct) if router is None else (loss, count, correct, router)
 
 
 def build(cfg: TrainConfig) -> CausalLMLoss:
     """recipe.build: the model of --hf, plain single-device code."""
-    return CausalLMLoss(load_model(model_source(cfg.hf)))
+    return CausalLMLoss(load_model(model_source(cfg.hf)), cfg.loss_chunk)
 
 
 def parallelize_hf(model: nn.Module, mesh: Mesh, cfg: TrainConfig) -> nn.Module:

@@ -7,6 +7,9 @@
       export(cfg, checkpoint)   rank 0, --export DIR: the final DCP checkpoint -> save_pretrained
       OUT_DIR/train.png         rank 0: loss and accuracy over every logged step, peak memory
 
+The export is in the dtype the model came in (config.json's `dtype`: a bfloat16 checkpoint is
+trained with float32 master weights and written back in bfloat16), or --export-dtype's.
+
 The export reads the run's final checkpoint in one process: DCP gathers the FSDP2 shards that
 every rank wrote into the full tensors of a plain transformers model (the same load that resumes
 a run on another number of ranks), which `save_pretrained` writes with the tokenizer beside it.
@@ -18,16 +21,18 @@ from __future__ import annotations
 import os
 import warnings
 
+import torch
+
 from ringattn.integrations.hf.source import load_config, load_model, load_tokenizer, model_source
 from ringattn.runtime import checkpoint as ckpt
 from ringattn.train.config import TrainConfig, validate
 from ringattn.train.hf.data import load_corpus
-from ringattn.train.hf.recipe import HF, CausalLMLoss
+from ringattn.train.hf.recipe import EXPORT_DTYPES, HF, CausalLMLoss
 from ringattn.train.main import run_train, world_size
 from ringattn.train.plot import plot
 from ringattn.train.progress import JsonLog, read_log
 
-__all__ = ["describe", "export", "plot", "run_hf_train"]
+__all__ = ["EXPORT_DTYPES", "describe", "export", "export_dtype", "plot", "run_hf_train"]
 
 
 def describe(cfg: TrainConfig) -> dict:
@@ -44,11 +49,23 @@ def describe(cfg: TrainConfig) -> dict:
     }  # fmt: skip
 
 
+def export_dtype(cfg: TrainConfig) -> torch.dtype:
+    """--export-dtype, else the dtype of the model --hf points to (config.json), else float32."""
+    if cfg.export_dtype:
+        return getattr(torch, cfg.export_dtype)
+    dtype = getattr(load_config(model_source(cfg.hf)), "dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.float32
+
+
 def export(cfg: TrainConfig, checkpoint: str, out_dir: str) -> str:
-    """Write the model of `checkpoint` as a save_pretrained directory (with the tokenizer)."""
+    """Write the model of `checkpoint` as a save_pretrained directory (with the tokenizer), in
+    `export_dtype(cfg)`."""
     import torch.distributed.checkpoint as dcp
 
     source = model_source(cfg.hf)
+    dtype = export_dtype(cfg)
     model = load_model(source, pretrained=False)  # the weights come from the checkpoint
     wrapped = CausalLMLoss(model)
     weights = {"model": wrapped.state_dict()}  # the names the ranks saved under
@@ -56,7 +73,7 @@ def export(cfg: TrainConfig, checkpoint: str, out_dir: str) -> str:
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(weights, checkpoint_id=checkpoint)
     wrapped.load_state_dict(weights["model"])
-    model.eval().save_pretrained(out_dir)
+    model.to(dtype).eval().save_pretrained(out_dir)
     if source.tokenizer_dir:
         load_tokenizer(source.tokenizer_dir).save_pretrained(out_dir)
     return out_dir
