@@ -16,7 +16,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import ringattn.hf
-from test_train_hf import _llama_config, _options, _tokenizer, _text
+from test_train_hf import _llama_config, _options, _text, _tokenizer
 
 
 def _batch(vocab: int, seq_len: int = 61):
@@ -90,8 +90,9 @@ def test_chunked_training_at_cp2_equals_whole_logits_on_one_process(pools, bf16_
     chunked = _options(*bf16_model, tmp_path / "b", cp=2, loss_chunk=8)
     want = pools(1).run("workers_train:train", whole)[0]["losses"]
     got = pools(2).run("workers_train:train", chunked)[0]["losses"]
-    torch.testing.assert_close(torch.tensor(got, dtype=torch.float64),
-                               torch.tensor(want, dtype=torch.float64), rtol=1e-5, atol=0)  # fmt: skip
+    torch.testing.assert_close(
+        torch.tensor(got, dtype=torch.float64), torch.tensor(want, dtype=torch.float64), rtol=1e-5
+    )
     assert got[0] != got[-1]
 
 
