@@ -46,6 +46,8 @@ class TrainConfig:
     export: str = ""
     """--hf: write the final checkpoint's weights here as a save_pretrained directory."""
     export_dtype: str = ""
+    token_cache: str = ""
+    """--hf: where the memory-mapped token files of --data go (default ~/.cache/ringattn/tokens)."""
     """--export in this dtype (float32, bfloat16, float16); empty: the dtype the model came in."""
     dim: int = 0
     """Override the preset's model width (0 = keep)."""

@@ -1,15 +1,20 @@
-"""Packed documents for `ringattn train --hf`: text -> tokens -> windows -> one rank's kwargs.
+"""Packed documents for `ringattn train --hf`: tokens -> windows -> one rank's kwargs.
 
-    --data text:PATH   a directory: one document per file (sorted by path, recursively)
-                       a file:      one document per blank-line-separated block
-    tokens             the model's tokenizer when its directory has one (plus its EOS after
-                       each document), else every byte mod vocab_size
+    --data text:PATH   documents (sources.py), tokenized once into memory-mapped files
+                       (corpus.py): the model's tokenizer plus its EOS, or bytes mod vocab_size
+    --data chat:PATH   conversations under the chat template, assistant tokens marked (chat.py)
     stream             the documents' tokens end to end, with the offset where each starts
+
+Text (`PackedDocuments`): windows at random offsets of the stream, cutting documents:
 
     stream   | doc 0 ........ | doc 1 ... | doc 2 ............ | doc 3 .. |
     sample i          [<------ seq_len tokens ------>]          (a seeded random offset)
     positions          5 6 7 8 9 0 1 2 3 0 1 2 3 4 5 6          restart at 0 at every document
                                                                start and at the window's start
+
+Chat (`PackedConversations`): whole conversations packed in order into windows of at most
+seq_len tokens (one longer than seq_len is split into pieces of seq_len), padded to seq_len with
+an unsupervised document; labels are the tokens on the assistant's turns, -100 elsewhere.
 
 Sample i is a pure function of (seed, i), as in data.py, so the data position of a run is its
 step and a resumed run reads exactly the samples the uninterrupted run would have read.
@@ -23,97 +28,17 @@ predicts across a document end), this cp rank's tokens in the layout's order, gl
 
 from __future__ import annotations
 
-import functools
-import os
-import re
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 import ringattn.hf
-from ringattn.integrations.hf.source import load_tokenizer
-from ringattn.train.data import global_batch
+from ringattn.models.loss import IGNORE
+from ringattn.train.hf.corpus import Corpus, load_corpus
 
-__all__ = ["Corpus", "DocumentBatch", "DocumentLoader", "PackedDocuments", "load_corpus"]
-
-_BLANK_LINE = re.compile(rb"\r?\n[ \t]*\r?\n")
-
-
-def read_documents(path: str) -> list[bytes]:
-    """The documents of `path`: one per file of a directory, one per blank-line block of a file."""
-    if os.path.isdir(path):
-        files = sorted(os.path.join(d, f) for d, _, names in os.walk(path) for f in names)
-        docs = []
-        for name in files:
-            with open(name, "rb") as f:
-                docs.append(f.read().strip())
-    elif os.path.isfile(path):
-        with open(path, "rb") as f:
-            docs = [block.strip() for block in _BLANK_LINE.split(f.read())]
-    else:
-        raise ValueError(f"--data text:{path}: no such file or directory")
-    docs = [d for d in docs if d]
-    if not docs:
-        raise ValueError(f"--data text:{path} holds no text (every document is empty)")
-    return docs
-
-
-@dataclass(frozen=True)
-class Corpus:
-    """Every document's tokens, end to end: `tokens` (N,) int64, `starts` (D,) their offsets."""
-
-    tokens: torch.Tensor
-    starts: torch.Tensor
-    tokenized_by: str
-    """How the text became tokens, for the log: the tokenizer's class, or bytes mod vocab."""
-
-    @property
-    def documents(self) -> int:
-        return len(self.starts)
-
-
-def load_corpus(path: str, tokenizer_dir: str | None, vocab_size: int) -> Corpus:
-    """Tokenize the documents of `path` with the tokenizer in `tokenizer_dir` (None: bytes).
-
-    Cached per process (the parent validates twice, a rank loads once) for as long as no file
-    under `path` changes size or modification time."""
-    return _load_corpus(path, tokenizer_dir, vocab_size, _signature(path))
-
-
-def _signature(path: str) -> tuple:
-    names = ([os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs]
-             if os.path.isdir(path) else [path])  # fmt: skip
-    stats = [os.stat(n) for n in sorted(names) if os.path.exists(n)]
-    return tuple((s.st_size, s.st_mtime_ns) for s in stats)
-
-
-@functools.lru_cache(maxsize=4)
-def _load_corpus(path: str, tokenizer_dir: str | None, vocab_size: int, _files: tuple) -> Corpus:
-    docs = read_documents(path)
-    if tokenizer_dir is None:
-        pieces = [torch.frombuffer(bytearray(d), dtype=torch.uint8).long() % vocab_size
-                  for d in docs]  # fmt: skip
-        how = f"bytes mod vocab_size {vocab_size} (no tokenizer in the model directory)"
-    else:
-        tokenizer = load_tokenizer(tokenizer_dir)
-        eos = tokenizer.eos_token_id
-        pieces = []
-        for doc in docs:
-            ids = tokenizer(doc.decode("utf-8", errors="replace"))["input_ids"]
-            if eos is not None and (not ids or ids[-1] != eos):
-                ids = [*ids, eos]  # the model learns where a document ends
-            pieces.append(torch.tensor(ids, dtype=torch.int64, device="cpu"))
-        how = f"the model's tokenizer ({type(tokenizer).__name__}, {len(tokenizer)} tokens)"
-        top = max(int(p.max()) for p in pieces if len(p))
-        if top >= vocab_size:
-            raise ValueError(
-                f"the tokenizer in {tokenizer_dir} produced token id {top}, but the model's "
-                f"vocab_size is {vocab_size}; use the tokenizer the model was made for, or "
-                f"raise vocab_size in config.json"
-            )
-    lengths = torch.tensor([len(p) for p in pieces], device="cpu")  # the corpus is host data
-    starts = torch.cumsum(lengths, 0) - lengths
-    return Corpus(torch.cat(pieces), starts, how)
+__all__ = ["Corpus", "DocumentBatch", "DocumentLoader", "PackedConversations", "PackedDocuments",
+           "load_corpus"]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -136,15 +61,62 @@ class PackedDocuments:
         """(tokens, positions), each (seq_len,) int64: positions count from each document's
         start, or from the window's start for the document the window cuts into."""
         gen = torch.Generator().manual_seed((self.seed * 1_000_003 + index) % (2**63))
-        first = int(
-            torch.randint(
-                len(self.corpus.tokens) - self.seq_len + 1, (1,), generator=gen, device="cpu"
-            )
-        )
-        where = torch.arange(first, first + self.seq_len, device="cpu")
+        first = int(torch.randint(len(self.corpus.tokens) - self.seq_len + 1, (1,), generator=gen))
+        where = torch.arange(first, first + self.seq_len)
         doc = torch.searchsorted(self.corpus.starts, where, right=True) - 1
         begins = self.corpus.starts[doc].clamp(min=first)
-        return self.corpus.tokens[where], where - begins
+        return self.corpus.tokens[where].long(), where - begins
+
+
+@dataclass(frozen=True)
+class PackedConversations:
+    """Whole conversations packed into windows of at most `seq_len` tokens, padded to `seq_len`;
+    `sample(i)` -> (input_ids, position_ids, labels), labels -100 off the assistant's tokens.
+
+    A conversation longer than seq_len is split into pieces of seq_len tokens (each piece a
+    document of its own: it does not see the pieces before it); `split` counts them for the log.
+    Windows take pieces in corpus order while they fit (greedy); sample i is window
+    randint(windows) seeded by (seed, i). Padding is one more document of `pad_id` tokens, never
+    supervised."""
+
+    corpus: Corpus
+    seq_len: int
+    seed: int = 0
+    pad_id: int = 0
+
+    def __post_init__(self) -> None:
+        starts = self.corpus.starts.numpy()
+        lengths = np.diff(starts, append=len(self.corpus.tokens))
+        count = -(-lengths // self.seq_len)  # pieces per conversation
+        first = np.repeat(starts, count)
+        within = np.arange(len(first)) - np.repeat(np.cumsum(count) - count, count)
+        pieces = first + within * self.seq_len  # (P,) where each piece starts
+        ends = np.minimum(pieces + self.seq_len, np.repeat(starts + lengths, count))
+        windows, used = [0], 0
+        for p, size in enumerate((ends - pieces).tolist()):
+            if used + size > self.seq_len:
+                windows.append(p)
+                used = 0
+            used += size
+        windows.append(len(pieces))
+        object.__setattr__(self, "pieces", torch.from_numpy(np.append(pieces, ends[-1])))
+        object.__setattr__(self, "windows", torch.tensor(windows))  # (windows + 1,) piece index
+        object.__setattr__(self, "split", int((count > 1).sum()))
+
+    def sample(self, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(tokens, positions, labels), each (seq_len,) int64."""
+        gen = torch.Generator().manual_seed((self.seed * 1_000_003 + index) % (2**63))
+        w = int(torch.randint(len(self.windows) - 1, (1,), generator=gen))
+        bounds = self.pieces[self.windows[w] : self.windows[w + 1] + 1]  # piece starts, end
+        a, b = int(bounds[0]), int(bounds[-1])
+        where = torch.arange(a, b)
+        ids = self.corpus.tokens[a:b].long()
+        positions = where - bounds[torch.searchsorted(bounds, where, right=True) - 1]
+        labels = torch.where(self.corpus.supervised[a:b].bool(), ids, IGNORE)
+        pad = self.seq_len - (b - a)
+        return (torch.cat([ids, torch.full((pad,), self.pad_id, dtype=torch.int64)]),
+                torch.cat([positions, torch.arange(pad)]),
+                torch.cat([labels, torch.full((pad,), IGNORE, dtype=torch.int64)]))  # fmt: skip
 
 
 @dataclass
@@ -165,7 +137,7 @@ class DocumentBatch:
 class DocumentLoader:
     """`batch(step)`: this rank's DocumentBatch at `step` (the same interface as data.Loader)."""
 
-    dataset: PackedDocuments
+    dataset: PackedDocuments | PackedConversations
     batch_size: int
     dp_rank: int
     dp: int
@@ -173,15 +145,18 @@ class DocumentLoader:
     layout: str
     device: torch.device
 
-    def full(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(input_ids, position_ids), each (1, batch_size * seq_len): this dp row's windows."""
-        ids, positions = global_batch(self.dataset, step, self.batch_size, self.dp_rank, self.dp)
-        return ids.reshape(1, -1), positions.reshape(1, -1)  # (1, B * S)
+    def full(self, step: int) -> tuple[torch.Tensor, ...]:
+        """(input_ids, position_ids, labels), each (1, batch_size * seq_len): this dp row's
+        windows (samples step*B*dp + dp_rank*B + i, as data.global_batch)."""
+        first = (step * self.dp + self.dp_rank) * self.batch_size
+        samples = [self.dataset.sample(first + i) for i in range(self.batch_size)]
+        ids, positions = (torch.cat([s[k] for s in samples])[None] for k in (0, 1))  # (1, B * S)
+        labels = torch.cat([s[2] for s in samples])[None] if len(samples[0]) > 2 else ids
+        return ids, positions, labels
 
     def batch(self, step: int) -> DocumentBatch:
-
-        ids, positions = self.full(step)
-        full = {"input_ids": ids, "labels": ids, "position_ids": positions}
+        ids, positions, labels = self.full(step)
+        full = {"input_ids": ids, "labels": labels, "position_ids": positions}
         local = ringattn.hf.shard_batch(full, group=self.group, layout=self.layout)
         labels = local.pop("labels").to(self.device)
         for unused in ("shift_labels", "num_items_in_batch"):  # step.py divides by the global count

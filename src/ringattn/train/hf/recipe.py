@@ -37,27 +37,28 @@ from torch import nn
 import ringattn.hf
 from ringattn.integrations.hf.loss import logits_loss, loss_sum
 from ringattn.integrations.hf.moe import ROUTER_ATTR, aux_share
-from ringattn.integrations.hf.source import load_config, load_model, model_source
+from ringattn.integrations.hf.source import load_config, load_model, load_tokenizer, model_source
 from ringattn.models.parallelize import parallelize
 from ringattn.runtime.mesh import Mesh
 from ringattn.train.config import TrainConfig
-from ringattn.train.hf.data import DocumentLoader, PackedDocuments, load_corpus
+from ringattn.train.hf.data import (
+    DocumentLoader,
+    PackedConversations,
+    PackedDocuments,
+    load_corpus,
+)
+from ringattn.train.hf.sources import split_data
 from ringattn.train.recipe import ModelRecipe
 
-__all__ = ["EXPORT_DTYPES", "HF", "CausalLMLoss", "check"]
+__all__ = ["EXPORT_DTYPES", "HF", "CausalLMLoss", "check", "dataset"]
 
 EXPORT_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def check(cfg: TrainConfig, cp: int) -> None:
     """Every --hf mistake as a ValueError before any process starts (see the module docstring)."""
-    source = model_source(cfg.hf)
-    config = load_config(source)
-    if not cfg.data.startswith("text:"):
-        raise ValueError(
-            f"--hf trains on packed text documents: give --data text:PATH (a directory, one "
-            f"document per file, or a file of blank-line-separated documents), not {cfg.data!r}"
-        )
+    load_config(model_source(cfg.hf))
+    split_data(cfg.data)
     tp, pp = getattr(cfg, "tp", 1), getattr(cfg, "pp", 1)
     if tp != 1 or pp != 1:
         raise ValueError(
@@ -75,9 +76,20 @@ def check(cfg: TrainConfig, cp: int) -> None:
         )
     if cfg.export and os.path.isfile(cfg.export):
         raise ValueError(f"--export {cfg.export} is a file; give a directory to write the model to")
-    corpus = load_corpus(cfg.data[len("text:") :], source.tokenizer_dir,
-                         config.get_text_config().vocab_size)  # fmt: skip
-    PackedDocuments(corpus, cfg.seq_len, cfg.seed)  # enough tokens for one window
+    dataset(cfg)  # tokenized once (corpus.py), enough tokens for one window
+
+
+def dataset(cfg: TrainConfig) -> PackedDocuments | PackedConversations:
+    """The windows of --data (text: packed documents, chat: packed conversations) for --hf."""
+    kind, path = split_data(cfg.data)
+    source = model_source(cfg.hf)
+    vocab = load_config(source).get_text_config().vocab_size
+    corpus = load_corpus(path, source.tokenizer_dir, vocab, kind=kind, cache_dir=cfg.token_cache)
+    if kind == "text":
+        return PackedDocuments(corpus, cfg.seq_len, cfg.seed)
+    tokenizer = load_tokenizer(source.tokenizer_dir)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return PackedConversations(corpus, cfg.seq_len, cfg.seed, pad or 0)
 
 
 class CausalLMLoss(nn.Module):
@@ -136,11 +148,7 @@ def parallelize_hf(model: nn.Module, mesh: Mesh, cfg: TrainConfig) -> nn.Module:
 
 def loader(cfg: TrainConfig, mesh: Mesh, device: torch.device) -> DocumentLoader:
     """recipe.loader: packed documents of --data, tokenized for the model of --hf."""
-    source = model_source(cfg.hf)
-    vocab = load_config(source).get_text_config().vocab_size
-    corpus = load_corpus(cfg.data[len("text:") :], source.tokenizer_dir, vocab)
-    dataset = PackedDocuments(corpus, cfg.seq_len, cfg.seed)
-    return DocumentLoader(dataset, cfg.batch_size, mesh.dp_rank, mesh.dp, mesh.cp_group,
+    return DocumentLoader(dataset(cfg), cfg.batch_size, mesh.dp_rank, mesh.dp, mesh.cp_group,
                           cfg.layout, device)  # fmt: skip
 
 

@@ -26,8 +26,8 @@ import torch
 from ringattn.integrations.hf.source import load_config, load_model, load_tokenizer, model_source
 from ringattn.runtime import checkpoint as ckpt
 from ringattn.train.config import TrainConfig, validate
-from ringattn.train.hf.data import load_corpus
-from ringattn.train.hf.recipe import EXPORT_DTYPES, HF, CausalLMLoss
+from ringattn.train.hf.data import PackedConversations
+from ringattn.train.hf.recipe import EXPORT_DTYPES, HF, CausalLMLoss, dataset
 from ringattn.train.main import run_train, world_size
 from ringattn.train.plot import plot
 from ringattn.train.progress import JsonLog, read_log
@@ -39,14 +39,20 @@ def describe(cfg: TrainConfig) -> dict:
     """What --hf and --data resolve to (the log's "hf" record)."""
     source = model_source(cfg.hf)
     config = load_config(source)
-    vocab = config.get_text_config().vocab_size
-    corpus = load_corpus(cfg.data[len("text:") :], source.tokenizer_dir, vocab)
-    return {
+    data = dataset(cfg)
+    corpus = data.corpus
+    record = {
         "event": "hf", "model": source.path, "model_type": config.model_type,
         "architectures": getattr(config, "architectures", None), "init": source.describe(),
-        "vocab_size": vocab, "tokenized_by": corpus.tokenized_by,
+        "vocab_size": config.get_text_config().vocab_size, "tokenized_by": corpus.tokenized_by,
         "documents": corpus.documents, "tokens": len(corpus.tokens),
+        "token_files": corpus.directory,
     }  # fmt: skip
+    if isinstance(data, PackedConversations):
+        record["supervised_tokens"] = int(corpus.supervised.sum())
+        record["longer_than_seq_len"] = data.split
+        record["long_conversations"] = f"split into pieces of --seq-len {cfg.seq_len} tokens"
+    return record
 
 
 def export_dtype(cfg: TrainConfig) -> torch.dtype:
@@ -93,7 +99,13 @@ def run_hf_train(cfg: TrainConfig) -> dict:
         print(f"[hf] {record['model']}: {record['model_type']} ({record['init']}), trained over "
               f"dp {dp} x cp {cp}", flush=True)  # fmt: skip
         print(f"[hf] data {cfg.data}: {record['documents']} documents, {record['tokens']} "
-              f"tokens, tokenized with {record['tokenized_by']}", flush=True)  # fmt: skip
+              f"tokens, tokenized with {record['tokenized_by']} ({record['token_files']})",
+              flush=True)  # fmt: skip
+        if "longer_than_seq_len" in record:
+            print(f"[hf] chat: {record['supervised_tokens']} assistant tokens supervised; "
+                  f"{record['longer_than_seq_len']} conversations longer than --seq-len "
+                  f"{cfg.seq_len} were split into pieces of --seq-len tokens",
+                  flush=True)  # fmt: skip
     summary = run_train(cfg)
     if summary.get("rank", 0) != 0 or summary.get("stopped"):  # preempted...: no export yet
         return summary
