@@ -64,6 +64,13 @@ if ! "$PY" -c "import tensorboard" >/dev/null 2>&1; then
     pip_install "$TENSORBOARD_PIN" || echo "[setup] $TENSORBOARD_PIN did not install; --tensorboard and its test will skip"
 fi
 
+# Optional: pyarrow, the .parquet reader of `train --hf --data DIR` (tests skip without it)
+PYARROW_PIN="pyarrow==26.0.1"
+if ! "$PY" -c "import pyarrow" >/dev/null 2>&1; then
+    echo "[setup] installing $PYARROW_PIN (optional: .parquet corpora)"
+    pip_install "$PYARROW_PIN" || echo "[setup] $PYARROW_PIN did not install; parquet tests skip"
+fi
+
 # Optional: Triton, whose CPU interpreter runs the fused merge kernel's tests
 # (tests/test_merge_triton.py, skipped without it). The interpreter imports numpy, which ringattn
 # must not need, so numpy goes to a side directory that only those tests put on PYTHONPATH.

@@ -50,7 +50,7 @@ def add_arguments(p: argparse.ArgumentParser, d: TrainConfig, *, demo: bool = Fa
             metavar="DIR",
             help="train this local Hugging Face model directory (config.json, weights, "
             "tokenizer) or bare config.json (random init) instead of the decoder; needs "
-            "--data text:PATH (packed documents)",
+            "--data text:PATH (packed documents) or chat:PATH (conversations)",
         )
     g = p.add_argument_group("parallelism")
     g.add_argument(
@@ -149,9 +149,20 @@ def add_arguments(p: argparse.ArgumentParser, d: TrainConfig, *, demo: bool = Fa
         "--data",
         default=d.data,
         help="key-value (the long-range retrieval task) or text:PATH (bytes of a file "
-        "or of every file in a directory; with --hf: one document per file of a directory or "
-        "per blank-line-separated block of a file)",
+        "or of every file in a directory; with --hf: one document per file of a directory, per "
+        "row's 'text' of its .jsonl/.parquet files, or per blank-line-separated block of a "
+        "file); with --hf also chat:PATH (a .jsonl of {'messages': [...]} per line, or a "
+        "directory of .jsonl/.parquet files with a 'messages' column: chat SFT, the loss on "
+        "the assistant's tokens)",
     )
+    if not demo:
+        t.add_argument(
+            "--token-cache",
+            default=d.token_cache,
+            metavar="DIR",
+            help="--hf: where --data is tokenized to, once, as memory-mapped token files "
+            "(default: ~/.cache/ringattn/tokens)",
+        )
     t.add_argument(
         "--seq-len",
         type=int,

@@ -139,7 +139,9 @@ def parallelize_hf(model: nn.Module, mesh: Mesh, cfg: TrainConfig) -> nn.Module:
     ringattn.hf.parallelize(model.model, mesh.cp_group, layout=cfg.layout, strategy=cfg.strategy,
                             router_group=world)  # fmt: skip
     if cfg.activation_checkpointing:
-        model.model.gradient_checkpointing_enable({"use_reentrant": False})
+        hf = model.model  # transformers >= 5.x renamed gradient_ to activation_checkpointing_enable
+        enable = getattr(hf, "activation_checkpointing_enable", None)
+        (enable or hf.gradient_checkpointing_enable)({"use_reentrant": False})
     param_dtype = None if cfg.dtype == "float32" else getattr(torch, cfg.dtype)
     # models/parallelize.py's own CP step finds none of its decoder's attention layers here: a no-op
     return parallelize(model, mesh, layout=cfg.layout, strategy=cfg.strategy,
