@@ -1,9 +1,11 @@
 """Per-rank peak memory of `train --hf` with whole logits (--loss-chunk 0) and chunked ones.
 
     python scripts/hf_memory.py                                   # the issue-21 case, CPU
-    python scripts/hf_memory.py --cases 32000x8192x2 128256x8192x2 --chunks 0,1024,256
+    python scripts/hf_memory.py --cases 32000x8192x2 128256x8192x2:256,512 --chunks 0,1024
 
-A case is VOCAB x TOKENS x CP: a random-init Llama (hidden 256, 4 layers, 4 heads, 2 KV heads,
+A case is VOCABxTOKENSxCP, optionally :CHUNKS (its own --loss-chunk list, instead of --chunks).
+
+Each case: a random-init Llama (hidden 256, 4 layers, 4 heads, 2 KV heads,
 MLP 1024, untied embeddings: 71.5 M parameters at a 128,256-token vocabulary, 1.1 GB of model
 states with AdamW) trained for --steps steps on TOKENS tokens split over CP ranks, activation
 checkpointing on, bytes mod vocab as the data. Each (case, chunk) is a fresh launch of CP
@@ -75,12 +77,13 @@ def main(argv: list[str] | None = None) -> int:
         with open(data, "wb") as f:  # bytes mod vocab: any bytes are a document
             f.write(bytes(range(32, 127)) * 2000)
         for case in args.cases:
-            vocab, tokens, cp = (int(x) for x in case.split("x"))
+            shape, _, own = case.partition(":")
+            vocab, tokens, cp = (int(x) for x in shape.split("x"))
             hf = _model(tmp, vocab)
-            for chunk in chunks:
+            for chunk in [int(c) for c in own.split(",")] if own else chunks:
                 print(f"[hf-memory] vocab {vocab}, {tokens} tokens, cp {cp}, loss chunk {chunk}",
                       flush=True)  # fmt: skip
-                out = os.path.join(tmp, f"{case}-{chunk}")
+                out = os.path.join(tmp, f"{shape}-{chunk}")
                 row = {"vocab": vocab, "tokens": tokens, "cp": cp, "loss_chunk": chunk,
                        **measure(hf, data, tokens, cp, chunk, args.steps, out)}  # fmt: skip
                 rows.append(row)

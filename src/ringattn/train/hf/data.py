@@ -61,8 +61,9 @@ class PackedDocuments:
         """(tokens, positions), each (seq_len,) int64: positions count from each document's
         start, or from the window's start for the document the window cuts into."""
         gen = torch.Generator().manual_seed((self.seed * 1_000_003 + index) % (2**63))
-        first = int(torch.randint(len(self.corpus.tokens) - self.seq_len + 1, (1,), generator=gen))
-        where = torch.arange(first, first + self.seq_len)
+        last = len(self.corpus.tokens) - self.seq_len + 1
+        first = int(torch.randint(last, (1,), generator=gen, device="cpu"))  # host-side data
+        where = torch.arange(first, first + self.seq_len, device="cpu")
         doc = torch.searchsorted(self.corpus.starts, where, right=True) - 1
         begins = self.corpus.starts[doc].clamp(min=first)
         return self.corpus.tokens[where].long(), where - begins
@@ -100,23 +101,25 @@ class PackedConversations:
             used += size
         windows.append(len(pieces))
         object.__setattr__(self, "pieces", torch.from_numpy(np.append(pieces, ends[-1])))
-        object.__setattr__(self, "windows", torch.tensor(windows))  # (windows + 1,) piece index
+        # (windows + 1,) the first piece of each window, then P
+        object.__setattr__(self, "windows", torch.tensor(windows, device="cpu"))
         object.__setattr__(self, "split", int((count > 1).sum()))
 
     def sample(self, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(tokens, positions, labels), each (seq_len,) int64."""
         gen = torch.Generator().manual_seed((self.seed * 1_000_003 + index) % (2**63))
-        w = int(torch.randint(len(self.windows) - 1, (1,), generator=gen))
+        w = int(torch.randint(len(self.windows) - 1, (1,), generator=gen, device="cpu"))
         bounds = self.pieces[self.windows[w] : self.windows[w + 1] + 1]  # piece starts, end
         a, b = int(bounds[0]), int(bounds[-1])
-        where = torch.arange(a, b)
+        where = torch.arange(a, b, device="cpu")  # the corpus is host data
         ids = self.corpus.tokens[a:b].long()
         positions = where - bounds[torch.searchsorted(bounds, where, right=True) - 1]
         labels = torch.where(self.corpus.supervised[a:b].bool(), ids, IGNORE)
         pad = self.seq_len - (b - a)
-        return (torch.cat([ids, torch.full((pad,), self.pad_id, dtype=torch.int64)]),
-                torch.cat([positions, torch.arange(pad)]),
-                torch.cat([labels, torch.full((pad,), IGNORE, dtype=torch.int64)]))  # fmt: skip
+        return (torch.cat([ids, torch.full((pad,), self.pad_id, dtype=torch.int64, device="cpu")]),
+                torch.cat([positions, torch.arange(pad, device="cpu")]),
+                torch.cat([labels, torch.full((pad,), IGNORE, dtype=torch.int64,
+                                              device="cpu")]))  # fmt: skip
 
 
 @dataclass
