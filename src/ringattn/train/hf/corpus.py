@@ -103,7 +103,12 @@ def _encode(kind: str, batch: list, tokenizer: object, vocab_size: int, first: i
             out.append((np.asarray(ids, dtype=np.int32), np.asarray(supervised, dtype=np.uint8)))
         return out
     eos = tokenizer.eos_token_id
-    encoded = tokenizer([d.decode("utf-8", errors="replace") for d in batch])["input_ids"]
+    texts = [d.decode("utf-8", errors="replace") for d in batch]
+    backend = getattr(tokenizer, "backend_tokenizer", None)  # Rust, no offsets: ~20 % faster
+    if backend is not None and hasattr(backend, "encode_batch_fast"):
+        encoded = [e.ids for e in backend.encode_batch_fast(texts, add_special_tokens=True)]
+    else:
+        encoded = tokenizer(texts)["input_ids"]
     return [(np.asarray(ids + ([eos] if eos is not None and (not ids or ids[-1] != eos) else []),
                         dtype=np.int32), None) for ids in encoded]  # fmt: skip
 
