@@ -39,6 +39,7 @@ from ringattn.integrations.hf.loss import logits_loss, loss_sum
 from ringattn.integrations.hf.moe import ROUTER_ATTR, aux_share
 from ringattn.integrations.hf.source import load_config, load_model, load_tokenizer, model_source
 from ringattn.models.parallelize import parallelize
+from ringattn.runtime.flags import check_choice
 from ringattn.runtime.mesh import Mesh
 from ringattn.train.config import TrainConfig
 from ringattn.train.hf.data import (
@@ -70,10 +71,8 @@ def check(cfg: TrainConfig, cp: int) -> None:
             "--export writes the weights of the run's final checkpoint, and --checkpoint-every "
             "-1 writes none; use --checkpoint-every 0 (only at the end) or N"
         )
-    if cfg.export_dtype and cfg.export_dtype not in EXPORT_DTYPES:
-        raise ValueError(
-            f"unknown --export-dtype {cfg.export_dtype!r}; choose from {', '.join(EXPORT_DTYPES)}"
-        )
+    if cfg.export_dtype:
+        check_choice("export-dtype", cfg.export_dtype, EXPORT_DTYPES)
     if cfg.export and os.path.isfile(cfg.export):
         raise ValueError(f"--export {cfg.export} is a file; give a directory to write the model to")
     dataset(cfg)  # tokenized once (corpus.py), enough tokens for one window
