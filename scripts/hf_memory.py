@@ -63,6 +63,23 @@ def measure(hf: str, data: str, tokens: int, cp: int, chunk: int, steps: int, ou
     }  # fmt: skip
 
 
+def write(path: str, argv: list[str] | None, steps: int, rows: list[dict]) -> None:
+    """The JSON of the rows so far (written after every launch: a stopped run keeps them)."""
+    import transformers
+
+    result = {
+        "command": "python " + shlex.join(["scripts/hf_memory.py", *(argv or sys.argv[1:])]),
+        "machine": {"node": platform.node(), "system": platform.platform(),
+                    "processor": platform.machine(), "cpus": os.cpu_count()},
+        "torch": torch.__version__, "transformers": transformers.__version__,
+        "model": "Llama hidden 256, 4 layers, MLP 1024, 4 heads / 2 KV, untied, random init",
+        "activation_checkpointing": True, "steps": steps, "rows": rows,
+    }  # fmt: skip
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=2)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cases", nargs="+", default=["128256x8192x2"], help="VOCABxTOKENSxCP")
@@ -87,25 +104,13 @@ def main(argv: list[str] | None = None) -> int:
                 row = {"vocab": vocab, "tokens": tokens, "cp": cp, "loss_chunk": chunk,
                        **measure(hf, data, tokens, cp, chunk, args.steps, out)}  # fmt: skip
                 rows.append(row)
+                write(args.json, argv, args.steps, rows)
                 print(f"  peak per rank {[round(m) for m in row['peak_mb_per_rank']]} MB, "
                       f"losses {row['losses']}", flush=True)  # fmt: skip
     print(f"\n{'vocab':>7} {'tokens':>7} {'cp':>3} {'chunk':>6} {'peak MB/rank':>13}  loss")
     for r in rows:
         print(f"{r['vocab']:>7} {r['tokens']:>7} {r['cp']:>3} {r['loss_chunk']:>6} "
               f"{r['peak_mb']:>13.0f}  {r['losses'][0]:.6f}")  # fmt: skip
-    import transformers
-
-    result = {
-        "command": "python " + shlex.join(["scripts/hf_memory.py", *(argv or sys.argv[1:])]),
-        "machine": {"node": platform.node(), "system": platform.platform(),
-                    "processor": platform.machine(), "cpus": os.cpu_count()},
-        "torch": torch.__version__, "transformers": transformers.__version__,
-        "model": "Llama hidden 256, 4 layers, MLP 1024, 4 heads / 2 KV, untied, random init",
-        "activation_checkpointing": True, "steps": args.steps, "rows": rows,
-    }  # fmt: skip
-    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(result, f, indent=2)
     print(f"wrote {args.json}")
     return 0
 
