@@ -222,7 +222,7 @@ def test_nccl_needs_the_rank_on_its_own_cuda_device(monkeypatch):
     import torch
     import torch.distributed as dist
 
-    from ringattn import api
+    from ringattn import resolve
     from ringattn.comm import GroupInfo
 
     class Q:
@@ -233,10 +233,10 @@ def test_nccl_needs_the_rank_on_its_own_cuda_device(monkeypatch):
     info = GroupInfo(object(), 0, 2)
     with pytest.raises(ValueError, match=r"q is on cuda:1 but .*current CUDA device is cuda:0.*"
                        r"torch.cuda.set_device\(local_rank\)"):  # fmt: skip
-        api._check_device(info, Q())
+        resolve.check_device(info, Q())
 
     class OnCpu:
         device = torch.device("cpu")
 
     with pytest.raises(ValueError, match=r"NCCL, which needs CUDA tensors, but q is on cpu"):
-        api._check_device(info, OnCpu())
+        resolve.check_device(info, OnCpu())

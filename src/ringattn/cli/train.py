@@ -16,7 +16,7 @@ from ringattn import LAYOUTS
 from ringattn.api import STRATEGIES
 from ringattn.models import MODEL_SIZES
 from ringattn.models.pipeline import SCHEDULES
-from ringattn.train.config import DTYPES, TrainConfig
+from ringattn.train.config import COMPILE_BACKENDS, DTYPES, TrainConfig
 from ringattn.train.demo import demo_config, run_train_demo
 from ringattn.train.hf.run import EXPORT_DTYPES, run_hf_train
 from ringattn.train.main import run_train
@@ -115,6 +115,18 @@ def add_arguments(p: argparse.ArgumentParser, d: TrainConfig, *, demo: bool = Fa
         action=argparse.BooleanOptionalAction,
         default=d.activation_checkpointing,
         help="recompute each block in backward instead of keeping its activations",
+    )
+    g.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=d.compile,
+        help="torch.compile the parallelized model (fullgraph; inductor)",
+    )
+    g.add_argument(
+        "--compile-backend",
+        default=d.compile_backend,
+        choices=COMPILE_BACKENDS,
+        help="torch.compile backend for --compile (aot_eager: same graphs, no code generation)",
     )
     g.add_argument(
         "--loss-chunk",

@@ -6,7 +6,8 @@
                                 its float32 lse, and the tensors its backward needs
     backward(dout, saved, call) -> (dq, dk, dv) for this rank's q, k, v
 
-`saved` is what the autograd Function keeps between the two. Most strategies keep the local
+`saved` is what the autograd Function keeps between the two (the compiled path keeps only the
+local q, k, v, out, lse and asks `saved_from_local` for the rest). Most strategies keep the local
 (q, k, v, out, lse); Ulysses keeps the head-sharded tensors instead, which saves an all-to-all in
 the backward at no extra memory. A strategy never branches on a layout's name or a mask's shape:
 it asks `call.blocks(rank, src, local_len)` (plan.py) which blocks to compute.
@@ -47,3 +48,16 @@ class Strategy:
         self, dout: torch.Tensor, saved: tuple[torch.Tensor, ...], call: Call
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         raise NotImplementedError
+
+    def saved_from_local(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        call: Call,
+    ) -> tuple[torch.Tensor, ...]:
+        """`forward`'s `saved` rebuilt from the local q, k, v and the returned out, lse: what the
+        compiled path's backward op has (ops.py). The local tensors themselves by default."""
+        return (q, k, v, out, lse)

@@ -205,6 +205,25 @@ class HeadParallel(Strategy):
         dq, dk, dv = from_heads([(dq_h, False), (dk_h, True), (dv_h, True)], plan, ulysses)
         return dq, dk.to(k_kept.dtype), dv.to(v_kept.dtype)
 
+    def saved_from_local(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        call: Call,
+    ) -> tuple[torch.Tensor, ...]:
+        """The head-sharded (q_h, k, v or k_h, v_h, out_h, lse_h) of `forward`, by one
+        all-to-all of the local tensors (the compiled path: one all-to-all more than eager)."""
+        ulysses, _ = self.groups(call.info)
+        plan = HeadPlan(q.shape[1], k.shape[1], ulysses.world_size)
+        if plan.replicated:  # forward kept the local k, v
+            q_h, out_h, lse_h = to_heads([(q, False), (out, False), (lse, False)], plan, ulysses)
+            return (q_h, k, v, out_h, lse_h)
+        tensors = [(q, False), (k, True), (v, True), (out, False), (lse, False)]
+        return tuple(to_heads(tensors, plan, ulysses))
+
 
 def _expand(x: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
     """K/V heads -> one per local query head (uneven grouping only)."""

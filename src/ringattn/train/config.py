@@ -29,6 +29,7 @@ __all__ = ["DTYPES", "IDENTITY", "TrainConfig", "validate"]
 
 DTYPES = ("float32", "bfloat16")
 FAIL_SIGNALS = ("kill", "term", "stop", "term-launcher")
+COMPILE_BACKENDS = ("inductor", "aot_eager")
 
 # a checkpoint whose config differs in one of these is from another run: resuming is refused
 IDENTITY = ("model", "dim", "layers", "heads", "kv_heads", "data", "seq_len", "seed", "keys",
@@ -108,6 +109,11 @@ class TrainConfig:
     """Recompute each block in backward instead of keeping its activations."""
     loss_chunk: int = 4096
     """Tokens per chunk of the output projection + loss (0 = all at once)."""
+    compile: bool = False
+    """torch.compile(model, fullgraph=True) after parallelizing it (attention: ringattn's ops)."""
+    compile_backend: str = "inductor"
+    """torch.compile's backend with `compile`: inductor, or aot_eager (the same graphs, no code
+    generation: for debugging and fast tests)."""
     dtype: str = "float32"
     """Compute dtype: float32, or bfloat16 (float32 master weights and gradient reduction)."""
     timeout_s: float = 600.0
@@ -176,6 +182,13 @@ def validate(
             f"--seq-len {cfg.seq_len} is not divisible by {chunks} ({cfg.layout} layout on cp={cp} "
             f"ranks); use {fixed}"
         )
+    if cfg.compile_backend not in COMPILE_BACKENDS:
+        raise ValueError(
+            f"unknown --compile-backend {cfg.compile_backend!r}; choose from "
+            f"{', '.join(COMPILE_BACKENDS)}"
+        )
+    if cfg.compile and cfg.pp > 1:
+        raise ValueError("--compile does not cover pipeline stages (--pp > 1); drop one of them")
     if cfg.strategy == "hybrid" and not (cfg.ulysses > 0 and cp % cfg.ulysses == 0):
         raise ValueError(
             f"--strategy hybrid needs --ulysses U, a divisor of cp={cp} (Ulysses "

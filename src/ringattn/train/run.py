@@ -35,6 +35,7 @@ from ringattn.runtime import checkpoint as ckpt
 from ringattn.runtime.mesh import Mesh, build_mesh
 from ringattn.runtime.meter import Meter
 from ringattn.runtime.outcome import Stopped
+from ringattn.train.compile import compile_model
 from ringattn.train.config import IDENTITY, TrainConfig, validate
 from ringattn.train.data import Loader, get_dataset, shard_batch
 from ringattn.train.decoder import DECODER, decoder_of, parallelize_decoder
@@ -117,6 +118,8 @@ def build_run(cfg: TrainConfig, device: torch.device, recipe: ModelRecipe | None
     baselines = gather_over_world(meter.baseline_mb, device)
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank and every world size
     model = recipe.parallelize(recipe.build(cfg).to(device), mesh, cfg)
+    if cfg.compile:  # in place: names, state_dict and checkpoints stay those of eager
+        compile_model(model, cfg.compile_backend)
     optimizer = build_optimizer(model, cfg)
     start_step, resumed_from = _resume(cfg, model, optimizer)
     if recipe.loader is not None:

@@ -28,6 +28,7 @@ on every rank (the checks depend only on the config and the call, which all rank
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -93,9 +94,34 @@ def _check_call(module, query, key, attention_mask, dropout, kwargs) -> None:
         )
 
 
-def _check_padding_mask(mask: torch.Tensor, context: CPContext, where: str) -> None:
-    """A 2-D padding mask must be all ones on every rank; all ranks agree before raising."""
-    info = resolve_group(context.group)
+# the mask the last check passed (a weak reference) and its version then: transformers hands one
+# mask object to every layer of a forward, so the layers after the first need not check it again
+_LAST_CHECKED: list[tuple[weakref.ref, int]] = []
+
+
+def _check_padding_mask(mask: torch.Tensor, module: torch.nn.Module, context: CPContext) -> None:
+    """A 2-D padding mask must be all ones on every rank; all ranks agree before raising.
+
+    Once per forward, not per layer: layer 0 (the first a forward runs) always checks, on every
+    rank, with one host sync and one all-gather; a later layer skips a mask object (unchanged)
+    that a check has passed. Every rank takes the same branch, since all run the same layers
+    with the same masks. Under torch.compile the check cannot run inside the graph (it reads the
+    data and communicates), so a mask there is refused at trace time: `shard_batch` checks it
+    once per batch instead.
+    """
+    where = _where(module)
+    if torch.compiler.is_compiling():
+        raise ValueError(
+            f"{where}: under torch.compile, give the attention_mask to ringattn.hf.shard_batch "
+            f"(which checks it once per batch) and do not pass it to the model"
+        )
+    first = getattr(module, "layer_idx", None) in (None, 0)
+    if not first and _LAST_CHECKED:
+        ref, version = _LAST_CHECKED[0]
+        if ref() is mask and version == mask._version:
+            return
+    # a 2-D mesh (strategy="hybrid") gathers over its whole flattened world
+    info = resolve_group(context.group, allow_2d=True)
     bad = int(not bool(mask.all()))
     if info.world_size > 1:
         bad = max(row[0] for row in all_gather_ints([bad], info, mask.device))
@@ -105,6 +131,7 @@ def _check_padding_mask(mask: torch.Tensor, context: CPContext, where: str) -> N
             f"dense attention_mask: drop the padding, or pack the sequences as documents "
             f"(position_ids that restart at 0, or cu_seqlens) through ringattn.hf.shard_batch"
         )
+    _LAST_CHECKED[:] = [(weakref.ref(mask), mask._version)]
 
 
 def ringattn_attention(
@@ -131,7 +158,7 @@ def ringattn_attention(
         )
     _check_call(module, query, key, attention_mask, dropout, kwargs)
     if attention_mask is not None:
-        _check_padding_mask(attention_mask, context, _where(module))
+        _check_padding_mask(attention_mask, module, context)
     causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
     window = None
     if sliding_window is not None and sliding_window > 0:
