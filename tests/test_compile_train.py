@@ -2,9 +2,10 @@
 
 The trainer compiles every block's forward with fullgraph=True when FSDP2 shards the model (its
 hooks stay outside the graphs), the whole model otherwise (train/compile.py). Here dp 2 x cp 2
-and cp 2 x tp 2 on 4 ranks, with the "aot_eager" backend (the same graphs as inductor, without
-its code generation; scripts/bench_compile.py measures inductor), against one process in eager:
-the same losses and final parameters as tests/test_train.py requires of eager runs.
+on 4 ranks (--tp is refused with --compile: see config.validate), with the "aot_eager" backend
+(the same graphs as inductor, without its code generation; scripts/bench_compile.py measures
+inductor), against one process in eager: the same losses and final parameters as
+tests/test_train.py requires of eager runs.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 from ringattn.cli.main import main
+from ringattn.train.config import TrainConfig, validate
 
 TINY = {
     "model": "tiny", "dim": 32, "seq_len": 64, "keys": 3, "copies": 2, "steps": 3, "warmup": 1,
@@ -20,7 +22,7 @@ TINY = {
 }  # fmt: skip
 
 
-@pytest.mark.parametrize(("dp", "cp", "tp"), [(2, 2, 1), (1, 2, 2)], ids=["dp2xcp2", "cp2xtp2"])
+@pytest.mark.parametrize(("dp", "cp", "tp"), [(2, 2, 1)], ids=["dp2xcp2"])
 def test_compiled_training_equals_one_process(pools, tmp_path, dp, cp, tp):
     want = pools(1).run("workers_train:train", {**TINY, "out_dir": str(tmp_path / "one")})[0]
     options = {**TINY, "out_dir": str(tmp_path / "compiled"), "dp": dp, "cp": cp, "tp": tp,
@@ -39,4 +41,6 @@ def test_compile_flag_errors(tmp_path):
     with pytest.raises(SystemExit):
         main(["train", "--compile-backend", "tvm", "--out-dir", str(tmp_path)])
     with pytest.raises(ValueError, match=r"--compile does not cover pipeline stages"):
-        main(["train", "--compile", "--pp", "2", "--nproc", "2", "--out-dir", str(tmp_path)])
+        validate(TrainConfig(compile=True, pp=2, layers=2, seq_len=64), 2)
+    with pytest.raises(ValueError, match=r"--compile with --tp > 1 gives a wrong embedding"):
+        validate(TrainConfig(compile=True, tp=2, seq_len=64), 2)
