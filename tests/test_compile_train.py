@@ -24,9 +24,11 @@ TINY = {
 
 @pytest.mark.parametrize(("dp", "cp", "tp"), [(2, 2, 1)], ids=["dp2xcp2"])
 def test_compiled_training_equals_one_process(pools, tmp_path, dp, cp, tp):
-    want = pools(1).run("workers_train:train", {**TINY, "out_dir": str(tmp_path / "one")})[0]
+    # the same samples: batch_size is per dp row
+    single = {**TINY, "out_dir": str(tmp_path / "one"), "batch_size": 2 * dp}
+    want = pools(1).run("workers_train:train", single)[0]
     options = {**TINY, "out_dir": str(tmp_path / "compiled"), "dp": dp, "cp": cp, "tp": tp,
-               "compile": True, "compile_backend": "aot_eager"}  # fmt: skip
+               "batch_size": 2, "compile": True, "compile_backend": "aot_eager"}  # fmt: skip
     got = pools(4).run("workers_train:train", options)[0]
     torch.testing.assert_close(
         torch.tensor(got["losses"], dtype=torch.float64),
