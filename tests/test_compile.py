@@ -94,7 +94,7 @@ def test_decoder_compiles_whole_and_equals_one_process(pools, world_size):
     """Our decoder under CP, torch.compile(model, fullgraph=True): no graph break, one graph,
     the summed loss and gradients of one process on the full sequence."""
     for breaks, reasons, loss_error, grad_error, graphs in pools(world_size).run(
-        "workers_compile:decoder_case", compiler="aot_eager"
+        "workers_compile:decoder_case", compiler="aot_eager", timeout=600
     ):
         assert breaks == 0, reasons
         assert graphs == 1
@@ -107,7 +107,7 @@ def test_packed_documents_change_without_recompiling(pools):
     bounds at call 2, the local length, padding included, at call 3), then never again."""
     layouts = [(0, 7, 8, 20), (0, 3, 20), (0, 1, 2, 9, 25, 31), (0, 12, 13, 40), (0, 40)]
     for breaks, graphs, out_error, grad_error in pools(2).run(
-        "workers_compile:packed_case", layouts=layouts
+        "workers_compile:packed_case", layouts=layouts, timeout=600
     ):
         assert breaks == 0
         assert graphs == [1, 2, 3, 3, 3], graphs

@@ -26,7 +26,10 @@ BATCHES = [(37,), (11, 1, 18, 7), (5, 20, 9), (3, 3, 9, 2, 30)]  # dense, then p
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_llama_compiled_equals_one_process(pools, world_size):
     results = pools(world_size).run(
-        "workers_compile:hf_layouts_case", batches=BATCHES, explain=world_size == 2
+        "workers_compile:hf_layouts_case",
+        batches=BATCHES,
+        explain=world_size == 2,
+        timeout=600,  # compiling on a loaded 2-core machine: generous
     )
     for breaks, reasons, rows in results:
         assert breaks == 0, reasons

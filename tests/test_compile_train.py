@@ -29,7 +29,7 @@ def test_compiled_training_equals_one_process(pools, tmp_path, dp, cp, tp):
     want = pools(1).run("workers_train:train", single)[0]
     options = {**TINY, "out_dir": str(tmp_path / "compiled"), "dp": dp, "cp": cp, "tp": tp,
                "batch_size": 2, "compile": True, "compile_backend": "aot_eager"}  # fmt: skip
-    got = pools(4).run("workers_train:train", options)[0]
+    got = pools(4).run("workers_train:train", options, timeout=600)[0]
     torch.testing.assert_close(
         torch.tensor(got["losses"], dtype=torch.float64),
         torch.tensor(want["losses"], dtype=torch.float64), rtol=1e-5, atol=0,
