@@ -20,6 +20,10 @@
 #   check    ringattn check on 1 GPU (bf16, fp16; W = 1)
 #   extra    GQA 32:8 causal sweep, and the merge decomposition at 4k/8k (kernels only / torch
 #            merge / Triton merge)                            -> bench_gqa.json, bench_merge_*.json
+#   apps     scripts/gpu_apps.py: train --compile, train --hf --dtype bfloat16, generate --hf,
+#            generate --checkpoint with and without --offload-kv, on the GPU at toy sizes
+#                                                             -> apps.json, apps_*.log
+#            (serve needs fastapi/uvicorn, which the GPU image lacks: carry wheels to add it)
 # Every stage's output goes to OUT_DIR/<stage>.log; OUT_DIR/SUMMARY.txt lists status and seconds.
 set -uo pipefail
 
@@ -99,9 +103,9 @@ export -f env_report gpu_tests  # `timeout` runs commands, not functions: throug
 BENCH=("$PY" -m ringattn bench --head-dim "$DIM")
 run env 30 bash -c env_report
 run tests 120 bash -c gpu_tests
-run sweep 200 "${BENCH[@]}" --heads "$MHA" --sizes "$SIZES" --masks causal,full \
+run sweep 170 "${BENCH[@]}" --heads "$MHA" --sizes "$SIZES" --masks causal,full \
     --repeats 3 --warmup 1 --json "$OUT/bench_mha.json" --plot "$OUT/bench_mha.png"
-run million 150 "$PY" -m ringattn bench --million --heads 8:8 "${MILLION[@]}" \
+run million 130 "$PY" -m ringattn bench --million --heads 8:8 "${MILLION[@]}" \
     --json "$OUT/million.json"
 run check 90 "$PY" -m ringattn check --nproc 1 --dtypes bfloat16,float16
 run extra_gqa 60 "${BENCH[@]}" --heads "$GQA" --sizes "$GQA_SIZES" --masks causal \
@@ -113,6 +117,9 @@ for merge in none torch triton; do
         --masks causal,full --passes fwd --baselines cudnn --merge "$merge" --repeats 5 \
         --json "$OUT/bench_merge_$merge.json"
 done
+APPS=("$PY" scripts/gpu_apps.py "$OUT")
+[[ "${GPU_BENCH_DRY_RUN:-0}" == 1 ]] && APPS+=(--dry-run)
+run apps 150 "${APPS[@]}"
 echo "total ${SECONDS}s; outputs in $OUT" >> "$SUMMARY"
 echo "===== SUMMARY"
 cat "$SUMMARY"
