@@ -125,3 +125,17 @@ def test_bad_arguments_raise_the_same_error_on_every_rank(pools):
             assert needle in got, (options, got)
     for got in pools(2).run("workers_generate:bad_call", {"max_new_tokens": 2}, True, timeout=600):
         assert "different" in got or "signature" in got or "rank" in got, got
+
+
+def test_the_cache_reserves_the_generation_once_and_reports_what_it_holds():
+    """One process, no EOS: after the prefill every layer reserves max_new_tokens - 1 rows, so the
+    buffers end exactly full (no doubling at the first decoded token), and the stats say so."""
+    import ringattn.hf
+
+    model, prompt = workers_hf.build("llama"), _prompt(23, 41)
+    _, stats = ringattn.hf.generate(model, prompt, 9, eos_token_id=[], return_stats=True)
+    per_token = 2 * 2 * 8 * 4 * 2  # (k, v) x 2 K/V heads x 8 dims x 4 bytes x 2 layers
+    assert stats.cache_bytes == (23 + 8) * per_token == stats.cache_capacity_bytes
+    _, offloaded = ringattn.hf.generate(model, prompt, 9, eos_token_id=[], return_stats=True,
+                                        offload_kv=True)  # fmt: skip
+    assert offloaded.cache_capacity_bytes == stats.cache_capacity_bytes

@@ -71,3 +71,17 @@ def test_chat_wraps_the_prompt_in_the_template_and_sampling_runs(tmp_path, capfd
     first = capfd.readouterr().out.strip().splitlines()[-1]
     assert main(sampled) == 0
     assert capfd.readouterr().out.strip().splitlines()[-1] == first  # the same seed, same text
+
+
+def test_single_node_launches_bind_nccl_and_gloo_to_loopback(monkeypatch, tmp_path):
+    import os
+    import sys
+
+    from ringattn.runtime import launch
+
+    for name in launch._SAVED_ENV:
+        monkeypatch.setenv(name, "x")  # recorded: restored after the test
+        monkeypatch.delenv(name)
+    launch._child_env(2, str(tmp_path))
+    if sys.platform == "linux" and os.path.exists("/sys/class/net/lo"):
+        assert os.environ["NCCL_SOCKET_IFNAME"] == "lo" == os.environ["GLOO_SOCKET_IFNAME"]

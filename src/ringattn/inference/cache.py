@@ -38,11 +38,15 @@ class LayerCache:
         self.start, self.length = 0, k.shape[2]
 
     def reserve(self, extra: int) -> None:
-        """Make room for `extra` more tokens without another copy."""
+        """Make room for exactly `extra` more tokens (a planned generation: no doubling)."""
+        if self.length + extra > self.k.shape[2]:
+            self._resize(self.length - self.start + extra)
+
+    def _grow(self, extra: int) -> None:
+        """Room for `extra` more tokens, doubling when unplanned (amortised appends)."""
         need = self.length + extra
-        if need <= self.k.shape[2]:
-            return
-        self._resize(max(need, 2 * self.k.shape[2]))
+        if need > self.k.shape[2]:
+            self._resize(max(need - self.start, 2 * self.k.shape[2]))
 
     def _resize(self, capacity: int) -> None:
         live = slice(self.start, self.length)
@@ -61,7 +65,7 @@ class LayerCache:
         n = k.shape[2]
         if n == 0:
             return
-        self.reserve(n)
+        self._grow(n)
         rows = slice(self.length, self.length + n)
         self.k[:, :, rows], self.v[:, :, rows] = k, v
         self.positions[rows] = positions
@@ -114,9 +118,13 @@ class HostLayerCache:
         self.append(k, v, positions)
 
     def reserve(self, extra: int) -> None:
+        if self.length + extra > self.k.shape[0]:
+            self._resize(self.length - self.start + extra)
+
+    def _grow(self, extra: int) -> None:
         need = self.length + extra
         if need > self.k.shape[0]:
-            self._resize(max(need, 2 * self.k.shape[0]))
+            self._resize(max(need - self.start, 2 * self.k.shape[0]))
 
     def _resize(self, capacity: int) -> None:
         live, count = slice(self.start, self.length), self.length - self.start
@@ -134,7 +142,7 @@ class HostLayerCache:
         n = k.shape[2]
         if n == 0:
             return
-        self.reserve(n)
+        self._grow(n)
         rows = slice(self.length, self.length + n)
         self.k[rows].copy_(k.permute(2, 0, 1, 3))
         self.v[rows].copy_(v.permute(2, 0, 1, 3))
