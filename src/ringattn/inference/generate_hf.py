@@ -38,7 +38,7 @@ from ringattn.integrations.hf.source import load_config, load_model, load_tokeni
 from ringattn.integrations.hf.tensor_parallel import check_tensor_parallel, tensor_parallel
 from ringattn.runtime.launch import init_distributed
 
-__all__ = ["check", "hf_worker"]
+__all__ = ["Progress", "check", "hf_worker"]
 
 
 def _prompt_text(cfg) -> str:
@@ -123,7 +123,7 @@ def _split(cfg, model, world_size: int, device: torch.device) -> tuple[object, o
     return mesh["cp"].get_group(), mesh["tp"].get_group()
 
 
-class _Progress:
+class Progress:
     """Prefill progress as one updating line on stderr (rank 0), ended at the first token."""
 
     def __init__(self, lead: bool):
@@ -165,7 +165,7 @@ def hf_worker(cfg) -> dict:
         print(text + "|" if tokenizer is not None else "generated ids:", end="", flush=True)
     new: list[int] = []
     shown = [""]  # the decoded text printed so far
-    progress = _Progress(lead)
+    progress = Progress(lead)
 
     def on_token(token: int) -> None:
         progress.end()

@@ -146,7 +146,7 @@ class Session:
         self.pending = None
         self.decoder.cache.reserve(max(0, max_new_tokens - 1))  # the last token is not fed
         stats.prefill_s = time.perf_counter() - start
-        generator = sampling.generator()
+        generator = sampling.generator(logits.device)
         out: list[int] = []
         decode_start = None
         while len(out) < max_new_tokens:
