@@ -55,5 +55,6 @@ def tensor_parallel(rank: int, world_size: int, arch: str, prompts: list, new: i
     )
     session = ringattn.hf.Session(model, group=cp, tp_group=tp_group)
     turns = [session.generate(prompts[0], new), session.generate(prompts[1], new)]
-    heads = model.base_model.layers[0].self_attn.k_proj.weight.shape[0]
-    return {"batch": out, "turns": turns, "cache_bytes": stats.cache_bytes, "k_rows": heads}
+    weight = model.base_model.layers[0].self_attn.k_proj.weight  # a DTensor: its local shard
+    rows = weight.to_local().shape[0]
+    return {"batch": out, "turns": turns, "cache_bytes": stats.cache_bytes, "k_rows": rows}
