@@ -42,6 +42,7 @@ class KVEngine:
         self.n_kv_heads = getattr(text, "num_key_value_heads", None) or self.n_heads
         self.lengths: list[int] = []  # tokens in each sequence so far
         self.decoded: list[int] = []  # tokens decoded one at a time per sequence (round-robin)
+        self.shifts: list[int] = []  # RoPE position - cache position (a VLM's images: vision.py)
 
     @property
     def device(self) -> torch.device:
@@ -62,9 +63,11 @@ class KVEngine:
             out[torch.tensor(rows, device=logits.device)] = logits[0].float()
         return all_reduce(out, self.info)
 
-    def prefill(self, prompts: list[torch.Tensor],
-                on_layer: Callable[[int], None] | None = None) -> torch.Tensor:  # fmt: skip
-        """Start one sequence per prompt (S_i,); logits (n, vocab) of each prompt's last token."""
+    def prefill(self, prompts: list[torch.Tensor], on_layer: Callable[[int], None] | None = None,
+                multimodal: dict | None = None) -> torch.Tensor:  # fmt: skip
+        """Start one sequence per prompt (S_i,); logits (n, vocab) of each prompt's last token.
+        `multimodal` (one prompt only): a VLM's image inputs; the prompt then goes in whole and
+        the decoder's pre-hook cuts this rank's rows (vision.py)."""
         device, first = self.device, len(self.lengths)
         lengths = [p.numel() for p in prompts]
         bounds = [0, *itertools.accumulate(lengths)]
@@ -85,12 +88,21 @@ class KVEngine:
             state.rows.append((first + d, rows, within[rows], length))
         ends = {bounds[d + 1] - 1: d for d in range(len(prompts))}
         keep = [(row, ends[i]) for row, i in enumerate(index.tolist()) if i in ends]
-        logits = self._forward(
-            input_ids=local, position_ids=within.clamp(min=0)[None], cu_seq_lens_q=bounds_t,
-            cu_seq_lens_k=bounds_t, max_length_q=max(lengths), max_length_k=max(lengths),
-            logits_to_keep=torch.tensor([row for row, _ in keep], dtype=torch.int64,
-                                        device=device),
-        )  # fmt: skip
+        lengths_kw = {"cu_seq_lens_q": bounds_t, "cu_seq_lens_k": bounds_t,
+                      "max_length_q": max(lengths), "max_length_k": max(lengths),
+                      "logits_to_keep": torch.tensor([row for row, _ in keep], dtype=torch.int64,
+                                                     device=device)}  # fmt: skip
+        if multimodal is not None:  # the whole prompt and its images; the pre-hook cuts
+            state.real, state.positions, state.next_position = index >= 0, index, None
+            logits = self._forward(input_ids=ids, **multimodal, **lengths_kw)
+            state.real = None
+            shift = 0 if state.next_position is None else state.next_position - total
+            self.shifts.append(shift)
+        else:
+            logits = self._forward(
+                input_ids=local, position_ids=within.clamp(min=0)[None], **lengths_kw
+            )
+            self.shifts += [0] * len(prompts)
         state.on_layer = None
         self.lengths += lengths
         self.decoded += [0] * len(prompts)
@@ -110,9 +122,10 @@ class KVEngine:
         state.decode_positions = [self.lengths[s] for s in seqs]
         state.owners = [(self.decoded[s] + s) % world for s in seqs]
         one = torch.tensor([0, 1], device="cpu")  # host-side bounds
+        rope = [p + self.shifts[s] for p, s in zip(state.decode_positions, seqs)]
         logits = self._forward(
             input_ids=torch.tensor(tokens, device=device).view(-1, 1),  # (L, 1)
-            position_ids=torch.tensor(state.decode_positions, device=device).view(-1, 1),
+            position_ids=torch.tensor(rope, device=device).view(-1, 1),
             cu_seq_lens_q=one, cu_seq_lens_k=one, max_length_q=1, max_length_k=1,
         )  # fmt: skip
         for s in seqs:

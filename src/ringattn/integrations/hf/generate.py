@@ -37,6 +37,7 @@ import torch
 from ringattn.comm import all_gather_ints, backend_device, resolve_group
 from ringattn.inference.sampling import next_token
 from ringattn.inference.session import TurnStats
+from ringattn.integrations.hf import vision
 from ringattn.integrations.hf.batching import Request, check_call, eos_ids, fresh_seeds
 from ringattn.integrations.hf.engine import KVEngine
 from ringattn.validate import validated
@@ -109,6 +110,7 @@ def generate(
     offload_kv: bool = False,
     tp_group: object = None,
     return_stats: bool = False,
+    **multimodal: torch.Tensor,
 ) -> torch.Tensor | list[torch.Tensor] | tuple[object, TurnStats]:
     """Continue `input_ids` by up to `max_new_tokens` tokens, stopping after an end-of-sequence
     token (`eos_token_id`, default the model's generation_config's). See the module docstring.
@@ -118,16 +120,33 @@ def generate(
     (a list) is called on every rank as each new token is chosen; returning True ends that
     sequence. `on_prefill(layers_done, layers)` follows the prefill. `offload_kv` keeps the cache
     in host memory (inference/cache.py). With `return_stats`, also this rank's `TurnStats` (time
-    to first token, decode time, the K/V bytes kept and the bytes the buffers hold).
+    to first token, decode time, the K/V bytes kept and the bytes the buffers hold). A
+    vision-language model (Qwen2-VL, LLaVA; one prompt) also takes the processor's image inputs
+    as keywords (`pixel_values`, `image_grid_thw`, ...: vision.MULTIMODAL_KEYS), the same on
+    every rank.
     """
     info = resolve_group(group)
     tp_info = resolve_group(tp_group) if tp_group is not None else None
     vocab = model.config.get_text_config().vocab_size
     device = next(model.parameters()).device
-    requests, is_list = validated(
-        info, device, lambda: check_call(input_ids, max_new_tokens, layout, do_sample,
-                                         temperature, top_k, top_p, seed, vocab),
-    )  # fmt: skip
+
+    def build():
+        unknown = sorted(set(multimodal) - set(vision.MULTIMODAL_KEYS))
+        if unknown:
+            raise ValueError(f"ringattn.hf.generate does not know the inputs {unknown}; it takes "
+                             f"input_ids and {list(vision.MULTIMODAL_KEYS)}")  # fmt: skip
+        checked, signature = check_call(input_ids, max_new_tokens, layout, do_sample,
+                                        temperature, top_k, top_p, seed, vocab)  # fmt: skip
+        is_list = checked[1]
+        if is_list and any(v is not None for v in multimodal.values()):
+            raise ValueError("image inputs go with one (1, S) prompt, not a list of prompts")
+        return checked, signature
+
+    requests, is_list = validated(info, device, build)
+    images = {key: value for key, value in multimodal.items() if value is not None}
+    if images or vision.is_multimodal(model):  # a VLM takes the whole prompt
+        vision.check_family(model)
+        vision.install(model)
     groups = [tp_info, info] if tp_info is not None else [info]
     fresh_seeds(requests, groups, backend_device(info, device))
     engine = KVEngine(model, group=group, layout=layout, offload=offload_kv)
@@ -136,7 +155,8 @@ def generate(
     stats = TurnStats(prompt_tokens=sum(r.prompt.numel() for r in requests))
     start = time.perf_counter()
     seqs = list(range(len(requests)))
-    logits = engine.prefill([r.prompt for r in requests], progress)
+    whole = images if (images or vision.is_multimodal(model)) else None
+    logits = engine.prefill([r.prompt for r in requests], progress, whole)
     engine.reserve(seqs, [max(0, r.max_new_tokens - 1) for r in requests])
     stats.prefill_s = time.perf_counter() - start
     callback = on_token

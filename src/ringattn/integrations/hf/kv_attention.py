@@ -29,6 +29,7 @@ from ringattn.comm import GroupInfo, all_gather_async, wait
 from ringattn.inference.cache import ShardedKVCache
 from ringattn.inference.partials import local_partial, merge_across_ranks
 from ringattn.inference.turns import Turn, pass_kv, pass_q
+from ringattn.integrations.hf import vision
 from ringattn.integrations.hf.attention import _check_call, ringattn_mask
 from ringattn.kernels import select_kernel
 
@@ -58,6 +59,12 @@ class KVState:
         self.turn_positions: torch.Tensor | None = None
         self.turn_lengths: dict[int, list[int]] = {}  # by layer: kept tokens per rank
         self.mode = "pass-kv"
+        # a VLM's prefill (vision.py's decoder pre-hook reads these): real is not None while
+        # the whole prompt goes in, positions the packed index of each local row; the hook
+        # notes the first decoded position (M-RoPE numbers images by their grid)
+        self.real: torch.Tensor | None = None
+        self.positions: torch.Tensor | None = None
+        self.next_position: int | None = None
 
     def cache(self, layer: int, seq: int, left: int | None) -> ShardedKVCache:
         key = (layer, seq)
@@ -178,8 +185,8 @@ def attach(model: torch.nn.Module, state: KVState | None) -> str:
     """Switch `model` to "ringattn-kv" with `state` on every module; returns the previous
     implementation. `state=None` removes the state (use `restore`)."""
     register()
-    previous = model.config._attn_implementation
-    model.set_attn_implementation(ATTENTION_NAME)
+    previous = model.config.get_text_config()._attn_implementation
+    model.set_attn_implementation(vision.text_attention(model, ATTENTION_NAME))
     for module in model.modules():
         setattr(module, STATE_ATTR, state)
     return previous
@@ -189,4 +196,4 @@ def restore(model: torch.nn.Module, previous: str) -> None:
     for module in model.modules():
         if hasattr(module, STATE_ATTR):
             delattr(module, STATE_ATTR)
-    model.set_attn_implementation(previous)
+    model.set_attn_implementation(vision.text_attention(model, previous))
