@@ -13,5 +13,6 @@ transformers (`pip install ringattn[hf]`); `import ringattn` alone does not.
 from ringattn.integrations.hf import parallelize, shard_batch
 from ringattn.integrations.hf.generate import generate  # decoding over a sharded KV cache
 from ringattn.integrations.hf.loss import loss  # chunked cross-entropy: logits never whole
+from ringattn.integrations.hf.session import Session  # follow-up turns over the cache
 
-__all__ = ["generate", "loss", "parallelize", "shard_batch"]
+__all__ = ["Session", "generate", "loss", "parallelize", "shard_batch"]

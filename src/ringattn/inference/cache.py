@@ -9,8 +9,10 @@ position (a layout keeps each shard in increasing order, and every later token c
 earlier one), so a sliding window of `left` tokens makes the evictable keys a prefix: a query at
 position p sees keys with position >= p - left, and keys older than that are dropped for good.
 
-Buffers grow by doubling (`reserve` sizes them up front, so a planned generation copies nothing);
-`nbytes` counts the kept tokens only, the figure that `ringattn generate` reports per rank.
+Buffers grow by doubling, but `reserve` sizes them up front (the generators reserve this rank's
+share of max_new_tokens right after the prefill, so a planned generation copies nothing);
+`nbytes` counts the kept tokens, `capacity_bytes` what the buffers hold; `ringattn generate`
+reports both per rank.
 
 Offload (`ShardedKVCache.offload()`, `ringattn generate --offload-kv`): every layer's shard lives
 in host memory (pinned when the model computes on CUDA), rows first (capacity, B, Hkv, D) so that
@@ -36,11 +38,15 @@ class LayerCache:
         self.start, self.length = 0, k.shape[2]
 
     def reserve(self, extra: int) -> None:
-        """Make room for `extra` more tokens without another copy."""
+        """Make room for exactly `extra` more tokens (a planned generation: no doubling)."""
+        if self.length + extra > self.k.shape[2]:
+            self._resize(self.length - self.start + extra)
+
+    def _grow(self, extra: int) -> None:
+        """Room for `extra` more tokens, doubling when unplanned (amortised appends)."""
         need = self.length + extra
-        if need <= self.k.shape[2]:
-            return
-        self._resize(max(need, 2 * self.k.shape[2]))
+        if need > self.k.shape[2]:
+            self._resize(max(need - self.start, 2 * self.k.shape[2]))
 
     def _resize(self, capacity: int) -> None:
         live = slice(self.start, self.length)
@@ -59,7 +65,7 @@ class LayerCache:
         n = k.shape[2]
         if n == 0:
             return
-        self.reserve(n)
+        self._grow(n)
         rows = slice(self.length, self.length + n)
         self.k[:, :, rows], self.v[:, :, rows] = k, v
         self.positions[rows] = positions
@@ -83,8 +89,16 @@ class LayerCache:
 
     @property
     def nbytes(self) -> int:
-        per_token = 2 * self.k[:, :, :1].numel() * self.k.element_size()
-        return self.tokens * per_token
+        return self.tokens * self.token_bytes
+
+    @property
+    def token_bytes(self) -> int:
+        return 2 * self.k[:, :, :1].numel() * self.k.element_size()
+
+    @property
+    def capacity_bytes(self) -> int:
+        """Bytes the buffers hold, live or not (what the cache costs in memory)."""
+        return self.k.shape[2] * self.token_bytes
 
 
 class HostLayerCache:
@@ -104,9 +118,13 @@ class HostLayerCache:
         self.append(k, v, positions)
 
     def reserve(self, extra: int) -> None:
+        if self.length + extra > self.k.shape[0]:
+            self._resize(self.length - self.start + extra)
+
+    def _grow(self, extra: int) -> None:
         need = self.length + extra
         if need > self.k.shape[0]:
-            self._resize(max(need, 2 * self.k.shape[0]))
+            self._resize(max(need - self.start, 2 * self.k.shape[0]))
 
     def _resize(self, capacity: int) -> None:
         live, count = slice(self.start, self.length), self.length - self.start
@@ -124,7 +142,7 @@ class HostLayerCache:
         n = k.shape[2]
         if n == 0:
             return
-        self.reserve(n)
+        self._grow(n)
         rows = slice(self.length, self.length + n)
         self.k[rows].copy_(k.permute(2, 0, 1, 3))
         self.v[rows].copy_(v.permute(2, 0, 1, 3))
@@ -147,6 +165,10 @@ class HostLayerCache:
     @property
     def nbytes(self) -> int:
         return self.tokens * 2 * self.k[:1].numel() * self.k.element_size()
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.k.shape[0] * 2 * self.k[:1].numel() * self.k.element_size()
 
 
 class _Copy:
@@ -276,3 +298,8 @@ class ShardedKVCache:
     def nbytes(self) -> int:
         """Bytes of K/V this rank keeps over all layers."""
         return sum(cache.nbytes for cache in self.layers if cache is not None)
+
+    @property
+    def capacity_bytes(self) -> int:
+        """Bytes this rank's buffers take over all layers (kept tokens plus reserved room)."""
+        return sum(cache.capacity_bytes for cache in self.layers if cache is not None)

@@ -31,9 +31,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed.checkpoint as dcp
 
-from ringattn.comm import all_gather_ints, resolve_group
+from ringattn.comm import all_gather_ints, backend_device, resolve_group
+from ringattn.inference.generate_hf import Progress, hf_worker
 from ringattn.inference.generate_hf import check as check_hf
-from ringattn.inference.generate_hf import hf_worker
 from ringattn.inference.partials import MERGES
 from ringattn.inference.sampling import Sampling
 from ringattn.inference.session import Session
@@ -80,6 +80,10 @@ class GenerateConfig:
     """Stop after this token id (a byte value)."""
     offload_kv: bool = False
     """Keep the cache shards in host memory, each layer's copied in while the previous computes."""
+    tp: int = 1
+    """--hf: tensor-parallel degree; the --nproc ranks are cp = nproc / tp x tp."""
+    chat: bool = False
+    """--hf: wrap the prompt as a user message with the model's chat template."""
     prompt_ids: list[int] | None = None
     """The prompt's tokens, resolved from the flags before launch (`prompt`); not a flag."""
     answer: int | None = None
@@ -161,8 +165,8 @@ def check_config(cfg: GenerateConfig) -> None:
         raise ValueError(f"--prompt-file {cfg.prompt_file!r} is not a file")
     if cfg.prompt == "" or (cfg.prompt_file is not None and os.path.getsize(cfg.prompt_file) == 0):
         raise ValueError("the prompt is empty; pass at least one byte")
-    if cfg.hf is not None and cfg.offload_kv:
-        raise ValueError("--offload-kv applies to --checkpoint's decoder; drop it with --hf")
+    if cfg.hf is None and (cfg.tp != 1 or cfg.chat):
+        raise ValueError("--tp and --chat apply to --hf models; drop them with --checkpoint")
     if cfg.hf is not None:
         check_hf(cfg)
     else:
@@ -177,8 +181,10 @@ def generate_worker(cfg: GenerateConfig, render: Callable[[list[int]], str] = _b
     if cfg.hf is not None:
         return hf_worker(cfg)
     model, state = load_model(cfg.checkpoint)  # before the group exists: a plain local load
+    device = torch.device("cpu")
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        init_distributed()
+        device = init_distributed()  # CUDA under NCCL: the model and its cache go there too
+    model.to(device)
     info = resolve_group(None)
     lead = info.rank == 0
     prompt, answer = cfg.prompt_ids, cfg.answer
@@ -190,11 +196,10 @@ def generate_worker(cfg: GenerateConfig, render: Callable[[list[int]], str] = _b
               flush=True)  # fmt: skip
         _print_head(prompt, answer, render)
 
-    def on_prefill(done: int, total: int) -> None:
-        if lead:
-            print(f"[prefill] layer {done}/{total}", file=sys.stderr, flush=True)
+    progress = Progress(lead)
 
     def on_token(token: int) -> None:
+        progress.end()
         if lead:
             print(render([token]), end="", flush=True)
 
@@ -205,10 +210,11 @@ def generate_worker(cfg: GenerateConfig, render: Callable[[list[int]], str] = _b
     start = time.perf_counter()
     tokens, stats = session.generate(prompt, cfg.max_new_tokens, sampling=sampling,
                                      eos_id=cfg.eos_id, on_token=on_token,
-                                     on_prefill=on_prefill)  # fmt: skip
+                                     on_prefill=progress.layer)  # fmt: skip
     total_s = time.perf_counter() - start
+    progress.end()
     cache_bytes = [
-        row[0] for row in all_gather_ints([stats.cache_bytes], info, torch.device("cpu"))
+        row[0] for row in all_gather_ints([stats.cache_bytes], info, backend_device(info, device))
     ]
     if lead:
         tail = "" if answer is None else f"    (right answer: {render([answer])})"

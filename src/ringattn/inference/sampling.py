@@ -47,8 +47,10 @@ class Sampling:
     def greedy(self) -> bool:
         return self.temperature == 0
 
-    def generator(self) -> torch.Generator:
-        return torch.Generator().manual_seed(self.seed)
+    def generator(self, device: torch.device | str = "cpu") -> torch.Generator:
+        """A generator seeded with `seed` on `device` (the logits' device: multinomial needs
+        them together; CPU by default, for host-side logits)."""
+        return torch.Generator(device=device).manual_seed(self.seed)
 
 
 def next_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator) -> int:

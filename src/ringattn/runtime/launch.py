@@ -148,7 +148,7 @@ def _launch_error(err: Exception, nproc: int, name: str, verdicts: list[str]) ->
 _STORE_FILE = "process-group-store"
 _AGENT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 _SAVED_ENV = (_CHILD_ENV, "OMP_NUM_THREADS", RUN_DIR_ENV, "GLOO_SOCKET_IFNAME",
-              "TORCH_DISABLE_SHARE_RDZV_TCP_STORE")  # fmt: skip
+              "NCCL_SOCKET_IFNAME", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE")  # fmt: skip
 
 
 def _child_env(nproc: int, run_dir: str) -> None:
@@ -158,7 +158,9 @@ def _child_env(nproc: int, run_dir: str) -> None:
     # no TCPStore in the agent: its rendezvous is a FileStore (see the module docstring)
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     if sys.platform == "linux" and os.path.exists("/sys/class/net/lo"):
+        # one node: both backends bootstrap over loopback, never a routable interface
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
     # Each rank gets its share of the cores; W ranks x all cores each would oversubscribe.
     threads = max(1, (os.cpu_count() or 1) // nproc)
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
