@@ -74,7 +74,7 @@ def save_chat_model(directory) -> tuple[torch.nn.Module, object]:
 class Server:
     """`ringattn serve` as a child process (its own session) on 127.0.0.1, any free port."""
 
-    def __init__(self, directory, nproc: int, *extra: str, timeout_s: float = 120.0):
+    def __init__(self, directory, nproc: int, *extra: str, timeout_s: float = 300.0):
         argv = [sys.executable, "-m", "ringattn", "serve", "--hf", str(directory), "--nproc",
                 str(nproc), "--port", "0", *extra]  # fmt: skip
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
