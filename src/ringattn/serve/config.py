@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from ringattn.integrations.hf.source import load_config, model_source
 from ringattn.layout import LAYOUTS
+from ringattn.runtime.flags import check_at_least, check_choice
 
 __all__ = ["ServeConfig", "bind", "check", "model_name"]
 
@@ -67,18 +68,16 @@ def check(cfg: ServeConfig) -> None:
                          f"'ringattn[serve]' (or bash scripts/setup.sh)")  # fmt: skip
     if cfg.hf is None:
         raise ValueError("ringattn serve needs --hf DIR (a local Hugging Face model directory)")
-    if not isinstance(cfg.nproc, int) or cfg.nproc < 1:
-        raise ValueError(f"--nproc must be >= 1, got {cfg.nproc}")
-    if cfg.tp < 1 or cfg.nproc % cfg.tp:
-        raise ValueError(f"--tp {cfg.tp} must be >= 1 and divide --nproc {cfg.nproc} "
-                         f"(cp = nproc / tp)")  # fmt: skip
+    check_at_least("nproc", cfg.nproc, 1)
+    check_at_least("tp", cfg.tp, 1)
+    if cfg.nproc % cfg.tp:
+        raise ValueError(f"--tp {cfg.tp} must divide --nproc {cfg.nproc} (cp = nproc / tp)")
     if cfg.tp > 1:
         raise ValueError(
             f"--tp {cfg.tp}: tensor-parallel inference (ring attention + TP, issue 22 item 4) is "
             f"not in this build yet; serve with --tp 1 (context parallel over --nproc ranks)"
         )
-    if cfg.layout not in LAYOUTS:
-        raise ValueError(f"--layout {cfg.layout!r} is not one of {', '.join(LAYOUTS)}")
+    check_choice("layout", cfg.layout, LAYOUTS)
     if not 0 <= cfg.port < 65536:
         raise ValueError(f"--port must be in [0, 65535], got {cfg.port}")
     if cfg.api_key is not None and not cfg.api_key.strip():

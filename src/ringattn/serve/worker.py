@@ -87,9 +87,10 @@ def run_request(model, tokenizer, request: Request, eos: list[int], layout: str,
     if request.temperature > 0:
         sampling = {"do_sample": True, "temperature": request.temperature,
                     "top_p": request.top_p, "seed": request.seed}  # fmt: skip
-    finish = "length"
+    finish, device = "length", next(model.parameters()).device
     try:
-        ringattn.hf.generate(model, torch.tensor([request.ids]), request.max_new_tokens,
+        input_ids = torch.tensor([request.ids], dtype=torch.int64, device=device)  # (1, S)
+        ringattn.hf.generate(model, input_ids, request.max_new_tokens,
                              layout=layout, eos_token_id=eos, on_token=on_token,
                              **sampling)  # fmt: skip
         if text.ids and text.ids[-1] in eos:
