@@ -21,7 +21,9 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
+import ringattn.hf
 from ringattn.cli.main import main
+from ringattn.serve.text import TextStream
 from ringattn.serve.worker import SAMPLING
 from serve_model import CONTEXT, InProcess, save_chat_model
 
@@ -187,3 +189,43 @@ def test_serve_refuses_bad_flags_before_launching(served, tmp_path, capfd):
             main(["serve", *argv])
         assert info.value.code == 2
         assert needle in capfd.readouterr().err
+
+
+@pytest.mark.skipif(not SAMPLING, reason="ringattn.hf.generate samples (issue 22 item 2)")
+def test_sampling_with_a_seed_is_the_seeded_generate_alone(served):
+    _, client, model, tok, _ = served
+    ids = chat_ids(tok, HELLO)
+    settings = {"temperature": 1.3, "top_p": 0.9, "seed": 1234}
+    alone = ringattn.hf.generate(model, torch.tensor([ids]), 12, do_sample=True,
+                                 eos_token_id=[tok.eos_token_id], **settings)  # fmt: skip
+    want = tok.decode(alone[0, len(ids) :], skip_special_tokens=True)
+    for _ in range(2):  # the same seed, the same tokens; a new call replays nothing else
+        reply = client.chat.completions.create(model="tiny", messages=HELLO, max_tokens=12,
+                                               **settings)  # fmt: skip
+        assert reply.choices[0].message.content == want
+    unseeded = {
+        client.chat.completions.create(model="tiny", messages=HELLO, max_tokens=12,
+                                       temperature=1.5).choices[0].message.content
+        for _ in range(3)
+    }  # fmt: skip
+    assert len(unseeded) > 1  # a fresh seed per request (near-uniform logits: equal w.p. ~0)
+
+
+class _Chars:
+    """A tokenizer stand-in: token t is the character chr(t); 0 is a special token ("")."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(t) for t in ids if t)
+
+
+def test_text_stream_holds_back_what_may_start_a_stop_string():
+    stream = TextStream(_Chars(), ["STOP", "xy"])
+    shown = [stream.push(ord(c)) for c in "abST"]
+    assert "".join(shown) == "a"  # "bST" may be the start of "STOP": the last 3 wait
+    assert stream.push(ord("O")) == "b" and not stream.stopped
+    assert stream.push(ord("P")) == "" and stream.stopped  # the text ends before "STOP"
+    assert stream.text == "ab" and stream.flush() == ""
+    plain = TextStream(_Chars(), [])
+    assert [plain.push(t) for t in (104, 0, 105)] == ["h", "", "i"]  # no stop: nothing held
+    late = TextStream(_Chars(), ["xyz"])
+    assert "".join(late.push(ord(c)) for c in "axy") == "a" and late.flush() == "xy"

@@ -144,10 +144,14 @@ def serve_worker(cfg: ServeConfig) -> dict:
         signal.signal(signal.SIGINT, signal.SIG_DFL)
     source = model_source(cfg.hf)
     torch.manual_seed(cfg.seed)  # from_config: the same random weights on every rank
-    model = load_model(source).eval()
+    model = load_model(source).eval()  # on the CPU, before the group exists
     tokenizer = load_tokenizer(source.tokenizer_dir)
+    device = torch.device("cpu")
     if world_size > 1:
-        init_distributed()
+        device = init_distributed()  # NCCL (a GPU per rank) or gloo (the CPU)
+    elif torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+    model.to(device)  # the group's device: NCCL collectives take CUDA tensors only
     info = resolve_group(None)
     jobs, http = queue.Queue(), None
     if info.rank == 0:
