@@ -131,11 +131,18 @@ def test_pass_kv_and_pass_q_logits_match_recomputation(pools):
 
 
 def test_mode_rule():
-    """Meta's rule: pass-Q below a miss rate of 2 * Hkv / Hq, unless pass-KV's transfer hides."""
+    """Fewer bytes: pass-Q while T * Hq * (D e + 4 (D + 1)) < (T + P_kept) * 2 * Hkv * D e,
+    unless pass-KV's transfer hides (D = 128, e = 2 by default)."""
     assert choose_mode(10, 990, 32, 8, 4) == "pass-q"  # 1 % new < 50 %
     assert choose_mode(600, 400, 32, 8, 4) == "pass-kv"  # 60 % new >= 50 %
     assert choose_mode(4, 96, 8, 1, 2) == "pass-q"  # 4 % < 25 %
     assert choose_mode(30, 70, 8, 1, 2) == "pass-kv"
+    # break-even at T / (T + P) = Hkv / Hq for float32 (e = 4): 8 / 32 = 25 %
+    assert choose_mode(24, 76, 32, 8, 4, head_dim=1024, elem_bytes=4) == "pass-q"
+    assert choose_mode(26, 74, 32, 8, 4, head_dim=1024, elem_bytes=4) == "pass-kv"
+    # a window keeps 100 of the 1,000 cached tokens: 10 new ones no longer pay for pass-Q
+    assert choose_mode(10, 990, 32, 8, 4) == "pass-q"
+    assert choose_mode(10, 990, 32, 8, 4, kept_tokens=20) == "pass-kv"
     # T >= N C Hkv e / (2 Hq BW) = 4 * 1e15 * 8 * 2 / (2 * 32 * 1e11) = 10,000 tokens
     hide = {"flops_per_s": 1e15, "bytes_per_s": 1e11, "elem_bytes": 2}
     assert choose_mode(20_000, 1_000_000, 32, 8, 4, **hide) == "pass-kv"
@@ -143,11 +150,11 @@ def test_mode_rule():
 
 
 def test_auto_mode_follows_the_rule(pools):
-    """8 query heads over 1 K/V head: pass-Q below 25 % new tokens, pass-KV above. Turn 2 has
-    4 new (3 + the last reply token) over 21 cached (16 %), turn 3 has 13 over 26 (33 %); the
-    replies equal the decoder without cache."""
+    """8 query heads over 1 K/V head of 4 dims in float32: pass-Q below 2 * 4 * 4 / (8 * 36) = 11 %
+    new tokens (the bytes), pass-KV above. Turn 2 has 2 new (1 + the last reply token) over 21
+    cached (9 %), turn 3 has 13 over 24 (35 %); the replies equal the decoder without cache."""
     model = build_model(heads=8, kv_heads=1)
-    turns = [_prompt(20, 1), _prompt(3, 2), _prompt(12, 3)]
+    turns = [_prompt(20, 1), _prompt(1, 2), _prompt(12, 3)]
     history, want = [], []
     for prompt in turns:
         history += prompt

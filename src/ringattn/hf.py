@@ -11,5 +11,6 @@ transformers (`pip install ringattn[hf]`); `import ringattn` alone does not.
 
 from ringattn.integrations.hf import parallelize, shard_batch
 from ringattn.integrations.hf.generate import generate  # decoding over a sharded KV cache
+from ringattn.integrations.hf.session import Session  # follow-up turns over the cache
 
-__all__ = ["generate", "parallelize", "shard_batch"]
+__all__ = ["Session", "generate", "parallelize", "shard_batch"]

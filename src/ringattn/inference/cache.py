@@ -9,8 +9,10 @@ position (a layout keeps each shard in increasing order, and every later token c
 earlier one), so a sliding window of `left` tokens makes the evictable keys a prefix: a query at
 position p sees keys with position >= p - left, and keys older than that are dropped for good.
 
-Buffers grow by doubling (`reserve` sizes them up front, so a planned generation copies nothing);
-`nbytes` counts the kept tokens only, the figure that `ringattn generate` reports per rank.
+Buffers grow by doubling, but `reserve` sizes them up front (the generators reserve this rank's
+share of max_new_tokens right after the prefill, so a planned generation copies nothing);
+`nbytes` counts the kept tokens, `capacity_bytes` what the buffers hold; `ringattn generate`
+reports both per rank.
 
 Offload (`ShardedKVCache.offload()`, `ringattn generate --offload-kv`): every layer's shard lives
 in host memory (pinned when the model computes on CUDA), rows first (capacity, B, Hkv, D) so that
@@ -68,6 +70,7 @@ class LayerCache:
     def evict_before(self, position: int) -> None:
         """Drop every kept token whose position is below `position` (a prefix, see module doc)."""
         live = self.positions[self.start : self.length]
+        # the probe on the positions' own device: a CPU scalar against CUDA positions raises
         self.start += int(torch.searchsorted(live, torch.tensor(position, device=live.device)))
         if self.start > (self.k.shape[2] // 2):  # compact: the dead prefix must not grow forever
             self._resize(max(1, self.length - self.start))
@@ -83,8 +86,16 @@ class LayerCache:
 
     @property
     def nbytes(self) -> int:
-        per_token = 2 * self.k[:, :, :1].numel() * self.k.element_size()
-        return self.tokens * per_token
+        return self.tokens * self.token_bytes
+
+    @property
+    def token_bytes(self) -> int:
+        return 2 * self.k[:, :, :1].numel() * self.k.element_size()
+
+    @property
+    def capacity_bytes(self) -> int:
+        """Bytes the buffers hold, live or not (what the cache costs in memory)."""
+        return self.k.shape[2] * self.token_bytes
 
 
 class HostLayerCache:
@@ -147,6 +158,10 @@ class HostLayerCache:
     @property
     def nbytes(self) -> int:
         return self.tokens * 2 * self.k[:1].numel() * self.k.element_size()
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.k.shape[0] * 2 * self.k[:1].numel() * self.k.element_size()
 
 
 class _Copy:
@@ -276,3 +291,8 @@ class ShardedKVCache:
     def nbytes(self) -> int:
         """Bytes of K/V this rank keeps over all layers."""
         return sum(cache.nbytes for cache in self.layers if cache is not None)
+
+    @property
+    def capacity_bytes(self) -> int:
+        """Bytes this rank's buffers take over all layers (kept tokens plus reserved room)."""
+        return sum(cache.capacity_bytes for cache in self.layers if cache is not None)

@@ -147,15 +147,21 @@ class CachedDecoder:
     def extend(self, tokens: torch.Tensor, mode: str = "auto") -> torch.Tensor:
         """A follow-up turn: tokens (T,) after everything cached; logits (vocab,) of the last.
 
-        `mode` is "pass-kv", "pass-q" or "auto" (Meta's rule, turns.choose_mode); the choice
+        `mode` is "pass-kv", "pass-q" or "auto" (the fewer bytes, turns.choose_mode); the choice
         is kept in `last_mode`.
         """
         check_mode(mode)
         assert self.next_pos > 0, "extend continues a conversation; start it with prefill"
         model, cfg, info = self.model, self.model.cfg, self.info
         new, cached = tokens.numel(), self.next_pos
+        lengths = [
+            row[0] for row in all_gather_ints([self.cache.tokens], info, torch.device("cpu"))
+        ]
         if mode == "auto":
-            mode = choose_mode(new, cached, cfg.n_heads, cfg.n_kv_heads, info.world_size)
+            elem = self.model.tok_embeddings.weight.element_size()
+            mode = choose_mode(new, cached, cfg.n_heads, cfg.n_kv_heads, info.world_size,
+                               head_dim=cfg.head_dim, kept_tokens=sum(lengths),
+                               elem_bytes=elem)  # fmt: skip
         self.last_mode = mode
         layout = get_layout(self.layout)
         placement = place(layout, info.world_size, (0, new))
@@ -164,9 +170,6 @@ class CachedDecoder:
         index = ringattn.positions(new, **common)
         positions = torch.where(index >= 0, index + cached, index)  # global; -1 padding
         real = (index >= 0).nonzero().flatten()
-        lengths = [
-            row[0] for row in all_gather_ints([self.cache.tokens], info, torch.device("cpu"))
-        ]
         turn = Turn(info, self.group, self.layout, placement, cached, self.kernel, self.scale,
                     self.window, lengths, self._gathered_positions(lengths))  # fmt: skip
         cos, sin = self._angles(positions)

@@ -43,6 +43,9 @@ class TurnStats:
     mode: str = "prefill"
     """"prefill" for the first turn, else the follow-up mode used: "pass-kv" or "pass-q"."""
     cache_bytes: int = 0
+    """Bytes of K/V this rank keeps."""
+    cache_capacity_bytes: int = 0
+    """Bytes this rank's cache buffers hold (kept plus reserved for the tokens to come)."""
     cache_tokens: int = 0
 
     @property
@@ -141,6 +144,7 @@ class Session:
             logits = self.decoder.extend(tokens, mode)
             stats.mode = self.decoder.last_mode
         self.pending = None
+        self.decoder.cache.reserve(max(0, max_new_tokens - 1))  # the last token is not fed
         stats.prefill_s = time.perf_counter() - start
         generator = sampling.generator()
         out: list[int] = []
@@ -162,4 +166,5 @@ class Session:
         self.pending = out[-1] if out else None
         stats.new_tokens = len(out)
         stats.cache_bytes, stats.cache_tokens = self.decoder.cache.nbytes, self.decoder.cache.tokens
+        stats.cache_capacity_bytes = self.decoder.cache.capacity_bytes
         return out, stats

@@ -15,10 +15,15 @@ Scalable Million-Token Inference", 2024):
               them over its own cache and its own new K/V, and the partial (out, lse) go back to
               the queries' owners in one all-to-all, merged there. Moves T * Hq * (2 D + 1).
 
-`choose_mode` is the paper's rule: pass-Q when T / (T + P) < 2 * Hkv / Hq (a cache hit rate so high
-that the new queries are smaller than the K/V), unless pass-KV's transfer hides behind compute,
-T >= N * C * Hkv * e / (2 * Hq * BW) for N ranks of C FLOP/s, e bytes per element and BW bytes/s
-(only checked when C and BW are given).
+`choose_mode` picks the one that moves fewer bytes, counted as above with the real element sizes:
+pass-KV moves (T + P_kept) * 2 * Hkv * D * e bytes (P_kept: the cached tokens actually kept, fewer
+than P under a sliding window), pass-Q T * Hq * D * e (the queries) + T * Hq * (D + 1) * 4 (the
+float32 partials back). With e = 4 the break-even is at T / (T + P_kept) = Hkv / Hq; with bf16 at
+2/3 of that. (The paper's rule of thumb, 2 * Hkv / Hq, counts neither the partials nor D.)
+Exposure: pass-KV's ring overlaps each step's transfer, a shard of (T + P) / N tokens, with that
+step's attention, 4 * (T / N) * ((T + P) / N) * Hq * D FLOPs, so its transfer is hidden when
+T >= N * C * Hkv * e / (2 * Hq * BW) for N ranks of C FLOP/s and BW bytes/s; then pass-KV wins
+whatever the bytes (only checked when C and BW are given).
 """
 
 from __future__ import annotations
@@ -51,13 +56,18 @@ def choose_mode(
     n_kv_heads: int,
     world_size: int,
     *,
+    head_dim: int = 128,
+    kept_tokens: int | None = None,
     flops_per_s: float | None = None,
     bytes_per_s: float | None = None,
     elem_bytes: int = 2,
 ) -> str:
-    """ "pass-q" or "pass-kv" for T = new_tokens over P = cached_tokens (see module docstring)."""
-    miss_rate = new_tokens / (new_tokens + cached_tokens)
-    if miss_rate >= 2 * n_kv_heads / n_heads:
+    """ "pass-q" or "pass-kv" for T = new_tokens over P = cached_tokens, of which `kept_tokens`
+    are still in the cache (default: all; fewer under a window). See the module docstring."""
+    kept = cached_tokens if kept_tokens is None else kept_tokens
+    kv_bytes = (new_tokens + kept) * 2 * n_kv_heads * head_dim * elem_bytes
+    q_bytes = new_tokens * n_heads * (head_dim * elem_bytes + (head_dim + 1) * 4)
+    if q_bytes >= kv_bytes:
         return "pass-kv"
     if flops_per_s and bytes_per_s:
         hides_at = world_size * flops_per_s * n_kv_heads * elem_bytes / (2 * n_heads * bytes_per_s)
@@ -135,14 +145,17 @@ def pass_kv(
     k: torch.Tensor,
     v: torch.Tensor,
     cached: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-) -> torch.Tensor:
-    """Attention output (B, Hq, T_local, D) float32 of this rank's new queries; K/V travel."""
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Attention output (B, Hq, T_local, D) float32 of this rank's new queries; K/V travel.
+    With `return_lse`, also the merged lse (B, Hq, T_local) (attention sinks need it)."""
     info = turn.info
     cached_k, cached_v, _ = cached
     window = None if turn.window is None else (turn.window, 0)
     new_out, new_lse = ringattn.attention(
-        q, k, v, causal=True, group=turn.group, layout=turn.layout, return_lse=True,
-        cu_seqlens=list(turn.placement.bounds), window=window, backend=turn.kernel.name,
+        q, k, v, causal=True, scale=turn.scale, group=turn.group, layout=turn.layout,
+        return_lse=True, cu_seqlens=list(turn.placement.bounds), window=window,
+        backend=turn.kernel.name,
     )  # fmt: skip
     # the cached shards travel around the ring, padded to one length (one message shape)
     longest = max(turn.cache_lengths)
@@ -166,8 +179,8 @@ def pass_kv(
     # merged in rank order, whatever the ring order: the same sums as before
     outs = [new_out.float()] + [out for out, _ in partials]
     lses = [new_lse.float()] + [lse for _, lse in partials]
-    merged, _ = merge_stacked(torch.stack(outs), torch.stack(lses))
-    return merged
+    merged, lse = merge_stacked(torch.stack(outs), torch.stack(lses))
+    return (merged, lse) if return_lse else merged
 
 
 def pass_q(
@@ -176,8 +189,10 @@ def pass_q(
     k: torch.Tensor,
     v: torch.Tensor,
     cached: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-) -> torch.Tensor:
-    """Attention output (B, Hq, T_local, D) float32 of this rank's new queries; queries travel."""
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Attention output (B, Hq, T_local, D) float32 of this rank's new queries; queries travel.
+    With `return_lse`, also the merged lse (B, Hq, T_local)."""
     info = turn.info
     cached_k, cached_v, cached_pos = cached
     gathered, works = all_gather_async(q.contiguous(), info)  # (W, B, Hq, T_local, D)
@@ -195,7 +210,7 @@ def pass_q(
         sends.append([out.contiguous(), lse.contiguous()])
     specs = [[(tuple(x.shape), x.dtype) for x in sends[0]]] * info.world_size
     received = all_to_all(sends, specs, info)  # partials of OUR queries, one per rank
-    merged, _ = merge_stacked(
+    merged, lse = merge_stacked(
         torch.stack([part[0] for part in received]), torch.stack([part[1] for part in received])
     )
-    return merged
+    return (merged, lse) if return_lse else merged

@@ -1,210 +1,156 @@
-"""`ringattn.hf.generate`: greedy decoding of a transformers model over a sharded KV cache.
+"""`ringattn.hf.generate`: a transformers model decoding over a sharded KV cache.
 
     tokens = ringattn.hf.generate(model, input_ids, max_new_tokens=64, group=None, layout="zigzag")
+    tokens = ringattn.hf.generate(model, input_ids, 64, do_sample=True, temperature=0.8,
+                                  top_p=0.95, seed=1)
+    outs = ringattn.hf.generate(model, [p0, p1, p2], [16, 64, 8])   # a ragged batch
 
 `input_ids` (1, S) is the whole prompt, the same on every rank; every rank returns the same
-(1, S + new) tensor, equal to `model.generate(input_ids, do_sample=False, ...)` on one device.
+(1, S + new) tensor, greedy: equal to `model.generate(input_ids, do_sample=False, ...)` on one
+device. A list of prompts, each (1, S_i) or 1-D, returns a list of (1, S_i + new_i), each equal to
+the greedy `model.generate` of that prompt alone, each stopping at its own end-of-sequence token.
 
-How, through transformers' public seams only: an attention function and a mask function are
-registered under the name "ringattn-kv" (`AttentionInterface.register`,
-`AttentionMaskInterface.register`) and the model is switched to it for the call
-(`set_attn_implementation`, restored afterwards). The model runs with `use_cache=False`: the
-cache is ours, one `ShardedKVCache` per layer held by the attention function's state (put on each
-module as an attribute for the call, as `parallelize` does with its context).
+    prefill   the prompts packed as documents into one context-parallel forward (cu_seqlens);
+              each rank keeps its rows' K/V in that sequence's cache (engine.py, kv_attention.py),
+              then reserves its share of max_new_tokens in every layer (no regrowth while decoding)
+    decode    each step feeds one token per live sequence as one batch (L, 1); a sequence leaves
+              the batch at its end-of-sequence token, its max_new_tokens, or when `on_token`
+              returns True (a stop string, a client gone)
 
-    prefill   the prompt sharded by the layout (any length, cu_seqlens = [0, S]), position_ids
-              global; each layer's attention is ringattn.attention over the prompt and stores this
-              rank's real K/V rows; the last token's logits live on one rank: one all-reduce
-    decode    every rank runs the new token; its K/V go to one rank (round-robin), each rank
-              attends over its shard, the partials merge exactly (inference/partials.py)
+Sampling (`do_sample=True`): temperature, top-k, top-p (inference/sampling.py), each sequence from
+its own torch.Generator on the logits' device seeded from `seed` (batching.py: None draws a fresh
+seed on rank 0 and shares it). Every rank holds the same logits; rank 0's draws are still
+broadcast each step, so every rank keeps the same tokens whatever its hardware does.
 
-A layer's sliding window (`sliding_window = w`: keys with q - k < w) bounds what that layer keeps.
-Attention sinks (gpt-oss's `s_aux`) scale the merged output by sigmoid(lse - sink).
+The model needs no `parallelize` (its attention implementation is switched for each forward and
+restored). With tensor parallelism (`tensor_parallel.py`) pass the cp group as `group` and the tp
+group as `tp_group`. Follow-up turns over the cache: `ringattn.hf.Session` (session.py).
 """
 
 from __future__ import annotations
 
 import time
-import zlib
 from collections.abc import Callable
 
 import torch
 
-import ringattn
-from ringattn.comm import all_reduce, resolve_group
-from ringattn.inference.cache import ShardedKVCache
-from ringattn.inference.partials import local_partial, merge_across_ranks
+from ringattn.comm import all_gather_ints, backend_device, resolve_group
+from ringattn.inference.sampling import next_token
 from ringattn.inference.session import TurnStats
-from ringattn.integrations.hf.attention import _check_call, ringattn_mask
-from ringattn.kernels import select_kernel
-from ringattn.layout import get_layout
+from ringattn.integrations.hf.batching import Request, check_call, eos_ids, fresh_seeds
+from ringattn.integrations.hf.engine import KVEngine
 from ringattn.validate import validated
 
-ATTENTION_NAME = "ringattn-kv"
-STATE_ATTR = "ringattn_kv_state"
+__all__ = ["decode_loop", "generate"]
 
 
-class _State:
-    """One `generate` call's cache and phase, shared by every attention module of the model."""
-
-    def __init__(self, info, group, layout: str, on_prefill=None, n_layers: int = 0):
-        self.info, self.group, self.layout = info, group, layout
-        self.on_prefill, self.n_layers = on_prefill, n_layers  # progress: (layers done, total)
-        self.caches: dict[int, ShardedKVCache] = {}  # by layer index
-        self.seq_len = 0  # tokens in the sequence before the current call
-        self.real: torch.Tensor | None = None  # prefill: local rows that are not padding
-        self.positions: torch.Tensor | None = None  # prefill: global position of each row
-        self.owner = 0  # decode: the rank that keeps this token's K/V
-        self.kernel = None
-
-
-def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
-               is_causal=None, sliding_window=None, **kwargs):  # fmt: skip
-    """transformers' attention-function signature over the sharded cache (see module doc)."""
-    state: _State = getattr(module, STATE_ATTR)
-    _check_call(module, query, key, attention_mask, dropout, kwargs)
-    layer = module.layer_idx
-    left = None if not sliding_window else sliding_window - 1
-    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
-    if state.kernel is None:
-        state.kernel = select_kernel("auto", query, key)
-    if layer not in state.caches:
-        state.caches[layer] = ShardedKVCache(1, state.info.rank, state.info.world_size, left)
-    cache = state.caches[layer]
-    if state.real is not None:  # prefill
-        out, lse = ringattn.attention(
-            query, key, value, causal=True, scale=scale, group=state.group, layout=state.layout,
-            cu_seqlens=kwargs["cu_seq_lens_q"], window=None if left is None else (left, 0),
-            return_lse=True, backend=state.kernel.name,
-        )  # fmt: skip
-        cache.store(0, key[:, :, state.real], value[:, :, state.real], state.positions[state.real])
-        cache.evict(0, state.seq_len)
-        if state.on_prefill is not None:
-            state.on_prefill(layer + 1, state.n_layers)
-    else:
-        cache.append_decoded(0, key, value, state.seq_len, state.owner)
-        cache.evict(0, state.seq_len)
-        kept_k, kept_v, _ = cache.kept(0)
-        out, lse = local_partial(state.kernel, query, kept_k, kept_v, scale)
-        out, lse = merge_across_ranks(out, lse, state.info, return_lse=True)
-    sinks = kwargs.get("s_aux")
-    if sinks is not None:
-        out = out.float() * torch.sigmoid(lse - sinks.float().view(1, -1, 1)).unsqueeze(-1)
-    return out.to(query.dtype).transpose(1, 2).contiguous(), None  # (B, S, Hq, D)
-
-
-def _register() -> None:
-    from transformers import AttentionInterface, AttentionMaskInterface
-
-    AttentionInterface.register(ATTENTION_NAME, _attention)
-    AttentionMaskInterface.register(ATTENTION_NAME, ringattn_mask)
-
-
-def _eos_ids(model, eos_token_id) -> set[int]:
-    if eos_token_id is None:
-        config = getattr(model, "generation_config", None)
-        eos_token_id = getattr(config, "eos_token_id", None)
-    if eos_token_id is None:
-        return set()
-    return {int(eos_token_id)} if isinstance(eos_token_id, int) else {int(t) for t in eos_token_id}
-
-
-def _check(input_ids, max_new_tokens, layout) -> tuple[torch.Tensor, tuple]:
-    get_layout(layout)
-    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[0] != 1:
-        shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else input_ids
-        raise ValueError(f"input_ids must be a (1, S) tensor of the whole prompt, got {shape}")
-    if input_ids.shape[1] == 0 or input_ids.is_floating_point():
-        raise ValueError(f"input_ids must hold at least one integer token, got {input_ids.dtype} "
-                         f"{tuple(input_ids.shape)}")  # fmt: skip
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
-    prompt_crc = zlib.crc32(input_ids.cpu().to(torch.int64).numpy().tobytes())
-    signature = (("op", "hf.generate"), ("prompt_len", input_ids.shape[1]), ("crc", prompt_crc),
-                 ("max_new_tokens", max_new_tokens), ("layout", layout))  # fmt: skip
-    return input_ids, signature
+def decode_loop(
+    engine: KVEngine,
+    seqs: list[int],
+    requests: list[Request],
+    logits: torch.Tensor,
+    eos: set[int],
+    on_token: Callable[[int, int], bool | None] | None,
+    stats: TurnStats,
+    start: float,
+    groups: list,
+) -> list[list[int]]:
+    """New tokens of each request from the first logits (n, vocab), decoding the live ones."""
+    device = logits.device
+    generators = [torch.Generator(device=device).manual_seed(r.sampling.seed) for r in requests]
+    sampled = any(not r.sampling.greedy for r in requests)
+    outs: list[list[int]] = [[] for _ in requests]
+    live = [i for i, r in enumerate(requests) if r.max_new_tokens > 0]
+    rows = list(range(len(live)))  # row of each live request in `logits`
+    logits = logits[live]
+    decode_start = None
+    while live:
+        tokens = [next_token(logits[row], requests[i].sampling, generators[i])
+                  for row, i in zip(rows, live)]  # fmt: skip
+        if sampled:  # rank 0's draws on every rank of every group (tp first, then cp)
+            for info in groups:
+                if info.world_size > 1:
+                    tokens = all_gather_ints(tokens, info, backend_device(info, device))[0]
+        if decode_start is None:
+            decode_start = time.perf_counter()
+            stats.first_token_s = decode_start - start
+        still = []
+        for i, token in zip(live, tokens):
+            outs[i].append(token)
+            stop = on_token(i, token) if on_token is not None else None
+            if not (stop or token in eos or len(outs[i]) == requests[i].max_new_tokens):
+                still.append(i)
+        if not still:
+            break
+        logits = engine.decode([seqs[i] for i in still], [outs[i][-1] for i in still])
+        live, rows = still, list(range(len(still)))
+    if decode_start is not None:
+        stats.decode_s = time.perf_counter() - decode_start
+    stats.new_tokens = sum(len(out) for out in outs)
+    return outs
 
 
 @torch.no_grad()
 def generate(
     model: torch.nn.Module,
-    input_ids: torch.Tensor,
-    max_new_tokens: int = 64,
+    input_ids: torch.Tensor | list[torch.Tensor],
+    max_new_tokens: int | list[int] = 64,
     group: object = None,
     layout: str = "zigzag",
     *,
+    do_sample: bool = False,
+    temperature: float | list[float] = 1.0,
+    top_k: int | list[int] = 0,
+    top_p: float | list[float] = 1.0,
+    seed: int | list[int] | None = None,
     eos_token_id: int | list[int] | None = None,
-    on_token: Callable[[int], None] | None = None,
+    on_token: Callable[..., bool | None] | None = None,
     on_prefill: Callable[[int, int], None] | None = None,
+    offload_kv: bool = False,
+    tp_group: object = None,
     return_stats: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, TurnStats]:
-    """Greedy continuation of `input_ids` (1, S) by up to `max_new_tokens` tokens, stopping after
-    an end-of-sequence token (`eos_token_id`, default the model's generation_config's).
+) -> torch.Tensor | list[torch.Tensor] | tuple[object, TurnStats]:
+    """Continue `input_ids` by up to `max_new_tokens` tokens, stopping after an end-of-sequence
+    token (`eos_token_id`, default the model's generation_config's). See the module docstring.
 
-    Returns (1, S + new) on every rank of `group`. The model needs no `parallelize` (its
-    attention implementation is switched for the call and restored). `on_token(token)` is called
-    on every rank as each new token is chosen (streaming), `on_prefill(layers_done, layers)` after
-    each layer's prefill attention; with `return_stats`, also this rank's `TurnStats` (time to
-    first token, decode time, the bytes and tokens of K/V this rank keeps).
+    Greedy unless `do_sample` (then `temperature`, `top_k` (0: all), `top_p` (1: all), `seed`;
+    each one value or one per prompt). `on_token(token)` (one prompt) or `on_token(index, token)`
+    (a list) is called on every rank as each new token is chosen; returning True ends that
+    sequence. `on_prefill(layers_done, layers)` follows the prefill. `offload_kv` keeps the cache
+    in host memory (inference/cache.py). With `return_stats`, also this rank's `TurnStats` (time
+    to first token, decode time, the K/V bytes kept and the bytes the buffers hold).
     """
     info = resolve_group(group)
-    input_ids = validated(info, input_ids.device if isinstance(input_ids, torch.Tensor) else None,
-                          lambda: _check(input_ids, max_new_tokens, layout))  # fmt: skip
-    _register()
-    device, seq_len = input_ids.device, input_ids.shape[1]
-    n_layers = getattr(model.config.get_text_config(), "num_hidden_layers", 0)
-    state = _State(info, group, layout, on_prefill, n_layers)
-    stats, start = TurnStats(prompt_tokens=seq_len), time.perf_counter()
-    previous = model.config._attn_implementation
-    model.set_attn_implementation(ATTENTION_NAME)
-    for module in model.modules():
-        setattr(module, STATE_ATTR, state)
-    try:
-        bounds = torch.tensor([0, seq_len], device="cpu")  # read on the host, like shard_batch's
-        common = {"group": group, "layout": layout, "cu_seqlens": bounds}
-        local = ringattn.shard(input_ids, 1, **common)  # (1, S_local), padding: token 0
-        positions = ringattn.positions(seq_len, device=device, **common)
-        state.real, state.positions = (positions >= 0).nonzero().flatten(), positions
-        state.seq_len = seq_len  # the next query's position: what a window must keep for it
-        logits = model(input_ids=local, position_ids=positions.clamp(min=0)[None],
-                       use_cache=False, cu_seq_lens_q=bounds, cu_seq_lens_k=bounds,
-                       max_length_q=seq_len, max_length_k=seq_len).logits  # fmt: skip
-        row = (positions == seq_len - 1).nonzero().flatten()
-        last = logits[0, row].sum(0) if len(row) else logits.new_zeros(logits.shape[-1])
-        logits = all_reduce(last.float(), info)  # (vocab,), the same on every rank
-        state.real = None
-        stats.prefill_s = time.perf_counter() - start
-        eos, out = _eos_ids(model, eos_token_id), []
-        one = torch.tensor([0, 1], device="cpu")
-        while len(out) < max_new_tokens:
-            token = int(logits.argmax())
-            out.append(token)
-            if len(out) == 1:
-                decode_start = time.perf_counter()
-                stats.first_token_s = decode_start - start
-            if on_token is not None:
-                on_token(token)
-            if token in eos or len(out) == max_new_tokens:
-                break
-            logits = model(input_ids=torch.tensor([[token]], device=device),
-                           position_ids=torch.tensor([[state.seq_len]], device=device),
-                           use_cache=False, cu_seq_lens_q=one, cu_seq_lens_k=one, max_length_q=1,
-                           max_length_k=1).logits[0, -1].float()  # fmt: skip
-            state.seq_len += 1
-            state.owner = (state.owner + 1) % info.world_size
-        if out:
-            stats.decode_s = time.perf_counter() - decode_start
-        stats.new_tokens = len(out)
-        stats.cache_bytes = sum(cache.nbytes for cache in state.caches.values())
-        stats.cache_tokens = max((cache.tokens for cache in state.caches.values()), default=0)
-    finally:
-        for module in model.modules():
-            if hasattr(module, STATE_ATTR):
-                delattr(module, STATE_ATTR)
-        model.set_attn_implementation(previous)
-    new = torch.tensor([out], dtype=input_ids.dtype, device=device).reshape(1, len(out))
-    tokens = torch.cat([input_ids, new], dim=1)
-    return (tokens, stats) if return_stats else tokens
-
-
-__all__ = ["generate"]
+    tp_info = resolve_group(tp_group) if tp_group is not None else None
+    vocab = model.config.get_text_config().vocab_size
+    device = next(model.parameters()).device
+    requests, is_list = validated(
+        info, device, lambda: check_call(input_ids, max_new_tokens, layout, do_sample,
+                                         temperature, top_k, top_p, seed, vocab),
+    )  # fmt: skip
+    groups = [tp_info, info] if tp_info is not None else [info]
+    fresh_seeds(requests, groups, backend_device(info, device))
+    engine = KVEngine(model, group=group, layout=layout, offload=offload_kv)
+    layers = engine.n_layers
+    progress = None if on_prefill is None else (lambda layer: on_prefill(layer + 1, layers))
+    stats = TurnStats(prompt_tokens=sum(r.prompt.numel() for r in requests))
+    start = time.perf_counter()
+    seqs = list(range(len(requests)))
+    logits = engine.prefill([r.prompt for r in requests], progress)
+    engine.reserve(seqs, [max(0, r.max_new_tokens - 1) for r in requests])
+    stats.prefill_s = time.perf_counter() - start
+    callback = on_token
+    if on_token is not None and not is_list:
+        callback = lambda _, token: on_token(token)
+    outs = decode_loop(engine, seqs, requests, logits, eos_ids(model, eos_token_id), callback,
+                       stats, start, groups)  # fmt: skip
+    stats.cache_bytes = engine.state.nbytes
+    stats.cache_capacity_bytes = engine.state.capacity_bytes
+    stats.cache_tokens = sum(engine.state.kept_tokens(s) for s in seqs)
+    results = []
+    for r, out in zip(requests, outs):
+        prompt = r.prompt.to(device)
+        new = torch.tensor(out, dtype=prompt.dtype, device=device)
+        results.append(torch.cat([prompt, new])[None])  # (1, S_i + new_i)
+    result = results if is_list else results[0]
+    return (result, stats) if return_stats else result

@@ -1,0 +1,152 @@
+"""One transformers model over a sharded KV cache: prefill, batched decode steps, follow-up turns.
+
+    engine = KVEngine(model, group=cp_group, layout="zigzag")
+    logits = engine.prefill([p0, p1, p2])        # (3, vocab): the prompts packed as documents
+    logits = engine.decode([0, 2], [t0, t2])     # (2, vocab): one token for each live sequence
+    logits = engine.extend(0, more)              # (vocab,): a follow-up turn of sequence 0
+
+Every call switches the model to the "ringattn-kv" attention (kv_attention.py) for its forward
+and back afterwards, so the model stays usable in between. The prefill asks the model for the
+logits of the rows that end a prompt only (`logits_to_keep` with those local rows): each prompt's
+last token lives on one rank, whose row is summed into a (n, vocab) buffer of zeros on the others,
+one all-reduce. The decoded tokens of each sequence go round-robin over the ranks, starting at a
+different rank per sequence, so the shards stay balanced across sequences too.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+
+import torch
+
+import ringattn
+from ringattn.comm import all_gather_ints, all_reduce, resolve_group
+from ringattn.inference.turns import Turn, choose_mode
+from ringattn.integrations.hf.kv_attention import KVState, attach, restore
+from ringattn.layout import get_layout
+from ringattn.packing import place
+
+
+class KVEngine:
+    """`model` over the ranks of `group` with one sharded cache per sequence (module docstring)."""
+
+    def __init__(self, model: torch.nn.Module, *, group: object = None, layout: str = "zigzag",
+                 offload: bool = False):  # fmt: skip
+        self.model, self.group, self.layout = model, group, layout
+        self.info = resolve_group(group)
+        self.state = KVState(self.info, group, layout, offload)
+        text = model.config.get_text_config()
+        self.n_layers = getattr(text, "num_hidden_layers", 0)
+        self.n_heads = text.num_attention_heads
+        self.n_kv_heads = getattr(text, "num_key_value_heads", None) or self.n_heads
+        self.lengths: list[int] = []  # tokens in each sequence so far
+        self.decoded: list[int] = []  # tokens decoded one at a time per sequence (round-robin)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def _forward(self, **kwargs) -> torch.Tensor:
+        previous = attach(self.model, self.state)
+        try:
+            return self.model(use_cache=False, **kwargs).logits
+        finally:
+            restore(self.model, previous)
+
+    def _shared_rows(self, logits: torch.Tensor, rows: list[int], n: int) -> torch.Tensor:
+        """(n, vocab) float32 on every rank from this rank's logits (1, k, vocab) of `rows`."""
+        out = torch.zeros(n, self.model.config.get_text_config().vocab_size,
+                          dtype=torch.float32, device=logits.device)  # fmt: skip
+        if rows:
+            out[torch.tensor(rows, device=logits.device)] = logits[0].float()
+        return all_reduce(out, self.info)
+
+    def prefill(self, prompts: list[torch.Tensor],
+                on_layer: Callable[[int], None] | None = None) -> torch.Tensor:  # fmt: skip
+        """Start one sequence per prompt (S_i,); logits (n, vocab) of each prompt's last token."""
+        device, first = self.device, len(self.lengths)
+        lengths = [p.numel() for p in prompts]
+        bounds = [0, *itertools.accumulate(lengths)]
+        total = bounds[-1]
+        common = {"group": self.group, "layout": self.layout, "cu_seqlens": bounds}
+        ids = torch.cat([p.to(device) for p in prompts])[None]  # (1, total)
+        local = ringattn.shard(ids, 1, **common)  # (1, S_local), padding: token 0
+        index = ringattn.positions(total, device=device, **common)  # packed index; -1 padding
+        within = ringattn.positions(total, within_document=True, device=device, **common)
+        bounds_t = torch.tensor(bounds, device=device)
+        doc = torch.searchsorted(bounds_t, index.clamp(min=0), right=True) - 1
+        state = self.state
+        state.phase, state.bounds, state.on_layer = "prefill", bounds_t, on_layer
+        state.rows = []
+        for d, length in enumerate(lengths):
+            rows = ((doc == d) & (index >= 0)).nonzero().flatten()
+            state.rows.append((first + d, rows, within[rows], length))
+        ends = {bounds[d + 1] - 1: d for d in range(len(prompts))}
+        keep = [(row, ends[i]) for row, i in enumerate(index.tolist()) if i in ends]
+        logits = self._forward(
+            input_ids=local, position_ids=within.clamp(min=0)[None], cu_seq_lens_q=bounds_t,
+            cu_seq_lens_k=bounds_t, max_length_q=max(lengths), max_length_k=max(lengths),
+            logits_to_keep=torch.tensor([row for row, _ in keep], dtype=torch.int64,
+                                        device=device),
+        )  # fmt: skip
+        state.on_layer = None
+        self.lengths += lengths
+        self.decoded += [0] * len(prompts)
+        return self._shared_rows(logits, [d for _, d in keep], len(prompts))
+
+    def reserve(self, seqs: list[int], extra: list[int]) -> None:
+        """Room in every layer's cache of each sequence for its `extra` decoded tokens."""
+        for (_, seq), cache in self.state.caches.items():
+            if seq in seqs:
+                cache.reserve(extra[seqs.index(seq)])
+
+    def decode(self, seqs: list[int], tokens: list[int]) -> torch.Tensor:
+        """Feed one token to each sequence in `seqs`; logits (L, vocab) of their next tokens."""
+        device, world = self.device, self.info.world_size
+        state = self.state
+        state.phase, state.live = "decode", list(seqs)
+        state.decode_positions = [self.lengths[s] for s in seqs]
+        state.owners = [(self.decoded[s] + s) % world for s in seqs]
+        one = torch.tensor([0, 1], device=device)
+        logits = self._forward(
+            input_ids=torch.tensor(tokens, device=device).view(-1, 1),  # (L, 1)
+            position_ids=torch.tensor(state.decode_positions, device=device).view(-1, 1),
+            cu_seq_lens_q=one, cu_seq_lens_k=one, max_length_q=1, max_length_k=1,
+        )  # fmt: skip
+        for s in seqs:
+            self.lengths[s] += 1
+            self.decoded[s] += 1
+        return logits[:, -1].float()  # (L, vocab)
+
+    def extend(self, seq: int, tokens: torch.Tensor, mode: str = "auto") -> torch.Tensor:
+        """A follow-up turn: tokens (T,) after everything sequence `seq` holds; logits (vocab,)
+        of the last one. `mode`: "pass-kv", "pass-q" or "auto" (turns.choose_mode)."""
+        device, info, state = self.device, self.info, self.state
+        new, cached = tokens.numel(), self.lengths[seq]
+        caches = [state.cache(layer, seq, None) for layer in range(self.n_layers)]
+        rows = all_gather_ints([c.tokens for c in caches], info, torch.device("cpu"))
+        state.turn_lengths = {layer: [row[layer] for row in rows] for layer in range(len(caches))}
+        kept = sum(sum(r) for r in rows) // max(1, len(caches))  # mean over layers, all ranks
+        if mode == "auto":
+            mode = choose_mode(new, cached, self.n_heads, self.n_kv_heads, info.world_size,
+                               kept_tokens=kept)  # fmt: skip
+        common = {"group": self.group, "layout": self.layout, "cu_seqlens": [0, new]}
+        local = ringattn.shard(tokens.to(device)[None], 1, **common)  # (1, T_local)
+        index = ringattn.positions(new, device=device, **common)
+        positions = torch.where(index >= 0, index + cached, index)  # global; -1 padding
+        placement = place(get_layout(self.layout), info.world_size, (0, new))
+        state.phase, state.mode = "extend", mode
+        state.turn = Turn(info, self.group, self.layout, placement, cached, None, 1.0, None, [])
+        state.turn_rows = (index >= 0).nonzero().flatten()
+        state.turn_positions = positions
+        last = (positions == cached + new - 1).nonzero().flatten().tolist()
+        bounds = torch.tensor([0, new], device=device)
+        logits = self._forward(
+            input_ids=local, position_ids=positions.clamp(min=0)[None], cu_seq_lens_q=bounds,
+            cu_seq_lens_k=bounds, max_length_q=new, max_length_k=new,
+            logits_to_keep=torch.tensor(last, dtype=torch.int64, device=device),
+        )  # fmt: skip
+        self.lengths[seq] = cached + new
+        self.last_mode = mode
+        return self._shared_rows(logits, [0] * len(last), 1)[0]

@@ -1,0 +1,192 @@
+"""The attention function "ringattn-kv": a transformers model over a sharded KV cache.
+
+transformers calls `_attention(module, query, key, value, ...)` once per layer; the model runs
+with `use_cache=False` and the cache is ours: one `ShardedKVCache` per (layer, sequence), held by
+a `KVState` put on every module for the call. The state's `phase` says what the call is:
+
+    prefill   the prompts packed as documents (cu_seqlens = [0, S_0, S_0 + S_1, ...]) and sharded
+              by the layout; ringattn.attention over the whole pack; each rank stores the K/V of
+              its real rows in the cache of the row's sequence (a document never sees another)
+    decode    a batch of L live sequences, one token each: query (L, Hq, 1, D); token j's K/V go
+              to one rank (round-robin per sequence), each rank attends every query over its
+              shard of that query's sequence, and the L partials merge across ranks in one
+              collective per layer (inference/partials.py)
+    extend    a follow-up turn of one sequence: T new tokens sharded like a prompt at positions
+              P .. P + T - 1, pass-KV or pass-Q over the cache (inference/turns.py)
+
+A layer's sliding window (`sliding_window = w`: keys with q - k < w) bounds what that layer keeps.
+Attention sinks (gpt-oss's `s_aux`) scale the merged output by sigmoid(lse - sink).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+import ringattn
+from ringattn.comm import GroupInfo, all_gather_async, wait
+from ringattn.inference.cache import ShardedKVCache
+from ringattn.inference.partials import local_partial, merge_across_ranks
+from ringattn.inference.turns import Turn, pass_kv, pass_q
+from ringattn.integrations.hf.attention import _check_call, ringattn_mask
+from ringattn.kernels import select_kernel
+
+ATTENTION_NAME = "ringattn-kv"
+STATE_ATTR = "ringattn_kv_state"
+
+
+class KVState:
+    """The caches of one generation (or session) and the phase of the current forward."""
+
+    def __init__(self, info: GroupInfo, group: object, layout: str, offload: bool = False):
+        self.info, self.group, self.layout, self.offload = info, group, layout, offload
+        self.caches: dict[tuple[int, int], ShardedKVCache] = {}  # by (layer, sequence)
+        self.kernel = None
+        self.on_layer = None  # progress: on_layer(layer index) after each prefill layer
+        self.phase = "prefill"
+        # prefill: local rows that are real, their sequence and their position in it
+        self.rows: list[tuple[int, torch.Tensor, torch.Tensor, int]] = []  # (seq, rows, pos, len)
+        self.bounds: torch.Tensor | None = None
+        # decode: the live sequences in batch order, each one's position and owner rank
+        self.live: list[int] = []
+        self.decode_positions: list[int] = []
+        self.owners: list[int] = []
+        # extend: the turn (window per layer replaced in the call), new rows and positions
+        self.turn: Turn | None = None
+        self.turn_rows: torch.Tensor | None = None
+        self.turn_positions: torch.Tensor | None = None
+        self.turn_lengths: dict[int, list[int]] = {}  # by layer: kept tokens per rank
+        self.mode = "pass-kv"
+
+    def cache(self, layer: int, seq: int, left: int | None) -> ShardedKVCache:
+        key = (layer, seq)
+        if key not in self.caches:
+            cache = ShardedKVCache(1, self.info.rank, self.info.world_size, left)
+            if self.offload:
+                cache.offload()
+            self.caches[key] = cache
+        return self.caches[key]
+
+    def kept_tokens(self, seq: int) -> int:
+        """The most tokens any layer of `seq` keeps on this rank."""
+        return max((c.tokens for (_, s), c in self.caches.items() if s == seq), default=0)
+
+    def drop(self, seq: int) -> None:
+        for key in [key for key in self.caches if key[1] == seq]:
+            del self.caches[key]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(cache.nbytes for cache in self.caches.values())
+
+    @property
+    def capacity_bytes(self) -> int:
+        return sum(cache.capacity_bytes for cache in self.caches.values())
+
+
+def _kept(cache: ShardedKVCache, like: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    kept = cache.kept(0)
+    if kept is None:
+        empty = like[:, :, :0]
+        return empty, empty, torch.empty(0, dtype=torch.int64, device=like.device)
+    return kept
+
+
+def _prefill(state: KVState, layer: int, left, query, key, value, scale, kwargs):
+    out, lse = ringattn.attention(
+        query, key, value, causal=True, scale=scale, group=state.group, layout=state.layout,
+        cu_seqlens=state.bounds, window=None if left is None else (left, 0),
+        return_lse=True, backend=state.kernel.name,
+    )  # fmt: skip
+    for seq, rows, positions, length in state.rows:
+        cache = state.cache(layer, seq, left)
+        cache.store(0, key[:, :, rows], value[:, :, rows], positions)
+        cache.evict(0, length)
+    if state.on_layer is not None:
+        state.on_layer(layer)
+    return out, lse
+
+
+def _decode(state: KVState, layer: int, left, query, key, value, scale):
+    outs, lses = [], []
+    for j, seq in enumerate(state.live):  # query (L, Hq, 1, D): one row per live sequence
+        cache = state.cache(layer, seq, left)
+        position = state.decode_positions[j]
+        cache.append_decoded(0, key[j : j + 1], value[j : j + 1], position, state.owners[j])
+        cache.evict(0, position)
+        kept_k, kept_v, _ = _kept(cache, key[j : j + 1])
+        out, lse = local_partial(state.kernel, query[j : j + 1], kept_k, kept_v, scale)
+        outs.append(out)
+        lses.append(lse)
+    return merge_across_ranks(torch.cat(outs), torch.cat(lses), state.info, return_lse=True)
+
+
+def _extend(state: KVState, layer: int, left, query, key, value, scale):
+    cache = state.cache(layer, 0, left)
+    kept = _kept(cache, key)
+    lengths = state.turn_lengths[layer]
+    positions = None
+    if left is not None:  # pass-KV masks the window by each rank's kept positions
+        longest = max(lengths)
+        padded = torch.full((longest,), -1, dtype=torch.int64, device=kept[2].device)
+        padded[: kept[2].numel()] = kept[2]
+        gathered, works = all_gather_async(padded, state.info)
+        wait(works)
+        positions = [gathered[r, : lengths[r]] for r in range(state.info.world_size)]
+    turn = dataclasses.replace(state.turn, kernel=state.kernel, scale=scale, window=left,
+                               cache_lengths=lengths, cache_positions=positions)  # fmt: skip
+    attend = pass_kv if state.mode == "pass-kv" else pass_q
+    out, lse = attend(turn, query, key, value, kept, return_lse=True)
+    rows = state.turn_rows
+    cache.store(0, key[:, :, rows], value[:, :, rows], state.turn_positions[rows])
+    cache.evict(0, turn.offset + turn.placement.seq_len)
+    return out, lse
+
+
+def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+               is_causal=None, sliding_window=None, **kwargs):  # fmt: skip
+    """transformers' attention-function signature over the sharded cache (see module doc)."""
+    state: KVState = getattr(module, STATE_ATTR)
+    _check_call(module, query, key, attention_mask, dropout, kwargs)
+    layer = module.layer_idx
+    left = None if not sliding_window else sliding_window - 1
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    if state.kernel is None:
+        state.kernel = select_kernel("auto", query, key)
+    if state.phase == "prefill":
+        out, lse = _prefill(state, layer, left, query, key, value, scale, kwargs)
+    elif state.phase == "decode":
+        out, lse = _decode(state, layer, left, query, key, value, scale)
+    else:
+        out, lse = _extend(state, layer, left, query, key, value, scale)
+    sinks = kwargs.get("s_aux")
+    if sinks is not None:
+        out = out.float() * torch.sigmoid(lse - sinks.float().view(1, -1, 1)).unsqueeze(-1)
+    return out.to(query.dtype).transpose(1, 2).contiguous(), None  # (B, S, Hq, D)
+
+
+def register() -> None:
+    """Register "ringattn-kv" with transformers (idempotent)."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+
+    AttentionInterface.register(ATTENTION_NAME, _attention)
+    AttentionMaskInterface.register(ATTENTION_NAME, ringattn_mask)
+
+
+def attach(model: torch.nn.Module, state: KVState | None) -> str:
+    """Switch `model` to "ringattn-kv" with `state` on every module; returns the previous
+    implementation. `state=None` removes the state (use `restore`)."""
+    register()
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(ATTENTION_NAME)
+    for module in model.modules():
+        setattr(module, STATE_ATTR, state)
+    return previous
+
+
+def restore(model: torch.nn.Module, previous: str) -> None:
+    for module in model.modules():
+        if hasattr(module, STATE_ATTR):
+            delattr(module, STATE_ATTR)
+    model.set_attn_implementation(previous)

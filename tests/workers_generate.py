@@ -1,0 +1,39 @@
+"""Rank functions for the `ringattn.hf.generate` contracts (see harness.py and workers_hf.py)."""
+
+from __future__ import annotations
+
+import torch
+
+import ringattn.hf
+import workers_hf
+
+
+def batch(rank: int, world_size: int, arch: str, prompts: list, options: dict) -> list:
+    """One ragged-batch call on this rank."""
+    return ringattn.hf.generate(workers_hf.build(arch), prompts, **options)
+
+
+def calls(rank: int, world_size: int, arch: str, prompt, calls: list[dict]) -> list:
+    """Several single-prompt calls in a row (sampling: streams must not replay)."""
+    model = workers_hf.build(arch)
+    return [ringattn.hf.generate(model, prompt, **options) for options in calls]
+
+
+def conversation(rank: int, world_size: int, arch: str, turns: list, new: int, mode: str):
+    """A Session over `turns`: each turn's tokens and the mode it used."""
+    session = ringattn.hf.Session(workers_hf.build(arch))
+    out = []
+    for prompt in turns:
+        out.append((session.generate(prompt, new, mode=mode), session.last_mode))
+    return out
+
+
+def bad_call(rank: int, world_size: int, options: dict, rank_prompt: bool) -> str:
+    """A call whose arguments are bad on every rank (or only rank 1's prompt differs)."""
+    model = workers_hf.build("llama")
+    prompt = torch.arange(3, 9)[None] + (rank if rank_prompt else 0)
+    try:
+        ringattn.hf.generate(model, options.pop("input_ids", prompt), **options)
+    except (ValueError, TypeError) as err:
+        return f"{type(err).__name__}: {err}"
+    return "no error"
