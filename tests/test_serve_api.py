@@ -23,8 +23,9 @@ pytest.importorskip("uvicorn")
 
 import ringattn.hf
 from ringattn.cli.main import main
+from ringattn.serve.protocol import Request
 from ringattn.serve.text import TextStream
-from ringattn.serve.worker import SAMPLING
+from ringattn.serve.worker import SAMPLING, eos_ids, run_batch
 from serve_model import CONTEXT, InProcess, save_chat_model
 
 HELLO = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello world"}]
@@ -229,3 +230,29 @@ def test_text_stream_holds_back_what_may_start_a_stop_string():
     assert [plain.push(t) for t in (104, 0, 105)] == ["h", "", "i"]  # no stop: nothing held
     late = TextStream(_Chars(), ["xyz"])
     assert "".join(late.push(ord(c)) for c in "axy") == "a" and late.flush() == "xy"
+
+
+def test_a_batch_answers_each_request_as_it_would_alone(served):
+    _, _, model, tok, _ = served
+    eos = eos_ids(model, tok)
+    hello = chat_ids(tok, HELLO)
+    fox = tok("the quick brown fox")["input_ids"]
+    requests = [Request(hello, 10), Request(fox, 7, stop=["e"]), Request(fox[:3], 3),
+                Request(hello, 8, temperature=1.2, top_p=0.9, seed=7)]  # fmt: skip
+
+    def run(batch: list[Request]) -> list[tuple]:
+        events = [[] for _ in batch]
+        finishes = run_batch(model, tok, batch, eos, "zigzag",
+                             [lambda *e, out=out: out.append(e) for out in events])  # fmt: skip
+        texts = ["".join(e[1] for e in out if e[0] == "text") for out in events]
+        return [(t, f, out[-1][2]) for t, f, out in zip(texts, finishes, events)]
+
+    together = run(requests)
+    assert together == [run([r])[0] for r in requests]
+    for (text, finish, usage), request in zip(together[:3], requests[:3]):
+        want, want_finish, n = reference(model, tok, request.ids, request.max_new_tokens)
+        if request.stop and "e" in want:
+            want, want_finish = want[: want.find("e")], "stop"
+        assert (text, finish) == (want, want_finish)
+        assert usage["prompt_tokens"] == len(request.ids)
+        assert usage["completion_tokens"] <= n

@@ -48,7 +48,8 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
         description="Serve a local Hugging Face model (--hf DIR) with the OpenAI API "
         "(GET /v1/models, POST /v1/chat/completions, POST /v1/completions; streaming as "
         "server-sent events). Rank 0 listens; every rank takes part in each request's "
-        "context-parallel prefill and decode. Requests run one at a time, in order. Needs the "
+        "context-parallel prefill and decode. Requests that wait together run as one ragged batch "
+        "(each answer is the one it gets alone). Needs the "
         "serve extra (pip install 'ringattn[serve]').",
     )
     p.add_argument("--hf", required=True, metavar="DIR",
@@ -66,6 +67,10 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--layout", choices=tuple(LAYOUTS), default=d.layout,
                    help="how each prompt is sharded")  # fmt: skip
     p.add_argument("--seed", type=int, default=d.seed, help="seed of a random init (no weights)")
+    p.add_argument(
+        "--max-batch", type=int, default=d.max_batch,
+        help="requests waiting together run as one ragged batch of up to this many",
+    )  # fmt: skip
     p.set_defaults(run=_run_from_args)
 
 

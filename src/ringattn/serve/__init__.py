@@ -9,12 +9,13 @@
                              worker.py, main thread:
                                next job (or "idle" each second)
                                broadcast_json(request)  ----------->  the same request
-                               ringattn.hf.generate                   ringattn.hf.generate
+                               ringattn.hf.generate (a batch)         ringattn.hf.generate
                                (prefill sharded, decode merged) <-->  (every rank takes part)
     <-- SSE / JSON           tokens -> text (text.py: stop strings)   the same text, the same stop
 
 protocol.py is what crosses between them: the `Request` (token ids and sampling settings, JSON)
-and the `Job` that carries a request's events back to the HTTP thread. Requests run one at a
-time, in arrival order, so each answer is the one it gets alone. The HTTP layer (FastAPI +
-uvicorn, the `serve` extra) is imported by rank 0 only.
+and the `Job` that carries a request's events back to the HTTP thread. The requests waiting
+together run as one ragged batch (ringattn.hf.generate with a list of prompts), each answer the
+one it gets alone. The HTTP layer (FastAPI + uvicorn, the `serve` extra) is imported by rank 0
+only.
 """

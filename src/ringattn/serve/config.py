@@ -39,6 +39,8 @@ class ServeConfig:
     """How each prompt is sharded over the ranks."""
     seed: int = 0
     """Seed of the random init when the directory has no weights."""
+    max_batch: int = 8
+    """Requests waiting together run as one ragged batch of at most this many."""
 
 
 def model_name(cfg: ServeConfig) -> str:
@@ -70,6 +72,7 @@ def check(cfg: ServeConfig) -> None:
         raise ValueError("ringattn serve needs --hf DIR (a local Hugging Face model directory)")
     check_at_least("nproc", cfg.nproc, 1)
     check_at_least("tp", cfg.tp, 1)
+    check_at_least("max-batch", cfg.max_batch, 1)
     if cfg.nproc % cfg.tp:
         raise ValueError(f"--tp {cfg.tp} must divide --nproc {cfg.nproc} (cp = nproc / tp)")
     if cfg.tp > 1:

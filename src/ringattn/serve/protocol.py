@@ -3,7 +3,7 @@
 Request   one admitted request: prompt token ids, max_new_tokens, temperature, top_p, seed,
           stop strings. Rank 0 broadcasts it as JSON (comm.broadcast_json: data, never a
           pickle) so every rank runs the same prefill and decode and stops at the same token.
-message   what rank 0 broadcasts each turn of the rank loop: {"op": "run", "request": ...},
+message   what rank 0 broadcasts each turn of the rank loop: {"op": "run", "requests": [...]},
           {"op": "idle"} when no request came within IDLE_S (the collective keeps the idle
           ranks inside the process-group timeout), or {"op": "stop"}.
 Job       rank 0 only: a request plus the asyncio queue of its events, filled from the

@@ -3,12 +3,17 @@
     every rank                                     rank 0 also
     ----------                                     -----------
     load model + tokenizer, init_distributed       bind the socket, start uvicorn in a thread
-    loop:                                          next message: the oldest Job in the queue
-      message = exchange(rank 0's message)           (a "run"), or "idle" after IDLE_S, or
-      "idle": again; "stop": return                  "stop" when the HTTP thread has ended
-      "run":  ringattn.hf.generate(request),
-              TextStream per token (stop strings:  emit the text, then ("done", finish, usage),
-              every rank stops at the same token)    on the job: the HTTP thread answers
+    loop:                                          next message: every Job waiting in the
+      message = exchange(rank 0's message)           queue, oldest first, up to max_batch (a
+      "idle": again; "stop": return                  "run"), or "idle" after IDLE_S, or "stop"
+      "run":  ringattn.hf.generate(the requests      when the HTTP thread has ended
+              as one ragged batch), a TextStream
+              per sequence (a stop string ends     emit each job's text, then ("done", finish,
+              that sequence on every rank at the     usage): the HTTP thread answers
+              same token)
+
+A batch runs to its end before the next starts (no continuous batching): a request that arrives
+meanwhile waits for it. Each answer is the one its request gets alone, batched or not.
 
 The idle broadcast keeps the waiting ranks inside the process-group timeout while no request
 comes, and lets a Ctrl-C land within a second. A rank that dies ends the launch: the launcher
@@ -37,14 +42,11 @@ from ringattn.serve.protocol import IDLE_S, Job, Request, exchange
 from ringattn.serve.schema import Limits
 from ringattn.serve.text import TextStream
 
-__all__ = ["SAMPLING", "eos_ids", "limits", "rank_loop", "run_request", "serve_worker"]
+__all__ = ["MAX_BATCH", "SAMPLING", "eos_ids", "limits", "rank_loop", "run_batch", "serve_worker"]
 
 # ringattn.hf.generate samples when it takes do_sample (issue 22's sampling contract)
 SAMPLING = "do_sample" in inspect.signature(ringattn.hf.generate).parameters
-
-
-class _Stopped(Exception):
-    """A stop string appeared: raised from on_token on every rank at the same token."""
+MAX_BATCH = 8  # requests waiting together run as one ragged batch of at most this many
 
 
 def eos_ids(model, tokenizer) -> list[int]:
@@ -68,72 +70,78 @@ def limits(model) -> Limits:
     )  # fmt: skip
 
 
-def run_request(model, tokenizer, request: Request, eos: list[int], layout: str,
-                emit=None) -> str:  # fmt: skip
-    """Generate `request` on this rank (all ranks together); `emit` (rank 0) gets the events.
+def run_batch(model, tokenizer, requests: list[Request], eos: list[int], layout: str,
+              emits: list | None = None) -> list[str]:  # fmt: skip
+    """Generate `requests` as one ragged batch on this rank (all ranks together); `emits`
+    (rank 0: one per request) get the events. Each answer is the one its request gets alone
+    (ringattn.hf.generate's ragged-batch contract; each sequence samples from its own seed).
 
-    Returns the finish reason: "stop" (end of sequence or a stop string) or "length"."""
-    text = TextStream(tokenizer, request.stop)
-    emit = emit or (lambda *event: None)
+    Returns each finish reason: "stop" (end of sequence or a stop string) or "length"."""
+    texts = [TextStream(tokenizer, r.stop) for r in requests]
+    emits = emits or [lambda *event: None] * len(requests)
 
-    def on_token(token: int) -> None:
-        piece = text.push(token)
+    def on_token(index: int, token: int) -> bool:
+        piece = texts[index].push(token)
+        if piece:
+            emits[index]("text", piece)
+        return texts[index].stopped  # True: this sequence leaves the batch
+
+    device = next(model.parameters()).device
+    prompts = [torch.tensor(r.ids, dtype=torch.int64, device=device) for r in requests]  # (S_i,)
+    sampling = {}
+    if SAMPLING:  # temperature 0 is greedy for its sequence; a seed per sequence
+        sampling = {"do_sample": True, "temperature": [r.temperature for r in requests],
+                    "top_p": [r.top_p for r in requests],
+                    "seed": [r.seed or 0 for r in requests]}  # fmt: skip
+    ringattn.hf.generate(model, prompts, [r.max_new_tokens for r in requests], layout=layout,
+                         eos_token_id=eos, on_token=on_token, **sampling)  # fmt: skip
+    finishes = []
+    for text, request, emit in zip(texts, requests, emits):
+        ended = text.stopped or bool(text.ids and text.ids[-1] in eos)
+        finishes.append("stop" if ended else "length")
+        piece = text.flush()
         if piece:
             emit("text", piece)
-        if text.stopped:
-            raise _Stopped
+        prompt, completion = len(request.ids), len(text.ids)
+        emit("done", finishes[-1], {"prompt_tokens": prompt, "completion_tokens": completion,
+                                    "total_tokens": prompt + completion})  # fmt: skip
+    return finishes
 
-    sampling = {}
-    if request.temperature > 0:
-        sampling = {"do_sample": True, "temperature": request.temperature,
-                    "top_p": request.top_p, "seed": request.seed}  # fmt: skip
-    finish, device = "length", next(model.parameters()).device
+
+def _next_message(jobs: queue.Queue, http, max_batch: int) -> tuple[dict, list[Job]]:
+    """Rank 0: what to broadcast next, and the jobs it runs: every waiting one, up to
+    `max_batch`, in arrival order."""
     try:
-        input_ids = torch.tensor([request.ids], dtype=torch.int64, device=device)  # (1, S)
-        ringattn.hf.generate(model, input_ids, request.max_new_tokens,
-                             layout=layout, eos_token_id=eos, on_token=on_token,
-                             **sampling)  # fmt: skip
-        if text.ids and text.ids[-1] in eos:
-            finish = "stop"
-    except _Stopped:
-        finish = "stop"
-    piece = text.flush()
-    if piece:
-        emit("text", piece)
-    prompt, completion = len(request.ids), len(text.ids)
-    usage = {"prompt_tokens": prompt, "completion_tokens": completion,
-             "total_tokens": prompt + completion}  # fmt: skip
-    emit("done", finish, usage)
-    return finish
-
-
-def _next_message(jobs: queue.Queue, http) -> tuple[dict, Job | None]:
-    """Rank 0: what to broadcast next, and the job it runs (if any)."""
-    try:
-        job = jobs.get(timeout=IDLE_S)
+        batch = [jobs.get(timeout=IDLE_S)]
     except queue.Empty:
-        return ({"op": "idle"} if http.is_alive() else {"op": "stop"}), None
-    return {"op": "run", "request": job.request.to_json()}, job
+        return ({"op": "idle"} if http.is_alive() else {"op": "stop"}), []
+    while len(batch) < max_batch:
+        try:
+            batch.append(jobs.get_nowait())
+        except queue.Empty:
+            break
+    return {"op": "run", "requests": [job.request.to_json() for job in batch]}, batch
 
 
-def rank_loop(model, tokenizer, info: GroupInfo, layout: str, jobs: queue.Queue, http) -> int:
+def rank_loop(model, tokenizer, info: GroupInfo, layout: str, jobs: queue.Queue, http,
+              max_batch: int = MAX_BATCH) -> int:  # fmt: skip
     """Run requests until rank 0 says stop (`http`, its HTTP thread, has ended); the count."""
     eos, served = eos_ids(model, tokenizer), 0
     while True:
-        message, job = _next_message(jobs, http) if info.rank == 0 else (None, None)
+        message, batch = _next_message(jobs, http, max_batch) if info.rank == 0 else (None, [])
         message = exchange(message, info)
         if message["op"] == "stop":
             return served
         if message["op"] == "idle":
             continue
-        served += 1
-        report_progress(phase="request", request=served)
-        request = Request.from_json(message["request"])
+        requests = [Request.from_json(r) for r in message["requests"]]
+        report_progress(phase="batch", requests=len(requests), served=served)
         try:
-            run_request(model, tokenizer, request, eos, layout, job.emit if job else None)
+            run_batch(model, tokenizer, requests, eos, layout, [j.emit for j in batch] or None)
         except ValueError as err:  # refused by generate's checks, the same on every rank
-            if job is not None:
+            for job in batch:
                 job.emit("error", str(err))
+        served += len(requests)
         report_progress(phase="idle", served=served)
 
 
@@ -164,5 +172,5 @@ def serve_worker(cfg: ServeConfig) -> dict:
         print(f"[serve] {name} ({type(model).__name__}, {source.describe()}) on "
               f"{info.world_size} rank(s), {cfg.layout}: listening on http://{host}:{port}/v1{key}",
               file=sys.stderr, flush=True)  # fmt: skip
-    served = rank_loop(model, tokenizer, info, cfg.layout, jobs, http)
+    served = rank_loop(model, tokenizer, info, cfg.layout, jobs, http, cfg.max_batch)
     return {"rank": info.rank, "served": served}
