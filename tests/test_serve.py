@@ -2,9 +2,10 @@
 
 Two servers start at once (their start-up overlaps): A serves the answers and then loses a rank
 to SIGKILL; B needs an API key and is stopped with SIGTERM. Every answer of the two-rank server
-must equal transformers' greedy `model.generate` of that prompt alone, also when requests come
-concurrently; a refused request must leave the ranks' served count (their heartbeat files)
-unchanged; a stop must end every rank within seconds.
+must equal transformers' greedy `model.generate` of that prompt alone (a seeded sampled one: the
+seeded ringattn.hf.generate on one process), also when requests come concurrently (batched); a
+refused request must leave the ranks' served count (their heartbeat files) unchanged; a stop
+must end every rank within seconds.
 """
 
 from __future__ import annotations
@@ -22,9 +23,11 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
+import ringattn.hf
 from serve_model import Server, alive, save_chat_model
 
 PROMPTS = ["hello world", "the lazy dog", "ring attention passes keys", "how are you today?"]
+SAMPLED = {"temperature": 1.2, "top_p": 0.9, "seed": 11}  # PROMPTS[0]'s settings
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +61,15 @@ def greedy(model, tok, text: str, max_new: int) -> str:
     return tok.decode(out[0, len(ids) :], skip_special_tokens=True)
 
 
+def sampled(model, tok, text: str, max_new: int, **settings) -> str:
+    """The seeded ringattn.hf.generate of one prompt alone, on this one process."""
+    ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                  return_dict=False)  # fmt: skip
+    out = ringattn.hf.generate(model, torch.tensor([ids]), max_new, do_sample=True,
+                               eos_token_id=[tok.eos_token_id], **settings)  # fmt: skip
+    return tok.decode(out[0, len(ids) :], skip_special_tokens=True)
+
+
 def served_count(server: Server, ranks: int = 2, timeout_s: float = 10.0) -> list[int]:
     """Every rank's count of requests run, from its heartbeat file (once all agree)."""
     deadline = time.monotonic() + timeout_s
@@ -72,12 +84,14 @@ def served_count(server: Server, ranks: int = 2, timeout_s: float = 10.0) -> lis
 def test_two_ranks_answer_concurrent_requests_as_each_alone(servers):
     started, model, tok = servers
     client = openai.OpenAI(base_url=started["a"].url, api_key="-", max_retries=0, timeout=120)
-    want = {p: greedy(model, tok, p, 10) for p in PROMPTS}
+    want = {p: greedy(model, tok, p, 10) for p in PROMPTS[1:]}
+    want[PROMPTS[0]] = sampled(model, tok, PROMPTS[0], 10, **SAMPLED)
     answers: dict[str, str] = {}
 
     def ask(prompt: str, stream: bool) -> None:
+        settings = SAMPLED if prompt == PROMPTS[0] else {"temperature": 0}
         kwargs = {"model": "tiny", "messages": [{"role": "user", "content": prompt}],
-                  "max_tokens": 10, "temperature": 0}  # fmt: skip
+                  "max_tokens": 10, **settings}  # fmt: skip
         if stream:
             chunks = client.chat.completions.create(stream=True, **kwargs)
             answers[prompt] = "".join(c.choices[0].delta.content or "" for c in chunks)
