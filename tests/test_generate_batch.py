@@ -40,7 +40,7 @@ def test_ragged_batch_equals_each_prompt_alone(pools, world_size, arch):
     want = [_greedy(model, p, n, eos) if n else p.reshape(1, -1) for p, n in zip(prompts, news)]
     assert want[2].shape[1] <= 21 + 2
     options = {"max_new_tokens": news, "eos_token_id": eos, "layout": "zigzag"}
-    for got in pools(world_size).run("workers_generate:batch", arch, prompts, options):
+    for got in pools(world_size).run("workers_generate:batch", arch, prompts, options, timeout=600):
         assert len(got) == len(prompts)
         for i, (g, w) in enumerate(zip(got, want)):
             assert torch.equal(g, w), (arch, i, g, w)
@@ -64,7 +64,7 @@ def test_sampling_is_the_same_everywhere_and_fresh_per_call(pools):
                "top_p": 0.9}  # fmt: skip
     calls = [{**options, "seed": 5}, {**options, "seed": 5}, {**options, "seed": None},
              {**options, "seed": None}, {**options, "top_k": 1}]  # fmt: skip
-    results = pools(2).run("workers_generate:calls", "mistral", prompt, calls)
+    results = pools(2).run("workers_generate:calls", "mistral", prompt, calls, timeout=600)
     want = _sample_reference(model, prompt, 12, Sampling(1.5, 40, 0.9, 5))
     for got in results:
         assert got[0][0].tolist() == want
@@ -80,7 +80,7 @@ def test_sampling_in_a_batch_equals_each_prompt_alone(pools):
     prompts = [_prompt(9, 11), _prompt(4, 12)]
     options = {"max_new_tokens": 6, "do_sample": True, "temperature": 1.2, "seed": 3}
     model = workers_hf.build("llama")
-    got = pools(2).run("workers_generate:batch", "llama", prompts, options)
+    got = pools(2).run("workers_generate:batch", "llama", prompts, options, timeout=600)
     for i, prompt in enumerate(prompts):
         want = _sample_reference(model, prompt, 6, Sampling(1.2, 0, 1.0, 3 + i))
         for rank_result in got:
@@ -101,7 +101,9 @@ def test_follow_up_turns_equal_model_generate_of_the_conversation(pools, world_s
         want.append(full[:, history.shape[1] - prompt.shape[1] :])
         history = full
     for mode in ("pass-kv", "pass-q"):
-        results = pools(world_size).run("workers_generate:conversation", arch, turns, 4, mode)
+        results = pools(world_size).run(
+            "workers_generate:conversation", arch, turns, 4, mode, timeout=600
+        )
         for got in results:
             assert [m for _, m in got[1:]] == [mode, mode]
             for turn, ((tokens, _), w) in enumerate(zip(got, want)):
@@ -119,7 +121,7 @@ def test_bad_arguments_raise_the_same_error_on_every_rank(pools):
         ({"input_ids": torch.full((1, 3), 500)}, "outside the vocabulary [0, 100)"),
     ]
     for options, needle in cases:
-        for got in pools(2).run("workers_generate:bad_call", dict(options), False):
+        for got in pools(2).run("workers_generate:bad_call", dict(options), False, timeout=600):
             assert needle in got, (options, got)
-    for got in pools(2).run("workers_generate:bad_call", {"max_new_tokens": 2}, True):
+    for got in pools(2).run("workers_generate:bad_call", {"max_new_tokens": 2}, True, timeout=600):
         assert "different" in got or "signature" in got or "rank" in got, got

@@ -90,7 +90,9 @@ def test_generate_hf_rejects_bad_flags_before_launching(tmp_path, capfd):
         (["--hf", str(tmp_path / "nowhere"), "--prompt", "x"], "no such directory or file"),
         (["--hf", str(tmp_path), "--prompt", "x"], "has no config.json"),
         (["--hf", good], "--hf needs a prompt"),
-        (["--hf", good, "--prompt", "x", "--temperature", "0.7"], "decodes greedily"),
+        (["--hf", good, "--prompt", "x", "--tp", "3"], "--tp 3 must divide --nproc 2"),
+        (["--hf", good, "--prompt", "x", "--chat"], "--chat needs the model's tokenizer"),
+        (["--hf", good, "--prompt", "x", "--top-p", "0"], "top_p must be in (0, 1]"),
         (["--hf", good, "--checkpoint", good, "--prompt", "x"], "not allowed with argument"),
     ]:
         with pytest.raises(SystemExit) as info:

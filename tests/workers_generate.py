@@ -37,3 +37,23 @@ def bad_call(rank: int, world_size: int, options: dict, rank_prompt: bool) -> st
     except (ValueError, TypeError) as err:
         return f"{type(err).__name__}: {err}"
     return "no error"
+
+
+def tensor_parallel(rank: int, world_size: int, arch: str, prompts: list, new: int, tp: int):
+    """cp = W / tp ranks x tp: a ragged greedy batch and a follow-up turn; this rank's cache."""
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from ringattn.integrations.hf.tensor_parallel import tensor_parallel as split
+
+    mesh = init_device_mesh("cpu", (world_size // tp, tp), mesh_dim_names=("cp", "tp"))
+    model = split(copy.deepcopy(workers_hf.build(arch)), mesh["tp"])
+    cp, tp_group = mesh["cp"].get_group(), mesh["tp"].get_group()
+    out, stats = ringattn.hf.generate(
+        model, prompts, new, group=cp, tp_group=tp_group, return_stats=True
+    )
+    session = ringattn.hf.Session(model, group=cp, tp_group=tp_group)
+    turns = [session.generate(prompts[0], new), session.generate(prompts[1], new)]
+    heads = model.base_model.layers[0].self_attn.k_proj.weight.shape[0]
+    return {"batch": out, "turns": turns, "cache_bytes": stats.cache_bytes, "k_rows": heads}

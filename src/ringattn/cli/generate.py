@@ -77,8 +77,9 @@ def add_generate_command(sub: argparse._SubParsersAction) -> None:
         default=d.hf,
         metavar="DIR",
         help="a local Hugging Face model directory (config.json, weights, tokenizer; a bare "
-        "config.json: random init from --seed) decoded greedily with ringattn.hf.generate; "
-        "without a tokenizer the prompt's bytes mod vocab_size are the tokens",
+        "config.json: random init from --seed) decoded with ringattn.hf.generate (greedy, or "
+        "sampled with --temperature/--top-k/--top-p/--seed); without a tokenizer the prompt's "
+        "bytes mod vocab_size are the tokens",
     )
     p.add_argument("--prompt", default=d.prompt, help="text to continue (bytes are tokens)")
     p.add_argument("--prompt-file", default=d.prompt_file, help="a file whose bytes are the prompt")
@@ -115,7 +116,20 @@ def add_generate_command(sub: argparse._SubParsersAction) -> None:
         "--offload-kv",
         action="store_true",
         help="keep each rank's cache shard in host memory (pinned on CUDA) and copy each layer's "
-        "to the device while the previous layer computes (--checkpoint only)",
+        "to the device while the previous layer computes",
+    )
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=d.tp,
+        help="--hf: tensor-parallel degree (the model's own tp plan: heads and MLP over tp ranks); "
+        "the --nproc ranks form cp = nproc / tp context-parallel groups of tp",
+    )
+    p.add_argument(
+        "--chat",
+        action="store_true",
+        help="--hf: wrap the prompt as one user message with the tokenizer's chat template "
+        "(and its generation prompt)",
     )
     p.set_defaults(run=_run_from_args)
 

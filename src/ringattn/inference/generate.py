@@ -80,6 +80,10 @@ class GenerateConfig:
     """Stop after this token id (a byte value)."""
     offload_kv: bool = False
     """Keep the cache shards in host memory, each layer's copied in while the previous computes."""
+    tp: int = 1
+    """--hf: tensor-parallel degree; the --nproc ranks are cp = nproc / tp x tp."""
+    chat: bool = False
+    """--hf: wrap the prompt as a user message with the model's chat template."""
     prompt_ids: list[int] | None = None
     """The prompt's tokens, resolved from the flags before launch (`prompt`); not a flag."""
     answer: int | None = None
@@ -161,8 +165,8 @@ def check_config(cfg: GenerateConfig) -> None:
         raise ValueError(f"--prompt-file {cfg.prompt_file!r} is not a file")
     if cfg.prompt == "" or (cfg.prompt_file is not None and os.path.getsize(cfg.prompt_file) == 0):
         raise ValueError("the prompt is empty; pass at least one byte")
-    if cfg.hf is not None and cfg.offload_kv:
-        raise ValueError("--offload-kv applies to --checkpoint's decoder; drop it with --hf")
+    if cfg.hf is None and (cfg.tp != 1 or cfg.chat):
+        raise ValueError("--tp and --chat apply to --hf models; drop them with --checkpoint")
     if cfg.hf is not None:
         check_hf(cfg)
     else:

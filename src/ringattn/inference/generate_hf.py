@@ -4,12 +4,19 @@
     -----------------------------------        --------------------------------------------------
     check(cfg): the model directory and the    load the model (hf/source: from_pretrained when DIR
       prompt, ValueErrors before any launch      has weights, else from_config with --seed)
-                                               encode the prompt: DIR's tokenizer, else bytes mod
-                                                 vocab_size
-                                               ringattn.hf.generate (greedy): prefill sharded by
-                                                 the layout, each rank keeps its K/V shard; rank 0
-                                                 streams the tokens, then prints the time to first
-                                                 token, decode tokens/s, each rank's cache MB
+                                               model and inputs on the rank's device (CUDA
+                                                 under NCCL); --tp T: a (cp, tp) DeviceMesh, the
+                                                 model split by its own tp plan over tp
+                                               encode the prompt: DIR's tokenizer (--chat: as a
+                                                 user message through its chat template), else
+                                                 bytes mod vocab_size
+                                               ringattn.hf.generate (greedy, or sampled with
+                                                 --temperature > 0): prefill sharded by the layout
+                                                 over cp, each rank keeps its K/V shard (its tp
+                                                 heads); rank 0 streams the tokens (the prefill's
+                                                 progress is one updating line), then prints the
+                                                 time to first token, decode tokens/s, each rank's
+                                                 cache MB kept and held by its buffers
 
 With a tokenizer the continuation is streamed as text (the decoded prefix grows token by token,
 so multi-byte pieces come out whole); without one the prompt's bytes mod vocab_size are the
@@ -25,8 +32,10 @@ import time
 import torch
 
 import ringattn.hf
-from ringattn.comm import all_gather_ints, resolve_group
+from ringattn.comm import all_gather_ints, backend_device, resolve_group
+from ringattn.inference.sampling import Sampling
 from ringattn.integrations.hf.source import load_config, load_model, load_tokenizer, model_source
+from ringattn.integrations.hf.tensor_parallel import check_tensor_parallel, tensor_parallel
 from ringattn.runtime.launch import init_distributed
 
 __all__ = ["check", "hf_worker"]
@@ -46,12 +55,29 @@ def _prompt_bytes(cfg) -> bytes:
     return cfg.prompt.encode()
 
 
-def encode(cfg, source, vocab_size: int) -> tuple[list[int], object]:
-    """The prompt's token ids and the tokenizer (None: bytes mod vocab_size)."""
+def _chat_text(tokenizer, text: str, where: str) -> str:
+    """`text` as one user message through the tokenizer's chat template (generation prompt on)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"--chat needs a chat template, but the tokenizer in {where} has none; "
+                         f"drop --chat or use a chat model's tokenizer")  # fmt: skip
+    messages = [{"role": "user", "content": text}]
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
+def encode(cfg, source, vocab_size: int) -> tuple[list[int], object, str]:
+    """The prompt's token ids, the tokenizer (None: bytes mod vocab_size) and the prompt text."""
     if source.tokenizer_dir is None:
-        return [b % vocab_size for b in _prompt_bytes(cfg)], None
+        if cfg.chat:
+            raise ValueError(f"--chat needs the model's tokenizer and chat template, but "
+                             f"{source.directory} has no tokenizer; drop --chat")  # fmt: skip
+        return [b % vocab_size for b in _prompt_bytes(cfg)], None, ""
     tokenizer = load_tokenizer(source.tokenizer_dir)
-    ids = list(tokenizer(_prompt_text(cfg))["input_ids"])
+    text = _prompt_text(cfg)
+    if cfg.chat:
+        text = _chat_text(tokenizer, text, source.tokenizer_dir)
+        ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])  # the template has them
+    else:
+        ids = list(tokenizer(text)["input_ids"])
     if not ids:
         raise ValueError(f"the tokenizer in {source.tokenizer_dir} made no tokens of the prompt")
     if max(ids) >= vocab_size:
@@ -59,82 +85,125 @@ def encode(cfg, source, vocab_size: int) -> tuple[list[int], object]:
             f"the tokenizer in {source.tokenizer_dir} produced token id {max(ids)}, but the "
             f"model's vocab_size is {vocab_size}; use the tokenizer the model was made for"
         )
-    return ids, tokenizer
+    return ids, tokenizer, text
 
 
 def check(cfg) -> None:
     """Every --hf mistake as a ValueError in the parent, before any process starts."""
     if cfg.prompt is None and cfg.prompt_file is None:
         raise ValueError("--hf needs a prompt: pass --prompt TEXT or --prompt-file FILE")
-    if cfg.temperature != 0 or cfg.top_k != 0 or cfg.top_p != 1.0:
-        raise ValueError(
-            f"--hf decodes greedily (ringattn.hf.generate); got --temperature {cfg.temperature} "
-            f"--top-k {cfg.top_k} --top-p {cfg.top_p}: drop them (sampling is --checkpoint only)"
-        )
+    Sampling(cfg.temperature, cfg.top_k, cfg.top_p, cfg.seed).check()
     if cfg.merge != "allgather":
         raise ValueError(f"--hf merges with allgather only; drop --merge {cfg.merge}")
+    if not isinstance(cfg.tp, int) or cfg.tp < 1 or cfg.nproc % cfg.tp:
+        raise ValueError(f"--tp {cfg.tp} must divide --nproc {cfg.nproc} (cp = nproc / tp)")
     source = model_source(cfg.hf)
     config = load_config(source)
+    check_tensor_parallel(config, cfg.tp)
     encode(cfg, source, config.get_text_config().vocab_size)
+
+
+def _device(world_size: int) -> torch.device:
+    """This rank's device: init_distributed's (CUDA under NCCL, one GPU per local rank), or for a
+    single process the first GPU when there is one."""
+    if world_size > 1:
+        return init_distributed()
+    return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _split(cfg, model, world_size: int, device: torch.device) -> tuple[object, object]:
+    """(cp group, tp group) after splitting `model` over tp; (None, None) without --tp."""
+    if cfg.tp == 1:
+        return None, None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device.type, (world_size // cfg.tp, cfg.tp),
+                            mesh_dim_names=("cp", "tp"))  # fmt: skip
+    tensor_parallel(model, mesh["tp"])
+    return mesh["cp"].get_group(), mesh["tp"].get_group()
+
+
+class _Progress:
+    """Prefill progress as one updating line on stderr (rank 0), ended at the first token."""
+
+    def __init__(self, lead: bool):
+        self.lead, self.open = lead, False
+
+    def layer(self, done: int, total: int) -> None:
+        if self.lead:
+            print(f"\r[prefill] layer {done}/{total}", end="", file=sys.stderr, flush=True)
+            self.open = True
+
+    def end(self) -> None:
+        if self.open:
+            print(file=sys.stderr, flush=True)
+            self.open = False
 
 
 def hf_worker(cfg) -> dict:
     """One rank of `ringattn generate --hf`: load, join the group, generate, rank 0 prints."""
     source = model_source(cfg.hf)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
     torch.manual_seed(cfg.seed)  # from_config: the same random weights on every rank
     model = load_model(source).eval()  # before the group exists: a plain local load
     vocab_size = model.config.get_text_config().vocab_size
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        init_distributed()
-    info = resolve_group(None)
-    lead = info.rank == 0
-    prompt, tokenizer = encode(cfg, source, vocab_size)
+    device = _device(world_size)
+    model.to(device)  # model and inputs on the rank's device (NCCL needs CUDA tensors)
+    group, tp_group = _split(cfg, model, world_size, device)
+    world = resolve_group(None)
+    lead = world.rank == 0
+    prompt, tokenizer, text = encode(cfg, source, vocab_size)
     if tokenizer is not None:
         how = f"the model's tokenizer ({type(tokenizer).__name__})"
     else:
         how = f"bytes mod vocab_size {vocab_size} (no tokenizer in {source.directory})"
+    parallel = f"cp {world_size // cfg.tp} x tp {cfg.tp}" if cfg.tp > 1 else f"{world_size} ranks"
     if lead:
         print(f"model {type(model).__name__} from {cfg.hf} ({source.describe()}), "
-              f"{len(prompt)} prompt tokens by {how} on {info.world_size} ranks ({cfg.layout})",
-              file=sys.stderr, flush=True)  # fmt: skip
-        print(_prompt_text(cfg) + "|" if tokenizer is not None else "generated ids:", end="",
-              flush=True)  # fmt: skip
+              f"{len(prompt)} prompt tokens by {how} on {parallel} ({cfg.layout}, {device.type}"
+              f"{', --chat' if cfg.chat else ''})", file=sys.stderr, flush=True)  # fmt: skip
+        print(text + "|" if tokenizer is not None else "generated ids:", end="", flush=True)
     new: list[int] = []
     shown = [""]  # the decoded text printed so far
+    progress = _Progress(lead)
 
     def on_token(token: int) -> None:
+        progress.end()
         new.append(token)
         if not lead:
             return
         if tokenizer is None:
             print(f" {token}", end="", flush=True)
             return
-        text = tokenizer.decode(new)
-        if not text.endswith("\ufffd"):  # a multi-byte piece still incomplete: wait for it
-            print(text[len(shown[0]) :], end="", flush=True)
-            shown[0] = text
-
-    def on_prefill(done: int, total: int) -> None:
-        if lead:
-            print(f"[prefill] layer {done}/{total}", file=sys.stderr, flush=True)
+        decoded = tokenizer.decode(new)
+        if not decoded.endswith("\ufffd"):  # a multi-byte piece still incomplete: wait for it
+            print(decoded[len(shown[0]) :], end="", flush=True)
+            shown[0] = decoded
 
     start = time.perf_counter()
     tokens, stats = ringattn.hf.generate(
-        model, torch.tensor([prompt], device=model.device), cfg.max_new_tokens, layout=cfg.layout,
-        eos_token_id=cfg.eos_id, on_token=on_token, on_prefill=on_prefill, return_stats=True,
+        model, torch.tensor([prompt], device=device), cfg.max_new_tokens, group=group,
+        layout=cfg.layout, do_sample=cfg.temperature > 0, temperature=cfg.temperature,
+        top_k=cfg.top_k, top_p=cfg.top_p, seed=cfg.seed, eos_token_id=cfg.eos_id,
+        on_token=on_token, on_prefill=progress.layer, offload_kv=cfg.offload_kv,
+        tp_group=tp_group, return_stats=True,
     )  # fmt: skip
     total_s = time.perf_counter() - start
-    cache_bytes = [
-        row[0] for row in all_gather_ints([stats.cache_bytes], info, torch.device("cpu"))
-    ]
+    progress.end()
+    figures = all_gather_ints([stats.cache_bytes, stats.cache_capacity_bytes], world,
+                              backend_device(world, device))  # fmt: skip
     if lead:
-        if tokenizer is not None and len(shown[0]) < len(text := tokenizer.decode(new)):
-            print(text[len(shown[0]) :], end="")
+        if tokenizer is not None and len(shown[0]) < len(decoded := tokenizer.decode(new)):
+            print(decoded[len(shown[0]) :], end="")
         print(flush=True)
-        per_rank = ", ".join(f"{b / 2**20:.3f}" for b in cache_bytes)
+        kept = ", ".join(f"{row[0] / 2**20:.3f}" for row in figures)
+        held = ", ".join(f"{row[1] / 2**20:.3f}" for row in figures)
+        where = " (host memory: --offload-kv)" if cfg.offload_kv else ""
         print(f"[generate] time to first token {stats.first_token_s * 1e3:.1f} ms (prefill of "
               f"{len(prompt)} tokens), {stats.new_tokens} tokens in {total_s:.2f} s, decode "
-              f"{stats.decode_tokens_per_s:.1f} tokens/s; KV cache per rank: {per_rank} MB",
-              file=sys.stderr, flush=True)  # fmt: skip
+              f"{stats.decode_tokens_per_s:.1f} tokens/s; KV cache per rank: {kept} MB "
+              f"(buffers {held} MB){where}", file=sys.stderr, flush=True)  # fmt: skip
     return {"tokens": tokens[0, len(prompt) :].tolist(), "cache_bytes": stats.cache_bytes,
-            "rank": info.rank}  # fmt: skip
+            "cache_capacity_bytes": stats.cache_capacity_bytes, "rank": world.rank,
+            "first_token_s": stats.first_token_s, "decode_tokens_per_s": stats.decode_tokens_per_s,
+            "prefill_s": stats.prefill_s}  # fmt: skip
