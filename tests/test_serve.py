@@ -1,11 +1,11 @@
 """`ringattn serve --nproc 2`, launched as a real process tree, asked by the `openai` client.
 
-Two servers start at once (their start-up overlaps): A serves the answers and then loses a rank
-to SIGKILL; B needs an API key and is stopped with SIGTERM. Every answer of the two-rank server
-must equal transformers' greedy `model.generate` of that prompt alone (a seeded sampled one: the
-seeded ringattn.hf.generate on one process), also when requests come concurrently (batched); a
-refused request must leave the ranks' served count (their heartbeat files) unchanged; a stop
-must end every rank within seconds.
+Two servers start at once (their start-up overlaps): A (cp 2) serves the answers and then loses
+a rank to SIGKILL; B splits the model over --tp 2, needs an API key and is stopped with SIGTERM.
+Every answer of a two-rank server must equal transformers' greedy `model.generate` of that
+prompt alone (a seeded sampled one: the seeded ringattn.hf.generate on one process), also when
+requests come concurrently (batched); a refused request must leave the ranks' served count
+(their heartbeat files) unchanged; a stop must end every rank within seconds.
 """
 
 from __future__ import annotations
@@ -39,8 +39,9 @@ def servers(tmp_path_factory):
     def start(name: str, *extra: str) -> None:
         started[name] = Server(directory, 2, "--model-name", "tiny", *extra)
 
+    b_flags = ("b", "--api-key", "k3y", "--tp", "2")
     threads = [threading.Thread(target=start, args=("a",)),
-               threading.Thread(target=start, args=("b", "--api-key", "k3y"))]  # fmt: skip
+               threading.Thread(target=start, args=b_flags)]  # fmt: skip
     for t in threads:
         t.start()
     for t in threads:
@@ -110,13 +111,19 @@ def test_two_ranks_answer_concurrent_requests_as_each_alone(servers):
     assert served_count(started["a"], timeout_s=2) == [len(PROMPTS)] * 2  # it reached no rank
 
 
-def test_api_key_then_sigterm_ends_every_rank(servers):
-    started, *_ = servers
-    b = started["b"]
+def test_tensor_parallel_with_an_api_key_then_sigterm_ends_every_rank(servers):
+    started, model, tok = servers
+    b = started["b"]  # --tp 2: heads and MLP over 2 ranks (cp 1)
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=b.url, api_key="nope", max_retries=0).models.list()
     good = openai.OpenAI(base_url=b.url, api_key="k3y", max_retries=0, timeout=60)
     assert [m.id for m in good.models.list().data] == ["tiny"]
+    reply = good.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": PROMPTS[2]}], max_tokens=10,
+        temperature=0,
+    )  # fmt: skip
+    assert reply.choices[0].message.content == greedy(model, tok, PROMPTS[2], 10)
+    assert "cp 1 x tp 2" in b.log()
     pids = [record["pid"] for record in b.ranks().values()]
     assert len(pids) == 2
     b.proc.send_signal(signal.SIGTERM)

@@ -181,7 +181,7 @@ def test_serve_refuses_bad_flags_before_launching(served, tmp_path, capfd):
     bare.mkdir()
     (bare / "config.json").write_text((directory / "config.json").read_text())
     for argv, needle in [
-        (["--hf", str(directory), "--nproc", "2", "--tp", "2"], "tensor-parallel inference"),
+        (["--hf", str(directory), "--nproc", "3", "--tp", "3"], "does not split over --tp 3"),
         (["--hf", str(directory), "--nproc", "3", "--tp", "2"], "must divide --nproc 3"),
         (["--hf", str(bare)], "no tokenizer files"),
         (["--hf", str(tmp_path / "nowhere")], "no such directory or file"),

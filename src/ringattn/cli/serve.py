@@ -57,7 +57,8 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
                    "config.json: random init from --seed)")  # fmt: skip
     p.add_argument("--nproc", type=int, default=d.nproc, help="ranks the KV cache is sharded over")
     p.add_argument("--tp", type=int, default=d.tp,
-                   help="tensor-parallel degree (cp = nproc / tp); > 1: not yet")  # fmt: skip
+                   help="tensor-parallel degree: heads and MLP split over tp by the model's own "
+                   "tp plan, each prompt over cp = nproc / tp")  # fmt: skip
     p.add_argument("--host", default=d.host, help="interface to listen on (loopback by default)")
     p.add_argument("--port", type=int, default=d.port, help="TCP port (0: any free port)")
     p.add_argument("--model-name", default=d.model_name,

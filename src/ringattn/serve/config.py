@@ -1,8 +1,9 @@
 """`ringattn serve`'s settings (one field per flag) and the checks made before any launch.
 
 check(cfg)  the model directory has a config and a tokenizer (the server speaks text), --nproc
-            and --tp agree, the port can be bound on --host, FastAPI and uvicorn import:
-            every mistake a ValueError in the parent, before any rank starts.
+            and --tp agree and the model splits over --tp (its own tp plan), the port can be
+            bound on --host, FastAPI and uvicorn import: every mistake a ValueError in the
+            parent, before any rank starts.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import socket
 from dataclasses import dataclass
 
 from ringattn.integrations.hf.source import load_config, model_source
+from ringattn.integrations.hf.tensor_parallel import check_tensor_parallel
 from ringattn.layout import LAYOUTS
 from ringattn.runtime.flags import check_at_least, check_choice
 
@@ -75,18 +77,13 @@ def check(cfg: ServeConfig) -> None:
     check_at_least("max-batch", cfg.max_batch, 1)
     if cfg.nproc % cfg.tp:
         raise ValueError(f"--tp {cfg.tp} must divide --nproc {cfg.nproc} (cp = nproc / tp)")
-    if cfg.tp > 1:
-        raise ValueError(
-            f"--tp {cfg.tp}: tensor-parallel inference (ring attention + TP, issue 22 item 4) is "
-            f"not in this build yet; serve with --tp 1 (context parallel over --nproc ranks)"
-        )
     check_choice("layout", cfg.layout, LAYOUTS)
     if not 0 <= cfg.port < 65536:
         raise ValueError(f"--port must be in [0, 65535], got {cfg.port}")
     if cfg.api_key is not None and not cfg.api_key.strip():
         raise ValueError("--api-key is empty; give a key or drop the flag")
     source = model_source(cfg.hf)
-    load_config(source)
+    check_tensor_parallel(load_config(source), cfg.tp)
     if source.tokenizer_dir is None:
         raise ValueError(
             f"--hf {cfg.hf}: no tokenizer files in {source.directory}; the server takes and "

@@ -34,6 +34,7 @@ import torch
 import ringattn.hf
 from ringattn.comm import GroupInfo, resolve_group
 from ringattn.integrations.hf.source import load_model, load_tokenizer, model_source
+from ringattn.integrations.hf.tensor_parallel import tensor_parallel
 from ringattn.runtime.heartbeat import report_progress
 from ringattn.runtime.launch import init_distributed
 from ringattn.serve.app import build_app, serve_in_thread
@@ -71,10 +72,11 @@ def limits(model) -> Limits:
 
 
 def run_batch(model, tokenizer, requests: list[Request], eos: list[int], layout: str,
-              emits: list | None = None) -> list[str]:  # fmt: skip
+              emits: list | None = None, groups: tuple = (None, None)) -> list[str]:  # fmt: skip
     """Generate `requests` as one ragged batch on this rank (all ranks together); `emits`
     (rank 0: one per request) get the events. Each answer is the one its request gets alone
     (ringattn.hf.generate's ragged-batch contract; each sequence samples from its own seed).
+    `groups`: the (cp, tp) process groups with --tp, else (None, None): the default group.
 
     Returns each finish reason: "stop" (end of sequence or a stop string) or "length"."""
     texts = [TextStream(tokenizer, r.stop) for r in requests]
@@ -93,8 +95,10 @@ def run_batch(model, tokenizer, requests: list[Request], eos: list[int], layout:
         sampling = {"do_sample": True, "temperature": [r.temperature for r in requests],
                     "top_p": [r.top_p for r in requests],
                     "seed": [r.seed or 0 for r in requests]}  # fmt: skip
-    ringattn.hf.generate(model, prompts, [r.max_new_tokens for r in requests], layout=layout,
-                         eos_token_id=eos, on_token=on_token, **sampling)  # fmt: skip
+    group, tp_group = groups
+    ringattn.hf.generate(model, prompts, [r.max_new_tokens for r in requests], group=group,
+                         layout=layout, eos_token_id=eos, on_token=on_token, tp_group=tp_group,
+                         **sampling)  # fmt: skip
     finishes = []
     for text, request, emit in zip(texts, requests, emits):
         ended = text.stopped or bool(text.ids and text.ids[-1] in eos)
@@ -124,8 +128,11 @@ def _next_message(jobs: queue.Queue, http, max_batch: int) -> tuple[dict, list[J
 
 
 def rank_loop(model, tokenizer, info: GroupInfo, layout: str, jobs: queue.Queue, http,
-              max_batch: int = MAX_BATCH) -> int:  # fmt: skip
-    """Run requests until rank 0 says stop (`http`, its HTTP thread, has ended); the count."""
+              max_batch: int = MAX_BATCH, groups: tuple = (None, None)) -> int:  # fmt: skip
+    """Run requests until rank 0 says stop (`http`, its HTTP thread, has ended); the count.
+
+    `info` is the whole world (rank 0 broadcasts each message to it); `groups` the (cp, tp)
+    groups that generation runs over with --tp."""
     eos, served = eos_ids(model, tokenizer), 0
     while True:
         message, batch = _next_message(jobs, http, max_batch) if info.rank == 0 else (None, [])
@@ -137,12 +144,26 @@ def rank_loop(model, tokenizer, info: GroupInfo, layout: str, jobs: queue.Queue,
         requests = [Request.from_json(r) for r in message["requests"]]
         report_progress(phase="batch", requests=len(requests), served=served)
         try:
-            run_batch(model, tokenizer, requests, eos, layout, [j.emit for j in batch] or None)
+            emits = [j.emit for j in batch] or None
+            run_batch(model, tokenizer, requests, eos, layout, emits, groups)
         except ValueError as err:  # refused by generate's checks, the same on every rank
             for job in batch:
                 job.emit("error", str(err))
         served += len(requests)
         report_progress(phase="idle", served=served)
+
+
+def _split(cfg: ServeConfig, model, world_size: int, device: torch.device) -> tuple:
+    """(cp group, tp group) after splitting `model` by its own tp plan over a (cp, tp) mesh
+    (integrations/hf/tensor_parallel.py); (None, None) without --tp."""
+    if cfg.tp == 1:
+        return None, None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device.type, (world_size // cfg.tp, cfg.tp),
+                            mesh_dim_names=("cp", "tp"))  # fmt: skip
+    tensor_parallel(model, mesh["tp"])
+    return mesh["cp"].get_group(), mesh["tp"].get_group()
 
 
 def serve_worker(cfg: ServeConfig) -> dict:
@@ -160,6 +181,7 @@ def serve_worker(cfg: ServeConfig) -> dict:
     elif torch.cuda.is_available():
         device = torch.device("cuda", torch.cuda.current_device())
     model.to(device)  # the group's device: NCCL collectives take CUDA tensors only
+    groups = _split(cfg, model, world_size, device)
     info = resolve_group(None)
     jobs, http = queue.Queue(), None
     if info.rank == 0:
@@ -169,8 +191,11 @@ def serve_worker(cfg: ServeConfig) -> dict:
         _, http = serve_in_thread(app, sock)
         host, port = sock.getsockname()[:2]
         key = " (API key required)" if cfg.api_key else ""
-        print(f"[serve] {name} ({type(model).__name__}, {source.describe()}) on "
-              f"{info.world_size} rank(s), {cfg.layout}: listening on http://{host}:{port}/v1{key}",
+        ranks = (
+            f"cp {world_size // cfg.tp} x tp {cfg.tp}" if cfg.tp > 1 else f"{world_size} rank(s)"
+        )
+        print(f"[serve] {name} ({type(model).__name__}, {source.describe()}) on {ranks}, "
+              f"{cfg.layout}, {device.type}: listening on http://{host}:{port}/v1{key}",
               file=sys.stderr, flush=True)  # fmt: skip
-    served = rank_loop(model, tokenizer, info, cfg.layout, jobs, http, cfg.max_batch)
+    served = rank_loop(model, tokenizer, info, cfg.layout, jobs, http, cfg.max_batch, groups)
     return {"rank": info.rank, "served": served}
