@@ -2,6 +2,9 @@
 
     python scripts/plan_check.py                 # writes results/plan_check_cpu.json
     python scripts/plan_check.py --quick         # two configurations, for a smoke test
+    python scripts/plan_check.py --only 3,4      # some configurations (indices into CONFIGS)
+    python scripts/plan_check.py --published     # docs/plan.md's table of published runs
+    python scripts/plan_check.py --sharing       # 2 vs 4 processes on 2 cores, paired
 
 1. `ringattn plan --calibrate` measures this CPU (kernel rates by size, gloo) into a cache file;
 2. for each configuration (model, processes, dp, cp, strategy, layout, length), a fresh
@@ -104,6 +107,51 @@ def predict(model, nproc, dp, cp, strategy, layout, seq_len, calibration) -> dic
             "breakdown": plan["breakdown"]}  # fmt: skip
 
 
+def sharing_check(path: str, rounds: int) -> dict:
+    """The processes-sharing-cores model, checked in pairs: `ringattn train` with `cores` and with
+    2 x cores processes (small, ring / zigzag, 8,192 tokens, cp = processes), alternating with
+    the calibration's sharing measurement, so all three see the same load. The measured ratio of
+    step times against the one the planner predicts from the measured cost."""
+    from ringattn.planner.oversubscribe import measure_oversubscription
+
+    cores = len(os.sched_getaffinity(0))
+    tmp = tempfile.mkdtemp(prefix="ringattn-sharing-")
+    rounds_out = []
+    for r in range(rounds):
+        runs = {}
+        for nproc in (cores, 2 * cores):
+            runs[nproc] = measure("small", nproc, 1, nproc, "ring", "zigzag", 8192, 6,
+                                  out_dir=os.path.join(tmp, f"r{r}n{nproc}"))  # fmt: skip
+        bench = measure_oversubscription(cores, rounds=1)
+        step_ratio = runs[2 * cores]["median_step_s"] / runs[cores]["median_step_s"]
+        rounds_out.append({"runs": {str(k): v for k, v in runs.items()}, "bench": bench,
+                           "trainer_step_ratio": step_ratio})  # fmt: skip
+        print(f"round {r}: trainer step {2 * cores} / {cores} processes = {step_ratio:.2f}; "
+              f"measured sharing cost {bench['cost'][str(2 * cores)]:.2f}; load "
+              f"{bench['load_average']}", flush=True)  # fmt: skip
+    result = {"command": shlex.join(["python", *sys.argv]), "torch": torch.__version__,
+              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cores": cores,
+              "rounds": rounds_out}  # fmt: skip
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    return result
+
+
+def published_table() -> str:
+    """docs/plan.md's table: each published figure, the prediction, the error."""
+    from ringattn.planner.published import check_published, llama3_virtual_sensitivity
+
+    lines = ["| run | quantity | published | predicted | error |", "|---|---|---|---|---|"]
+    for r in check_published():
+        lines.append(f"| {r['name']} | {r['quantity']} | {r['published']:.4g} | "
+                     f"{r['predicted']:.4g} | {r['error']:+.0%} |")  # fmt: skip
+    sens = llama3_virtual_sensitivity()
+    lines += ["", "Llama 3 rows by virtual stages " + str(sens["virtual_stages"]) + ":"]
+    for key, values in sens["rows"].items():
+        lines.append(f"    {key}: " + ", ".join(f"{v:.0f}" for v in values))
+    return "\n".join(lines)
+
+
 def _err(pred: float, meas: float) -> float:
     return (pred - meas) / meas
 
@@ -113,12 +161,29 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default="results/plan_check_cpu.json", help="where results go")
     p.add_argument("--memory-json", default="results/memory_cpu.json", help="memory.py's file")
     p.add_argument("--quick", action="store_true", help="two configurations only")
+    p.add_argument("--only", default=None, help="comma-separated indices into CONFIGS")
+    p.add_argument(
+        "--sharing",
+        action="store_true",
+        help="only the paired 2 x cores vs cores processes check (writes --json)",
+    )
+    p.add_argument(
+        "--published",
+        action="store_true",
+        help="print the published-runs table (no measurement) and exit",
+    )
     p.add_argument("--calibration", default=None, help="reuse this calibration file")
     p.add_argument("--max-load", type=float, default=1.0, help="wait for a load average below")
     p.add_argument("--max-wait", type=float, default=90, help="seconds to wait for it, per run")
     p.add_argument("--tries", type=int, default=2, help="runs per configuration; the fastest "
                    "counts (other sessions' load only ever slows a run down)")  # fmt: skip
     args = p.parse_args(argv)
+    if args.published:
+        print(published_table())
+        return 0
+    if args.sharing:
+        sharing_check(args.json, args.tries)
+        return 0
     tmp = tempfile.mkdtemp(prefix="ringattn-plan-check-")
     calibration = args.calibration or os.path.join(tmp, "calibration.json")
     if not args.calibration:
@@ -126,7 +191,10 @@ def main(argv: list[str] | None = None) -> int:
         print("[plan-check] calibrating...", flush=True)
         _ringattn("plan", "--calibrate", "--calibration", calibration, capture=False)
     rows = []
-    for i, cfg in enumerate(QUICK if args.quick else CONFIGS):
+    chosen = QUICK if args.quick else CONFIGS
+    if args.only:
+        chosen = [CONFIGS[int(i)] for i in args.only.split(",")]
+    for i, cfg in enumerate(chosen):
         model, nproc, dp, cp, strategy, layout, seq_len, steps = cfg
         print(f"[plan-check] {model} nproc={nproc} dp={dp} cp={cp} {strategy}/{layout} "
               f"S={seq_len}...", flush=True)  # fmt: skip

@@ -61,6 +61,14 @@ echo "[setup] installing ringattn (editable) with dev, plot, hf and serve extras
     "($TRANSFORMERS_PIN ${SERVE_PINS[*]}; $OPENAI_PIN for tests)"
 pip_install -e ".[dev,plot,hf,serve]" "$TRANSFORMERS_PIN" "${SERVE_PINS[@]}" "$OPENAI_PIN"
 
+# Optional: TensorBoard, for `ringattn train --tensorboard` (torch.utils.tensorboard writes the
+# event files; tests/test_cluster.py reads them back with tensorboard's EventAccumulator).
+TENSORBOARD_PIN="tensorboard==2.21.0"
+if ! "$PY" -c "import tensorboard" >/dev/null 2>&1; then
+    echo "[setup] installing $TENSORBOARD_PIN (optional: ringattn train --tensorboard)"
+    pip_install "$TENSORBOARD_PIN" || echo "[setup] $TENSORBOARD_PIN did not install; --tensorboard and its test will skip"
+fi
+
 # Optional: Triton, whose CPU interpreter runs the fused merge kernel's tests
 # (tests/test_merge_triton.py, skipped without it). The interpreter imports numpy, which ringattn
 # must not need, so numpy goes to a side directory that only those tests put on PYTHONPATH.

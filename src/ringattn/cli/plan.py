@@ -23,8 +23,25 @@ from ringattn.planner.search import Job, explain, rank_key, search
 
 __all__ = ["add_parser", "run_plan"]
 
+from ringattn.planner.kernels import KERNEL_NAMES
+from ringattn.planner.schedule import PP_SCHEDULES
+
 _STRATEGIES = ("ring", "allgather", "ulysses", "hybrid")
 _LAYOUTS = ("zigzag", "striped", "contiguous")
+
+
+def _tflops_pair(text: str | None) -> tuple[float, float] | None:
+    """--attention-tflops FWD[,BWD] (BWD defaults to FWD)."""
+    if text is None:
+        return None
+    try:
+        values = [float(v) for v in text.split(",")]
+    except ValueError:
+        values = []
+    if len(values) not in (1, 2) or min(values) <= 0:
+        raise ValueError(f"--attention-tflops takes FWD or FWD,BWD (positive TFLOP/s), got "
+                         f"{text!r}")  # fmt: skip
+    return values[0], values[-1]
 
 
 def add_parser(sub) -> None:
@@ -51,9 +68,33 @@ def add_parser(sub) -> None:
         p.add_argument(f"--{name}", type=int, default=None, help=f"{name} degree (default: search)")
     p.add_argument("--strategy", choices=_STRATEGIES, default=None, help="default: search")
     p.add_argument("--layout", choices=_LAYOUTS, default=None, help="default: search")
-    p.add_argument("--dtype", choices=("bf16", "fp8", "fp32"), default=None,
-                   help="matmul precision (fp8: attention stays bf16); default bf16, "
-                   "fp32 on cpu (what the trainer runs there)")  # fmt: skip
+    p.add_argument("--dtype", choices=("bf16", "fp8", "fp32", "tf32"), default=None,
+                   help="matmul precision (fp8: attention stays bf16 unless --fp8-attention; "
+                   "fp32: torch's default, TF32 off; tf32: TF32 on); default bf16, fp32 on cpu "
+                   "(what the trainer runs there)")  # fmt: skip
+    p.add_argument("--attention-kernel", choices=KERNEL_NAMES, default=None,
+                   help="GPU attention kernel whose published rates price attention; default: "
+                   "what backend auto picks (cudnn; efficient for fp32/tf32)")  # fmt: skip
+    p.add_argument(
+        "--attention-tflops",
+        default=None,
+        metavar="FWD[,BWD]",
+        help="override the kernel's long-block forward (and backward) TFLOP/s",
+    )
+    p.add_argument(
+        "--fp8-attention",
+        action="store_true",
+        help="with --dtype fp8: fp8 forward attention (flash3, cudnn)",
+    )
+    p.add_argument("--pp-schedule", choices=PP_SCHEDULES, default="gpipe",
+                   help="pipeline schedule (the trainer's default: gpipe; interleaved is "
+                   "priced but not run by ringattn train)")  # fmt: skip
+    p.add_argument("--microbatches", type=int, default=1,
+                   help="pp > 1: microbatches per step, a divisor of --batch-size (the "
+                   "trainer's default: 1)")  # fmt: skip
+    p.add_argument(
+        "--virtual-stages", type=int, default=1, help="interleaved: model chunks per pipeline rank"
+    )
     p.add_argument("--activation-checkpointing", action="store_true",
                    help="recompute each block in backward")  # fmt: skip
     p.add_argument("--json", action="store_true", help='print one JSON object {"plans": [...]}')
@@ -83,7 +124,7 @@ def _job(args: argparse.Namespace, calibration: dict | None):
                              "give a new path (it will be measured and written there)")  # fmt: skip
         try:
             calibration = load_calibration(path)
-        except ValueError as why:  # none yet, or another machine's: measure this one (~20 s)
+        except ValueError as why:  # none yet, or another machine's: measure this one (~2 min)
             print(f"[plan] {why}; calibrating now", file=sys.stderr)
             calibration = calibrate(args.calibration, log=lambda t: print(t, file=sys.stderr))
     hw = get_hardware(args.hardware, tflops=args.tflops, intra_bw=args.intra_bw,
@@ -92,13 +133,16 @@ def _job(args: argparse.Namespace, calibration: dict | None):
     dtype = args.dtype or ("fp32" if hw.is_cpu else "bf16")
     return Job(get_model(args.model), hw, args.gpus, args.seq_len, args.batch_size, args.dp,
                args.cp, args.tp, args.pp, args.strategy, args.layout, dtype,
-               args.activation_checkpointing)  # fmt: skip
+               args.activation_checkpointing, kernel=args.attention_kernel,
+               pp_schedule=args.pp_schedule, microbatches=args.microbatches,
+               virtual_stages=args.virtual_stages, fp8_attention=args.fp8_attention,
+               attention_tflops=_tflops_pair(args.attention_tflops))  # fmt: skip
 
 
 def _table(plans: list[dict], top: int) -> str:
     head = (f"{'dp':>4} {'cp':>4} {'tp':>3} {'pp':>3} {'strategy':<10} {'layout':<11} "
             f"{'step s':>9} {'tok/s/gpu':>10} {'GiB/gpu':>8} {'fits':>4} {'exposed':>8} "
-            f"{'bubble':>7}")  # fmt: skip
+            f"{'bubble':>7} {'MFU':>5}")  # fmt: skip
     lines = [head]
     for p in plans[:top]:
         b = p["breakdown"]
@@ -108,7 +152,8 @@ def _table(plans: list[dict], top: int) -> str:
             f"{p['layout']:<11} {p['step_time_s']:>9.4g} {p['tokens_per_s_per_gpu']:>10.4g} "
             f"{p['memory_gib_per_gpu']:>8.3g} {'yes' if p['fits'] else 'NO':>4} "
             f"{b['exposed_comm_s'] / p['step_time_s']:>8.1%} "
-            f"{b['pipeline_bubble_s'] / p['step_time_s']:>7.1%}"
+            f"{b['pipeline_bubble_s'] / p['step_time_s']:>7.1%} "
+            f"{p['mfu'] if p['mfu'] is not None else float('nan'):>5.0%}"
         )
     if len(plans) > top:
         lines.append(f"... {len(plans) - top} more (--top N, or --json for all)")
@@ -131,8 +176,15 @@ def run_plan(args: argparse.Namespace) -> int:
         print(json.dumps({"plans": shown}))
         return 0
     ac = ", activation checkpointing" if job.activation_checkpointing else ""
+    kernel = "" if job.hw.is_cpu else f", attention {shown[0]['attention_kernel']}"
+    pipe = f", pp schedule {job.pp_schedule} x {job.microbatches} microbatches"
     print(f"{job.model.name} on {args.gpus} x {job.hw.name}, {job.seq_len} tokens x batch "
-          f"{job.batch_size}, {job.dtype}{ac}: {len(plans)} plans, {len(fitting)} fit")  # fmt: skip
+          f"{job.batch_size}, {job.dtype}{ac}{kernel}{pipe}: {len(plans)} plans, "
+          f"{len(fitting)} fit")  # fmt: skip
     print(_table(shown, args.top))
     print(explain(plans))
+    best = shown[0]
+    print(f"run it: {best['train_command']}")
+    if best["train_note"]:
+        print(f"  (not run by the trainer: {best['train_note']})")
     return 0

@@ -9,6 +9,7 @@ optimisation, output); `config_from_args` turns the parsed namespace back into a
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import fields
 
 from ringattn import LAYOUTS
@@ -135,6 +136,14 @@ def add_arguments(p: argparse.ArgumentParser, d: TrainConfig, *, demo: bool = Fa
         default=d.timeout_s,
         help="seconds before a collective waiting on a dead peer fails",
     )
+    g.add_argument(
+        "--stall-timeout",
+        dest="stall_s",
+        type=float,
+        default=d.stall_s,
+        help="seconds without a heartbeat after which a frozen rank is named and the "
+        "job ends (our launcher and torchrun)",
+    )
     t = p.add_argument_group("data and optimisation")
     t.add_argument(
         "--data",
@@ -240,9 +249,39 @@ def add_arguments(p: argparse.ArgumentParser, d: TrainConfig, *, demo: bool = Fa
         or "before measuring memory, run one step of a tiny model, so the "
         "baseline already holds the kernels' code",
     )
-    # for tests: a rank killing itself mid-run
+    o.add_argument(
+        "--tensorboard",
+        action=argparse.BooleanOptionalAction,
+        default=d.tensorboard,
+        help="also write TensorBoard event files under OUT_DIR/tensorboard (loss, lr, "
+        "grad norm, tokens/s, MFU, per-rank peak memory); needs tensorboard",
+    )
+    o.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=d.peak_tflops,
+        help="peak TFLOP/s of one device for the MFU estimate (0: GPU preset or the "
+        "CPU calibration of `ringattn plan --calibrate`)",
+    )
+    o.add_argument(
+        "--max-bad-steps",
+        type=int,
+        default=d.max_bad_steps,
+        help="stop after this many steps in a row with a non-finite loss or gradient "
+        "norm on any rank (their updates are skipped)",
+    )
+    o.add_argument(
+        "--grace",
+        dest="grace_s",
+        type=float,
+        default=d.grace_s,
+        help="after SIGTERM: seconds to finish the step and checkpoint it before "
+        "exiting at once (a second SIGTERM exits at once too)",
+    )
+    # for tests: a rank killing, signalling or freezing itself mid-run
     o.add_argument("--fail-at-step", type=int, default=d.fail_at_step, help=argparse.SUPPRESS)
     o.add_argument("--fail-rank", type=int, default=d.fail_rank, help=argparse.SUPPRESS)
+    o.add_argument("--fail-signal", default=d.fail_signal, help=argparse.SUPPRESS)
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
@@ -295,6 +334,12 @@ def _run_train(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     # a transformers model: says what it trains, then exports and plots
     summary = run_hf_train(cfg) if cfg.hf else run_train(cfg)
-    if summary.get("checkpoint") and summary.get("rank", 0) == 0:
+    lead = summary.get("rank", 0) == 0
+    if summary.get("checkpoint") and lead:
         print(f"checkpoint: {summary['checkpoint']}")
+    stopped = summary.get("stopped")
+    if stopped:  # preempted, diverged, a failed checkpoint: runtime/outcome.py
+        if lead:
+            print(f"ringattn train: {stopped['message']}", file=sys.stderr, flush=True)
+        return stopped["exit_code"]
     return 0

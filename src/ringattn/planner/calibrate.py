@@ -10,6 +10,9 @@ the two thread counts the local launcher gives its processes):
     elementwise   GB/s of activation-sized multiply and add passes
     gloo          latency and bandwidth of send/recv ping-pong between two local processes
                   (torch.distributed gloo, launched by ringattn.runtime.launch)
+    sharing       the cost of 2 x cores processes taking turns on the cores beyond the
+                  2x stretch (oversubscribe.py): a ring of compute + send/recv on `cores`
+                  and on 2 x cores processes
     step floor    the median step time of `ringattn train` at a size where the kernels cost
                   almost nothing (tiny model, 2 processes, cp 2, 512 tokens): what the trainer
                   spends per step outside the kernels (Python and autograd dispatch, FSDP hooks
@@ -31,12 +34,13 @@ import time
 import torch
 
 from ringattn.kernels import KERNELS
+from ringattn.planner.oversubscribe import measure_oversubscription
 from ringattn.runtime.launch import init_distributed, launch
 
 __all__ = ["DEFAULT_PATH", "calibrate", "is_calibration_file", "load_calibration", "machine_key"]
 
 DEFAULT_PATH = os.path.join(os.path.expanduser("~"), ".cache", "ringattn", "calibration-cpu.json")
-VERSION = 3
+VERSION = 4
 WIDTHS = (16, 32, 64, 128, 256, 512, 1024)
 HEAD_DIMS = (16, 32, 64, 128)
 BLOCKS = (128, 512, 2048)
@@ -177,6 +181,10 @@ def _step_floor(steps: int = 10) -> float:
     return statistics.median(seconds[1:])
 
 
+def _oversubscription(cores: int) -> dict:
+    return measure_oversubscription(cores)
+
+
 def _memory_gib() -> float:
     try:
         with open("/proc/meminfo") as f:
@@ -206,6 +214,14 @@ def calibrate(path: str = DEFAULT_PATH, repeats: int = 5, log=print) -> dict:
         torch.set_num_threads(saved)
     log("[calibrate] gloo send/recv between 2 processes...")
     result["gloo"] = _gloo(repeats * 3)
+    log(f"[calibrate] {cores} vs {2 * cores} processes sharing {cores} cores...")
+    shared = _oversubscription(cores)
+    result["oversubscription"] = shared["cost"]
+    result["oversubscription_detail"] = shared
+    if shared.get("busy"):
+        log(f"[calibrate] warning: load average {max(shared['load_average']):.1f} on {cores} "
+            "cores while measuring: other processes distort every figure here (the sharing "
+            "cost most); calibrate again on a quiet machine")  # fmt: skip
     log("[calibrate] the trainer's per-step floor (tiny model, 512 tokens, 2 processes)...")
     result["step_floor_s"] = _step_floor()
     result["step_floor_nproc"] = 2

@@ -2,9 +2,10 @@
 
 Per transformer block and microbatch on one rank (n = S / cp tokens, heads and MLP split by tp):
 
-    forward   matmuls 2 * tokens * block_params / tp          (fp8 rate with --dtype fp8)
+    forward   matmuls 2 * tokens * block_params / tp          (at the --dtype's peak)
               elementwise passes (norms, RoPE, SwiGLU, residuals) at memory bandwidth
-              attention by strategy (below), always at the bf16 rate
+              attention by strategy (below), at the --attention-kernel's published rate
+              for each block's length and mask (kernels.py)
               tensor parallel: 2 all-gathers + 2 reduce-scatters of the activations (exposed)
     backward  2x the matmuls and elementwise work, attention backward (2.5x the forward's
               flops), the same TP traffic; + one more forward with activation checkpointing
@@ -20,9 +21,10 @@ Attention per strategy (bytes from docs/strategies.md; work from the layouts' sc
 The ring's merge reads and writes the float32 accumulator at every step (~10 bytes per output
 element, 20 for half blocks): elementwise work added to each step's compute.
 
-Per step: pipeline 1F1B over m = batch microbatches, (m + pp - 1) stage slots; FSDP2 all-gathers
-(forward and backward) and reduce-scatters overlap the compute, the part longer than it plus the
-first all-gather and last reduce-scatter is exposed; AdamW and gradient clipping at memory speed.
+Per step: the pipeline schedule's m microbatch slots plus its bubble (schedule.py); FSDP2
+all-gathers (forward and backward) and reduce-scatters overlap the compute, the part longer than
+it plus the first all-gather and last reduce-scatter is exposed; AdamW and gradient clipping at
+memory speed.
 """
 
 from __future__ import annotations
@@ -31,9 +33,10 @@ from dataclasses import dataclass
 
 from ringattn.planner.hardware import Hardware
 from ringattn.planner.models import ModelSpec
+from ringattn.planner.schedule import bubble_slots
 from ringattn.planner.work import StepWork, allgather_work, group_ring_steps
 
-__all__ = ["PlanSpec", "step_time"]
+__all__ = ["PlanSpec", "attention_layer_s", "step_time"]
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,17 @@ class PlanSpec:
     """hybrid: the Ulysses (all-to-all) degree U inside each cp group; the ring has cp / U."""
     loss_chunk: int = 4096
     """Tokens per chunk of the output projection + loss, recomputed in backward (the trainer's)."""
+    kernel: str = "cudnn"
+    """GPU attention kernel (kernels.py); ignored on cpu (the measured cpu_flash)."""
+    pp_schedule: str = "gpipe"
+    microbatches: int = 1
+    """pp > 1: microbatches per step (the trainer's --microbatches; ignored without pp)."""
+    virtual_stages: int = 1
+    """interleaved: model chunks per pipeline rank."""
+    fp8_attention: bool = False
+    """fp8 forward attention (flash3, cudnn) with --dtype fp8."""
+    attention_tflops: tuple[float, float] | None = None
+    """Overrides the kernel's plateau rates, forward and backward TFLOP/s."""
 
     @property
     def gpus(self) -> int:
@@ -64,16 +78,21 @@ class PlanSpec:
 
     @property
     def elem_bytes(self) -> int:
-        return 4 if self.dtype == "fp32" else 2
+        return 4 if self.dtype in ("fp32", "tf32") else 2
 
     @property
-    def microbatches(self) -> int:
-        return self.batch_size if self.pp > 1 else 1
+    def pipe_microbatches(self) -> int:
+        """Microbatches that go through the pipeline per step (1 without pp)."""
+        return self.microbatches if self.pp > 1 else 1
 
     @property
     def micro_batch(self) -> int:
         """Sequences in one microbatch."""
-        return 1 if self.pp > 1 else self.batch_size
+        return self.batch_size // self.pipe_microbatches
+
+    @property
+    def virtual(self) -> int:
+        return self.virtual_stages if self.pp_schedule == "interleaved" else 1
 
     def spans_nodes(self, inner: int) -> bool:
         """Whether a group made of `inner` consecutive ranks crosses a node boundary."""
@@ -100,8 +119,10 @@ def _attention(spec: PlanSpec, backward: bool) -> tuple[float, float, float]:
         """Kernels of one step plus its merge, on `rows` query rows per position."""
         unit = 4 * b * heads * d * rows * rows * flop_scale
         block = max(1, int(work.block * rows))
-        t = hw.attention_s(unit * work.full, block, d, False, backward, threads)
-        t += hw.attention_s(unit * work.causal, block, d, True, backward, threads)
+        kw = {"kernel": spec.kernel, "dtype": spec.dtype, "fp8": spec.fp8_attention,
+              "override": spec.attention_tflops}  # fmt: skip
+        t = hw.attention_s(unit * work.full, block, d, False, backward, threads, **kw)
+        t += hw.attention_s(unit * work.causal, block, d, True, backward, threads, **kw)
         merge = 0 if backward else 10 * b * heads * rows * d * work.calls * (2 if work.block < 1
                                                                             else 1)  # fmt: skip
         return (t + hw.elementwise_s(merge, threads)) * slow
@@ -150,6 +171,12 @@ def _attention(spec: PlanSpec, backward: bool) -> tuple[float, float, float]:
     return c, hw.transfer_s(sent, cp_inter, messages=2 * (w - 1)), sent
 
 
+def attention_layer_s(spec: PlanSpec, backward: bool) -> float:
+    """Seconds of one layer's CP attention (compute + exposed communication), one direction."""
+    compute, exposed, _ = _attention(spec, backward)
+    return compute + exposed
+
+
 def _elementwise_bytes(spec: PlanSpec, tokens: int) -> float:
     """Forward bytes of the memory-bound ops of one block: passes over each activation (each pass
     reads and writes it): RMSNorm ~6 x 2, RoPE ~8 on q and k, SwiGLU ~4 on the hidden, residual
@@ -163,11 +190,11 @@ def step_time(spec: PlanSpec) -> dict:
     """Seconds of one optimizer step and where they go (see the module docstring)."""
     m, hw = spec.model, spec.hw
     slow, threads = hw.slowdown(spec.gpus), spec.threads
-    fp8 = spec.dtype == "fp8"
+    dtype = spec.dtype
     n = spec.seq_len // spec.cp
     tokens = spec.micro_batch * n  # rows of every matmul on this rank, per microbatch
     mm_params = m.layer_params() - 2 * m.dim
-    mm_f = hw.matmul_s(2 * tokens * mm_params / spec.tp, tokens, m.dim, fp8, threads) * slow
+    mm_f = hw.matmul_s(2 * tokens * mm_params / spec.tp, tokens, m.dim, dtype, threads) * slow
     ew_f = hw.elementwise_s(_elementwise_bytes(spec, tokens), threads) * slow
     att_f, att_f_exp, att_f_bytes = _attention(spec, backward=False)
     att_b, att_b_exp, att_b_bytes = _attention(spec, backward=True)
@@ -180,18 +207,22 @@ def step_time(spec: PlanSpec) -> dict:
         exposed_layer += att_f_exp + tp_s
     layers = -(-m.n_layers // spec.pp)  # the heaviest stage (uneven splits allowed)
     # output projection + loss (last stage): forward, backward, and the chunk recompute
-    head_f = hw.matmul_s(2 * tokens * m.dim * m.vocab_size / spec.tp, tokens, m.dim, fp8, threads)
+    head_f = hw.matmul_s(2 * tokens * m.dim * m.vocab_size / spec.tp, tokens, m.dim, dtype, threads)
     head_f += hw.elementwise_s(tokens * m.vocab_size / spec.tp * 4 * 6, threads)
     head = head_f * (4 if tokens > spec.loss_chunk > 0 else 3) * slow
     stage_compute = layers * (fwd + bwd) + head
     stage_exposed = layers * exposed_layer
     pp_s = 0.0
-    if spec.pp > 1:  # activations (and their gradients) to the next stage, per microbatch
-        pp_s = 2 * hw.transfer_s(tokens * m.dim * spec.elem_bytes, spec.gpus > hw.gpus_per_node)
-    slots = spec.microbatches + spec.pp - 1
-    compute = spec.microbatches * stage_compute
-    bubble = (spec.pp - 1) * (stage_compute + stage_exposed)
-    exposed = spec.microbatches * (stage_exposed + pp_s)
+    if spec.pp > 1:  # activations (and their gradients) to the next stage, per microbatch chunk;
+        # each tp rank sends its sequence-parallel share
+        pp_s = 2 * spec.virtual * hw.transfer_s(tokens * m.dim / spec.tp * spec.elem_bytes,
+                                                spec.gpus > hw.gpus_per_node)  # fmt: skip
+    mb = spec.pipe_microbatches
+    idle = bubble_slots(spec.pp_schedule, spec.pp, spec.virtual)
+    slots = mb + idle
+    compute = mb * stage_compute
+    bubble = idle * (stage_compute + stage_exposed)
+    exposed = mb * (stage_exposed + pp_s)
     # FSDP2 over dp x cp: per block and the root, all-gather (fwd, bwd) and reduce-scatter
     shards = spec.dp * spec.cp
     fsdp_exposed = fsdp_s = 0.0
@@ -220,9 +251,9 @@ def step_time(spec: PlanSpec) -> dict:
     return {
         "step_time_s": total,
         "compute_s": compute,
-        "attention_s": spec.microbatches * layers * (att_f + att_b),
+        "attention_s": mb * layers * (att_f + att_b),
         "exposed_comm_s": exposed + fsdp_exposed,
-        "exposed_cp_comm_s": spec.microbatches * layers * (att_f_exp + att_b_exp),
+        "exposed_cp_comm_s": mb * layers * (att_f_exp + att_b_exp),
         "pipeline_bubble_s": bubble,
         "optimizer_s": optim_s,
         "overhead_s": floor_s,

@@ -3,17 +3,19 @@ measured by `ringattn plan --calibrate` (calibrate.py).
 
 A device turns work into seconds through four rates:
 
-    matmul      flops / (peak x efficiency(tokens per call))       fp8 peak for fp8 matmuls
-    attention   flops / (peak x efficiency(block length))          always bf16: fp8 attention is
-                                                                   not what these kernels run
-    elementwise bytes / memory bandwidth                            norms, RoPE, SwiGLU, merges
-    transfer    latency + bytes / link bandwidth                   intra-node or inter-node link
+    matmul      flops / (peak(dtype) x efficiency(tokens per call))   bf16, fp8, tf32 or fp32
+                                                                       peak of the data sheet
+    attention   flops / kernel rate(kernel, block length, mask, dtype) kernels.py: published
+                                                                       curves per kernel
+    elementwise bytes / memory bandwidth                               norms, RoPE, SwiGLU, merges
+    transfer    latency + bytes / link bandwidth                      intra-node or inter-node
 
-GPU efficiencies are a saturating curve eff_max * n / (n + n_half): a kernel on a short block
-cannot fill the machine. eff_max values come from DESIGN.md §6 (H200: cuDNN attention at
-553-683 of 989 TFLOP/s forward, 534-601 forward+backward; an 8192^3 matmul at 787) and are used
-for every Hopper/Blackwell/Ampere preset alike. On `cpu` the rates are tables measured on this
-machine (calibrate.py) and interpolated in log space instead.
+Matmul efficiency is a saturating curve eff_max * n / (n + n_half / 4): a GEMM of few rows cannot
+fill the machine (eff_max 0.70: an 8192^3 bf16 GEMM reaches 0.80 on an H200, DESIGN.md section 6).
+fp32 is what `ringattn train --dtype float32` runs: torch leaves TF32 off, so its matmuls run at
+the plain fp32 peak; `tf32` prices torch.backends.cuda.matmul.allow_tf32 = True. On `cpu` the
+rates are tables measured on this machine (calibrate.py) and interpolated in log space, and more
+processes than cores share them at the measured oversubscription cost (oversubscribe.py).
 """
 
 from __future__ import annotations
@@ -21,6 +23,9 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass, field, replace
+
+from ringattn.planner.kernels import attention_tflops
+from ringattn.planner.oversubscribe import oversubscription_cost
 
 __all__ = ["HARDWARE", "Hardware", "get_hardware"]
 
@@ -43,16 +48,20 @@ class Hardware:
     inter_bw_gbs: float
     """Link between nodes, per device (one 400 Gb/s NIC per GPU = 50 GB/s)."""
     gpus_per_node: int
+    arch: str = "hopper"
+    """hopper, ampere or blackwell: which published kernel curves apply (kernels.py)."""
+    tf32_tflops: float = 0.0
+    """Dense TF32 tensor-core peak (0: none)."""
+    fp32_tflops: float = 0.0
+    """Plain fp32 (non-tensor-core) peak."""
     intra_latency_s: float = 10e-6
     inter_latency_s: float = 20e-6
     matmul_eff: float = 0.70
     """One 8192^3 bf16 GEMM reaches 0.80 of peak on an H200 (DESIGN.md §6); a training step's
-    mix of shapes under power-limited clocks sustains less: 0.70 is taken."""
-    attn_fwd_eff: float = 0.62
-    attn_bwd_eff: float = 0.56
+    mix of shapes under power-limited clocks sustains less: 0.70 is taken (also for tf32, fp32)."""
     fp8_matmul_eff: float = 0.60
     n_half: int = 256
-    """Tokens per kernel call at which a kernel reaches half its best efficiency."""
+    """Tokens per matmul call (x 4) at which a GEMM reaches half its best efficiency."""
     usable_fraction: float = 0.92
     """Of memory_gib, what a job can allocate (CUDA context, NCCL buffers, fragmentation)."""
     calibration: dict | None = field(default=None, compare=False)
@@ -69,8 +78,15 @@ class Hardware:
         tables = self.calibration[kind]
         return tables[str(threads)], tables["1"]
 
+    def matmul_peak(self, dtype: str) -> tuple[float, float]:
+        """(peak TFLOP/s, best efficiency) of matmuls in `dtype`."""
+        if dtype == "fp8":
+            return self.fp8_tflops, self.fp8_matmul_eff
+        peak = {"bf16": self.bf16_tflops, "tf32": self.tf32_tflops, "fp32": self.fp32_tflops}
+        return peak[dtype], self.matmul_eff
+
     def matmul_s(
-        self, flops: float, tokens: int, width: int, fp8: bool = False, threads: int = 1
+        self, flops: float, tokens: int, width: int, dtype: str = "bf16", threads: int = 1
     ) -> float:
         """Seconds for matmuls of `flops` whose calls have `tokens` rows and inner size `width`."""
         if flops <= 0:
@@ -78,15 +94,25 @@ class Hardware:
         if self.is_cpu:
             many, one = self._rate("matmul", threads)
             return flops / (max(_interp(many, width), _interp(one, width)) * 1e9)
-        peak, eff = (self.fp8_tflops, self.fp8_matmul_eff) if fp8 else (
-            self.bf16_tflops, self.matmul_eff)  # fmt: skip
+        peak, eff = self.matmul_peak(dtype)
         return flops / (peak * 1e12 * eff * tokens / (tokens + self.n_half / 4))
 
     def attention_s(
-        self, flops: float, block: int, head_dim: int, causal: bool, backward: bool, threads: int
+        self,
+        flops: float,
+        block: int,
+        head_dim: int,
+        causal: bool,
+        backward: bool,
+        threads: int,
+        kernel: str = "cudnn",
+        dtype: str = "bf16",
+        fp8: bool = False,
+        override: tuple[float, float] | None = None,
     ) -> float:
         """Seconds for attention kernels of `flops` (counted without masked-out pairs) on blocks
-        of `block` keys, forward or backward, causal (square diagonal) or full."""
+        of `block` keys, forward or backward, causal (square diagonal) or full; on GPUs at the
+        published rate of `kernel` (kernels.py), fp8 forward with `fp8`."""
         if flops <= 0:
             return 0.0
         if self.is_cpu:
@@ -97,9 +123,10 @@ class Hardware:
                 d = min(dims, key=lambda x: abs(math.log(x / head_dim)))
                 rates.append(_interp(table[key][str(d)], block))
             return flops / (max(rates) * 1e9)
-        eff = self.attn_bwd_eff if backward else self.attn_fwd_eff
-        eff *= block / (block + self.n_half) * (0.9 if causal else 1.0) * min(1.0, head_dim / 128)
-        return flops / (self.bf16_tflops * 1e12 * eff)
+        tflops = attention_tflops(kernel, self.arch, self.bf16_tflops, self.tf32_tflops,
+                                  block=block, causal=causal, backward=backward, dtype=dtype,
+                                  fp8=fp8, rates_override=override)  # fmt: skip
+        return flops / (tflops * 1e12 * min(1.0, head_dim / 128))
 
     def elementwise_s(self, nbytes: float, threads: int = 1) -> float:
         if self.is_cpu:
@@ -124,11 +151,13 @@ class Hardware:
         return max(1, self.calibration["cores"] // max(1, nproc))
 
     def slowdown(self, nproc: int) -> float:
-        """cpu: more busy processes than cores share them (compute stretched by this factor)."""
+        """cpu: more busy processes than cores share them: compute stretched by nproc / cores,
+        times the measured cost of taking turns (oversubscribe.py) when there is one."""
         if not self.is_cpu:
             return 1.0
         cores = self.calibration["cores"]
-        return max(1.0, nproc * self.threads_per_process(nproc) / cores)
+        share = max(1.0, nproc * self.threads_per_process(nproc) / cores)
+        return share * oversubscription_cost(self.calibration, nproc)
 
 
 def _interp(table: dict, x: float) -> float:
@@ -143,16 +172,17 @@ def _interp(table: dict, x: float) -> float:
     return points[-1][1]
 
 
-# Data-sheet figures (dense, no sparsity). Inter-node: one NIC per GPU (H800 clusters: 8 x 400 Gb/s
-# InfiniBand per node, as DeepSeek-V3 describes; H800's NVLink is 400 GB/s bidirectional).
+# Data-sheet figures (dense, no sparsity): bf16, fp8, memory, bandwidths, GPUs per node, arch,
+# TF32, fp32. Inter-node: one NIC per GPU (H800 clusters: 8 x 400 Gb/s InfiniBand per node, as
+# DeepSeek-V3 describes; H800's NVLink is 400 GB/s bidirectional). B200: HGX B200 figures / 8.
 HARDWARE: dict[str, Hardware] = {
     h.name: h
     for h in (
-        Hardware("h100", 989, 1979, 80, 3350, 450, 50, 8),
-        Hardware("h800", 989, 1979, 80, 3350, 200, 50, 8),
-        Hardware("h200", 989, 1979, 141, 4800, 450, 50, 8),
-        Hardware("a100", 312, 0, 80, 2039, 300, 25, 8),
-        Hardware("b200", 2250, 4500, 180, 8000, 900, 50, 8),
+        Hardware("h100", 989, 1979, 80, 3350, 450, 50, 8, "hopper", 494.5, 67),
+        Hardware("h800", 989, 1979, 80, 3350, 200, 50, 8, "hopper", 494.5, 67),
+        Hardware("h200", 989, 1979, 141, 4800, 450, 50, 8, "hopper", 494.5, 67),
+        Hardware("a100", 312, 0, 80, 2039, 300, 25, 8, "ampere", 156, 19.5),
+        Hardware("b200", 2250, 4500, 180, 8000, 900, 50, 8, "blackwell", 1125, 75),
     )
 }
 HARDWARE_NAMES = (*HARDWARE, "cpu")
@@ -186,6 +216,7 @@ def get_hardware(
         raise ValueError("--tflops/--intra-bw/--inter-bw apply to GPU presets; cpu is measured")
     changes = {"bf16_tflops": tflops, "intra_bw_gbs": intra_bw, "inter_bw_gbs": inter_bw,
                "gpus_per_node": gpus_per_node}  # fmt: skip
-    if tflops and hw.fp8_tflops:
-        changes["fp8_tflops"] = 2 * tflops
+    if tflops:  # the other peaks keep their ratio to bf16
+        for key in ("fp8_tflops", "tf32_tflops", "fp32_tflops"):
+            changes[key] = getattr(hw, key) * tflops / hw.bf16_tflops
     return replace(hw, **{k: v for k, v in changes.items() if v is not None})

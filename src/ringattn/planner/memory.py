@@ -20,12 +20,14 @@
                             out/dq accumulators
     loss                    a chunk of float32 logits (and their gradient) of the chunked loss
 
-1F1B pipelining keeps up to pp microbatches' activations on the first stage.
+With pp the first stage keeps the activations of schedule.kept(...) microbatches: all m with
+GPipe, min(m, pp) with 1F1B, a little more interleaved.
 """
 
 from __future__ import annotations
 
 from ringattn.planner.cost import PlanSpec
+from ringattn.planner.schedule import kept as kept_microbatches
 
 __all__ = ["memory_bytes"]
 
@@ -57,7 +59,7 @@ def memory_bytes(spec: PlanSpec) -> dict:
         fsdp = 2 * layer_local * (e + 4) + vocab_params / spec.tp * e
     tokens = spec.micro_batch * (spec.seq_len // spec.cp)
     per_block = _block_activation_elems(spec) * e * tokens
-    in_flight = min(spec.microbatches, spec.pp)
+    in_flight = kept_microbatches(spec.pp_schedule, spec.pp, spec.pipe_microbatches, spec.virtual)
     if spec.activation_checkpointing:
         kept = layers * tokens * m.dim / spec.tp * e + per_block
     else:

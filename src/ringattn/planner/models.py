@@ -32,6 +32,8 @@ class ModelSpec:
     head_dim: int = 0
     """0 means dim // n_heads."""
     tied_embeddings: bool = False
+    source: str = ""
+    """"trainer" for the trainer's presets, the config.json path for HF configs, "" otherwise."""
 
     @property
     def d_head(self) -> int:
@@ -81,7 +83,14 @@ def _trainer_presets() -> dict[str, ModelSpec]:
 
     return {
         size: ModelSpec(
-            size, c.dim, c.n_layers, c.n_heads, c.n_kv_heads, c.hidden_dim, c.vocab_size
+            size,
+            c.dim,
+            c.n_layers,
+            c.n_heads,
+            c.n_kv_heads,
+            c.hidden_dim,
+            c.vocab_size,
+            source="trainer",
         )
         for size, c in MODEL_SIZES.items()
     }
@@ -110,6 +119,7 @@ def from_hf_config(path: str) -> ModelSpec:
             vocab_size=int(cfg["vocab_size"]),
             head_dim=int(cfg.get("head_dim") or 0),
             tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            source=path,
         )
     except KeyError as err:
         raise ValueError(

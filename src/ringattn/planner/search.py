@@ -12,16 +12,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from ringattn.planner.command import train_command
 from ringattn.planner.cost import PlanSpec, step_time
 from ringattn.planner.hardware import Hardware
+from ringattn.planner.kernels import check_kernel, default_kernel
 from ringattn.planner.memory import GIB, memory_bytes
 from ringattn.planner.models import ModelSpec
+from ringattn.planner.schedule import check_schedule
 
 __all__ = ["Job", "check_plan", "evaluate", "search"]
 
 STRATEGIES = ("ring", "allgather", "ulysses", "hybrid")
 LAYOUTS = ("zigzag", "striped", "contiguous")
-DTYPES = ("bf16", "fp8", "fp32")
+DTYPES = ("bf16", "fp8", "fp32", "tf32")
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,13 @@ class Job:
     layout: str | None = None
     dtype: str = "bf16"
     activation_checkpointing: bool = False
+    kernel: str | None = None
+    """None: what the library's `auto` picks for the dtype (kernels.default_kernel)."""
+    pp_schedule: str = "gpipe"
+    microbatches: int = 1
+    virtual_stages: int = 1
+    fp8_attention: bool = False
+    attention_tflops: tuple[float, float] | None = None
 
 
 def _divisors(n: int) -> list[int]:
@@ -92,7 +102,22 @@ def check_plan(spec: PlanSpec) -> PlanSpec:
         spec = replace(spec, ulysses=u)
     if spec.dtype == "fp8" and not spec.hw.fp8_tflops:
         raise ValueError(f"{spec.hw.name} has no fp8 matmuls; use --dtype bf16")
+    if spec.hw.is_cpu and spec.dtype in ("fp8", "tf32"):
+        raise ValueError(f"--dtype {spec.dtype} is a GPU precision; cpu runs fp32 or bf16")
+    if not spec.hw.is_cpu:
+        check_kernel(spec.kernel, spec.hw.arch, spec.dtype, spec.fp8_attention)
+    check_schedule(spec.pp_schedule, spec.pp, spec.microbatches, spec.virtual_stages,
+                   spec.batch_size, m.n_layers)  # fmt: skip
     return spec
+
+
+def model_flops_per_token(spec: PlanSpec) -> float:
+    """Training FLOPs per token as MFU counts them: 6 x the matmul parameters (blocks and the
+    output projection) plus the attention matmuls, visible (causal) pairs only: 6 S q_dim per
+    layer (forward 2 S q_dim: QK^T and PV over S / 2 keys on average; backward twice that)."""
+    m = spec.model
+    matmul = m.n_layers * (m.layer_params() - 2 * m.dim) + m.vocab_size * m.dim
+    return 6 * matmul + 6 * m.n_layers * spec.seq_len * m.q_dim
 
 
 def evaluate(spec: PlanSpec) -> dict:
@@ -103,14 +128,26 @@ def evaluate(spec: PlanSpec) -> dict:
     usable = spec.hw.memory_gib * spec.hw.usable_fraction
     if spec.hw.is_cpu:  # the processes share the machine's memory
         usable /= spec.gpus
+    rate = tokens / time["step_time_s"] / spec.gpus
+    command, note = train_command(spec)
+    model_tflops = rate * model_flops_per_token(spec) / 1e12
+    peak = None if spec.hw.is_cpu else spec.hw.matmul_peak(
+        "bf16" if spec.dtype == "fp8" else spec.dtype)[0]  # fmt: skip
     return {
         "dp": spec.dp, "cp": spec.cp, "tp": spec.tp, "pp": spec.pp,
         "strategy": spec.strategy, "layout": spec.layout,
         "ulysses": spec.ulysses if spec.strategy == "hybrid" else None,
+        "attention_kernel": None if spec.hw.is_cpu else spec.kernel,
+        "pp_schedule": spec.pp_schedule, "microbatches": spec.pipe_microbatches,
+        "virtual_stages": spec.virtual,
         "step_time_s": time["step_time_s"],
-        "tokens_per_s_per_gpu": tokens / time["step_time_s"] / spec.gpus,
+        "tokens_per_s_per_gpu": rate,
+        "model_tflops_per_gpu": model_tflops,
+        "mfu": model_tflops / peak if peak else None,
         "memory_gib_per_gpu": mem["total"] / GIB,
         "fits": mem["total"] / GIB <= usable,
+        "train_command": command,
+        "train_note": note,
         "breakdown": {
             "compute_s": time["compute_s"],
             "attention_s": time["attention_s"],
@@ -147,9 +184,26 @@ def _candidates(job: Job):
         strategies = [job.strategy] if job.strategy else STRATEGIES if cp > 1 else ("ring",)
         for strategy in strategies:
             for layout in [job.layout] if job.layout else LAYOUTS:
-                yield PlanSpec(job.model, job.hw, job.seq_len, job.batch_size, dp, cp, tp, pp,
-                               strategy, layout, job.dtype,
-                               job.activation_checkpointing)  # fmt: skip
+                yield PlanSpec(
+                    job.model,
+                    job.hw,
+                    job.seq_len,
+                    job.batch_size,
+                    dp,
+                    cp,
+                    tp,
+                    pp,
+                    strategy,
+                    layout,
+                    job.dtype,
+                    job.activation_checkpointing,
+                    kernel=job.kernel or default_kernel(job.hw.arch, job.dtype),
+                    pp_schedule=job.pp_schedule,
+                    microbatches=job.microbatches,
+                    virtual_stages=job.virtual_stages,
+                    fp8_attention=job.fp8_attention,
+                    attention_tflops=job.attention_tflops,
+                )
 
 
 def rank_key(plan: dict) -> tuple[float, float]:

@@ -12,6 +12,13 @@ leaves either the previous set of complete checkpoints or the new one, never a h
 `step-N`. Only the last `keep` complete checkpoints are kept. On several nodes, `dir` must be on a
 file system every node sees (DCP's own requirement).
 
+A write that fails (disk full, permission, a directory turned read-only) is a decision of every
+rank: each rank catches its own error, the ranks share them (one small all-gather per phase: the
+directory, then the files), and every rank raises the same `CheckpointError` naming the failed
+ranks; rank 0 removes the temporary directory. Nothing is renamed, so the previous complete
+checkpoint stays the newest, and old checkpoints are pruned only after a new one is committed.
+Weights that are not finite are never written (`NonFiniteWeights`, checked on every rank first).
+
 The model and optimizer state come from `get_state_dict` (FSDP2 parameters are DTensors, so each
 rank saves and loads only its shard, and a run may resume on a different number of ranks). The
 data position is the step: samples are a pure function of (seed, sample index).
@@ -27,7 +34,16 @@ import shutil
 import torch
 import torch.distributed as dist
 
-__all__ = ["latest", "load", "save"]
+__all__ = ["CheckpointError", "NonFiniteWeights", "latest", "load", "save"]
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written (raised on every rank); the previous one is intact."""
+
+
+class NonFiniteWeights(CheckpointError):
+    """The weights hold NaN or infinity on some rank: the checkpoint was not written."""
+
 
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 
@@ -72,26 +88,40 @@ def save(
     `state` is JSON-serialisable training state (step, config...) written by rank 0.
     """
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     rank = dist.get_rank() if dist.is_initialized() else 0
     final = _step_dir(root, step)
     tmp = os.path.join(root, f".tmp-step-{step:08d}")
-    if rank == 0:
-        for name in os.listdir(root) if os.path.isdir(root) else []:
-            if name.startswith(".tmp-step-"):  # left by a crash: never complete, never read
-                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-        os.makedirs(os.path.join(tmp, "rng"))
-    _barrier()
     model_state, optim_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp)
-    torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank{rank}.pt"))
+    bad = [name for name, value in model_state.items() if not _finite(value)]
+    failed = _share(f"non-finite values in {', '.join(bad[:3])}" if bad else None)
+    if failed:
+        raise NonFiniteWeights(f"checkpoint of step {step} not written: {_ranks(failed)}; the "
+                               f"newest complete checkpoint is {latest(root)}")  # fmt: skip
+    error = None
     if rank == 0:
-        with open(os.path.join(tmp, "train_state.json"), "w") as f:
-            json.dump(state, f, indent=2)
-            f.flush()
-            os.fsync(f.fileno())
-    _barrier()  # every rank's files are written
+        try:
+            for name in os.listdir(root) if os.path.isdir(root) else []:
+                if name.startswith(".tmp-step-"):  # left by a crash: never complete, never read
+                    shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+            os.makedirs(os.path.join(tmp, "rng"))
+        except OSError as err:
+            error = _describe(err)
+    _raise_if_failed(_share(error), step, root, tmp, rank)  # a barrier: the directory is there
+    try:
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp)
+        torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank{rank}.pt"))
+        if rank == 0:
+            with open(os.path.join(tmp, "train_state.json"), "w") as f:
+                json.dump(state, f, indent=2)
+                f.flush()
+                os.fsync(f.fileno())
+        error = None
+    except (OSError, CheckpointException) as err:
+        error = _describe(err)
+    _raise_if_failed(_share(error), step, root, tmp, rank)  # every rank's files are written
     if rank == 0:
         if os.path.exists(final):  # the same step saved again (a rerun): replace it
             shutil.rmtree(final)
@@ -101,6 +131,54 @@ def save(
             shutil.rmtree(old, ignore_errors=True)
     _barrier()
     return final
+
+
+def _finite(value: object) -> bool:
+    if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+        return True
+    local = value.to_local() if hasattr(value, "to_local") else value  # a DTensor: this shard
+    return bool(torch.isfinite(local).all())
+
+
+def _describe(err: BaseException) -> str:
+    """One line per error: DCP's CheckpointException wraps each rank's own exception."""
+    failures = getattr(err, "failures", None)
+    if isinstance(failures, dict) and failures:
+        inner = []
+        for wrapped in failures.values():
+            exc = wrapped[0] if isinstance(wrapped, tuple) else getattr(wrapped, "exc", wrapped)
+            inner.append(f"{type(exc).__name__}: {exc}")
+        return "; ".join(sorted(set(inner)))
+    return f"{type(err).__name__}: {err}"
+
+
+def _share(error: str | None) -> dict[int, str]:
+    """{rank: error} of every rank that failed (collective; a barrier too)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return {0: error} if error else {}
+    errors: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    return {rank: e for rank, e in enumerate(errors) if e}
+
+
+def _ranks(failed: dict[int, str]) -> str:
+    by_error: dict[str, list[int]] = {}
+    for rank, error in failed.items():
+        by_error.setdefault(error, []).append(rank)
+    return "; ".join(f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {e}"
+                     for e, r in by_error.items())  # fmt: skip
+
+
+def _raise_if_failed(failed: dict[int, str], step: int, root: str, tmp: str, rank: int) -> None:
+    if not failed:
+        return
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    raise CheckpointError(
+        f"could not write the checkpoint of step {step} under {root} ({_ranks(failed)}); the "
+        f"newest complete checkpoint is {latest(root)}; free space or fix the permissions, then "
+        f"run the same command again to resume from it"
+    )
 
 
 def load(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:

@@ -18,7 +18,8 @@ of a local launch runs a small daemon thread that rewrites its heartbeat file ev
 The thread beats while the main thread computes or waits in a collective, so a slow step or a rank
 waiting on a frozen peer is not mistaken for a frozen rank: only a process that stops running is.
 The files live in the launch's private run directory (mode 0700). Under an external `torchrun`
-there is no run directory and no heartbeat (NCCL's own watchdog covers GPUs there).
+there is no run directory: the ranks watch each other through torchrun's store instead
+(peer_heartbeat.py), and `report_progress` feeds both.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ import time
 from dataclasses import dataclass, field
 
 from typing_extensions import Self
+
+from ringattn.runtime.peer_heartbeat import report_peer_progress
 
 RUN_DIR_ENV = "RINGATTN_RUN_DIR"
 BEAT_S = 1.0
@@ -100,13 +103,14 @@ def stop_beating() -> None:
 def report_progress(**progress: object) -> None:
     """Record where this rank is (say step=60, phase="forward"); named if it freezes there.
 
-    A no-op outside a local launch. Cheap: a dict update under a lock; the beat thread does the
-    writing, at once.
+    Under torchrun it goes into the rank's store heartbeat instead (peer_heartbeat.py). Cheap: a
+    dict update under a lock; the beat thread does the writing, at once.
     """
     if _BEAT is not None:
         with _BEAT.lock:
             _BEAT.progress = dict(progress)
         _BEAT.wake.set()
+    report_peer_progress(**progress)
 
 
 def _running(pid: int) -> bool:
@@ -121,6 +125,32 @@ def _running(pid: int) -> bool:
         except OSError:
             return False
         return True
+
+
+def kill_ranks(run_dir: str) -> list[int]:
+    """SIGKILL every rank of a launch that is still running; their ranks, sorted."""
+    killed = []
+    for record in _records(run_dir):
+        if _running(record["pid"]):
+            try:
+                os.kill(record["pid"], signal.SIGKILL)
+                killed.append(record["rank"])
+            except ProcessLookupError:
+                pass
+    return sorted(killed)
+
+
+def _records(run_dir: str) -> list[dict]:
+    """The heartbeat records of a launch's ranks (each rank's last beat)."""
+    records = []
+    for name in sorted(os.listdir(run_dir)) if os.path.isdir(run_dir) else []:
+        if name.startswith("rank-") and name.endswith(".json"):
+            try:
+                with open(os.path.join(run_dir, name)) as f:
+                    records.append(json.load(f))
+            except (OSError, ValueError):
+                continue  # being replaced right now; read it next time
+    return records
 
 
 class Watchdog:
@@ -140,22 +170,11 @@ class Watchdog:
         self._stop.set()
         self._thread.join()
 
-    def _records(self) -> list[dict]:
-        records = []
-        for name in sorted(os.listdir(self.run_dir)):
-            if name.startswith("rank-") and name.endswith(".json"):
-                try:
-                    with open(os.path.join(self.run_dir, name)) as f:
-                        records.append(json.load(f))
-                except (OSError, ValueError):
-                    continue  # being replaced right now; read it next time
-        return records
-
     def _watch(self) -> None:
         killed: set[int] = set()
         while not self._stop.wait(BEAT_S):
             now = time.time()
-            for record in self._records():
+            for record in _records(self.run_dir):
                 silent = now - record["time"]
                 if silent < self.stall_s or record["pid"] in killed or not _running(record["pid"]):
                     continue

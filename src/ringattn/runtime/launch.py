@@ -23,15 +23,19 @@ rendezvouses through a FileStore in a private run directory (mode 0700), the ran
 process group through another file there, and gloo is pinned to the loopback interface. Multi-node
 runs use torchrun itself (its rendezvous, documented in docs/training.md).
 
-A rank that freezes (stopped, hung) is named within `stall_s` seconds: see heartbeat.py.
+A rank that freezes (stopped, hung) is named within `stall_s` seconds: see heartbeat.py (and
+peer_heartbeat.py under torchrun). A SIGTERM to the launcher is forwarded by the agent to every
+rank, which checkpoints and exits (preempt.py); `LaunchInterrupted` then says so.
 """
 
 from __future__ import annotations
 
 import datetime
 import logging
+import multiprocessing
 import os
 import shutil
+import signal
 import socket
 import sys
 import tempfile
@@ -42,9 +46,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ringattn.runtime.heartbeat import RUN_DIR_ENV, STALL_S, Watchdog, start_beating, stop_beating
+from ringattn.runtime.heartbeat import (
+    RUN_DIR_ENV,
+    STALL_S,
+    Watchdog,
+    kill_ranks,
+    start_beating,
+    stop_beating,
+)
+from ringattn.runtime.peer_heartbeat import start_peer_beating
+from ringattn.runtime.preempt import SigtermForwarder
 
-__all__ = ["LaunchError", "init_distributed", "launch", "running_under_torchrun"]
+__all__ = ["LaunchError", "LaunchInterrupted", "init_distributed", "launch",
+           "running_under_torchrun"]  # fmt: skip
 
 # Set in every child we launch, so a child can tell it was started by us and not by torchrun.
 _CHILD_ENV = "RINGATTN_LAUNCHED"
@@ -53,6 +67,15 @@ _ERROR_LINES = 12
 
 class LaunchError(RuntimeError):
     """One or more ranks of a local launch failed; the message says which and why."""
+
+
+class LaunchInterrupted(LaunchError):
+    """The launch was cut short by a signal to the launcher: a second SIGTERM (the first one is
+    forwarded to the ranks, which checkpoint and return: preempt.py), SIGINT, SIGHUP..."""
+
+    def __init__(self, message: str, signal_name: str):
+        super().__init__(message)
+        self.signal_name = signal_name
 
 
 def running_under_torchrun() -> bool:
@@ -123,6 +146,7 @@ def _launch_error(err: Exception, nproc: int, name: str, verdicts: list[str]) ->
 
 
 _STORE_FILE = "process-group-store"
+_AGENT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 _SAVED_ENV = (_CHILD_ENV, "OMP_NUM_THREADS", RUN_DIR_ENV, "GLOO_SOCKET_IFNAME",
               "TORCH_DISABLE_SHARE_RDZV_TCP_STORE")  # fmt: skip
 
@@ -143,7 +167,6 @@ def _child_env(nproc: int, run_dir: str) -> None:
 def _run_rank(fn: Callable[..., Any], *args: Any) -> Any:
     """A child's entry point: `fn(*args)`, then its heartbeat stops (a finished rank is not a
     frozen one)."""
-
     try:
         return fn(*args)
     finally:
@@ -164,6 +187,7 @@ def launch(
         raise ValueError(f"nproc must be a positive int, got {nproc!r}")
     # Imported here: the launcher package pulls in the elastic agent, which `import ringattn` and
     # the ranks themselves do not need.
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -181,17 +205,32 @@ def launch(
         max_restarts=0,
         monitor_interval=0.1,
         start_method="spawn",
+        signals_to_handle="SIGINT,SIGHUP,SIGQUIT",  # SIGTERM: SigtermForwarder (preempt.py)
     )
     saved = {name: os.environ.get(name) for name in _SAVED_ENV}
     _child_env(nproc, run_dir)
     name = getattr(fn, "__qualname__", repr(fn))
     watchdog = Watchdog(run_dir, stall_s)
+    # the agent installs its own handlers for the other signals (raising SignalException here,
+    # forwarding the signal to every rank); they are put back afterwards
+    handlers = {sig: signal.getsignal(sig) for sig in _AGENT_SIGNALS}
+    forwarder = SigtermForwarder(lambda: [p.pid for p in multiprocessing.active_children()])
     try:
-        with watchdog:
+        with watchdog, forwarder:
             results = elastic_launch(config, _run_rank)(fn, *args)
     except ChildFailedError as err:
+        if forwarder.hard:
+            raise LaunchInterrupted(f"{name}: a second SIGTERM to the launcher killed the ranks "
+                                    "at once", "SIGTERM") from None  # fmt: skip
         raise _launch_error(err, nproc, name, watchdog.verdicts) from None
+    except SignalException as err:  # SIGINT...: the agent signalled the ranks and waited
+        killed = kill_ranks(run_dir)  # those it did not wait for, if a second signal came
+        what = f"{name}: the launcher received {err.sigval.name}"
+        what += f"; ranks {killed} were killed" if killed else ""
+        raise LaunchInterrupted(what, err.sigval.name) from None
     finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)
@@ -201,12 +240,16 @@ def launch(
     return dict(sorted(results.items()))
 
 
-def init_distributed(backend: str | None = None, timeout_s: float = 300.0) -> torch.device:
+def init_distributed(
+    backend: str | None = None, timeout_s: float = 300.0, stall_s: float = STALL_S
+) -> torch.device:
     """Join the default process group from the env set by `launch` or `torchrun`; return the device.
 
     `backend=None` picks NCCL when CUDA is available with at least one GPU per local rank (and
     sets this rank's device to LOCAL_RANK), gloo otherwise. `timeout_s` bounds every collective,
-    so a dead peer turns into an error instead of a hang. Calling it twice is harmless.
+    so a dead peer turns into an error instead of a hang. A rank that stops running for
+    `stall_s` seconds is named: by our launch's watchdog, or under torchrun by its ring
+    neighbours (peer_heartbeat.py). Calling it twice is harmless.
     """
     world_size = int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -234,4 +277,6 @@ def init_distributed(backend: str | None = None, timeout_s: float = 300.0) -> to
         )
     if os.environ.get(_CHILD_ENV) == "1":
         start_beating(int(os.environ["RANK"]))
+    elif running_under_torchrun():
+        start_peer_beating(dist.get_rank(), dist.get_world_size(), stall_s)
     return device

@@ -23,10 +23,12 @@ import ringattn
 from ringattn.models.config import MODEL_SIZES, ModelConfig, model_config
 from ringattn.runtime.flags import check_at_least, check_choice
 from ringattn.runtime.mesh import degrees
+from ringattn.runtime.metrics import check_tensorboard
 
 __all__ = ["DTYPES", "IDENTITY", "TrainConfig", "validate"]
 
 DTYPES = ("float32", "bfloat16")
+FAIL_SIGNALS = ("kill", "term", "stop", "term-launcher")
 
 # a checkpoint whose config differs in one of these is from another run: resuming is refused
 IDENTITY = ("model", "dim", "layers", "heads", "kv_heads", "data", "seq_len", "seed", "keys",
@@ -106,11 +108,24 @@ class TrainConfig:
     """Compute dtype: float32, or bfloat16 (float32 master weights and gradient reduction)."""
     timeout_s: float = 600.0
     """Process-group timeout: a dead peer turns into an error after at most this long."""
+    stall_s: float = 10.0
+    """A rank whose heartbeat stops this long is named and the job ends (launcher or torchrun)."""
     memory_warmup: bool = False
     """Run one throwaway step of a tiny model before measuring memory (keeps code pages out)."""
+    max_bad_steps: int = 3
+    """Stop after this many steps in a row whose loss or gradient norm is non-finite on any rank
+    (each one's update is skipped on every rank)."""
+    grace_s: float = 25.0
+    """After SIGTERM: seconds to finish the step and checkpoint it before exiting at once."""
+    tensorboard: bool = False
+    """Also write TensorBoard event files under OUT_DIR/tensorboard (needs `tensorboard`)."""
+    peak_tflops: float = 0.0
+    """Peak TFLOP/s of one device for the MFU estimate (0: the GPU preset or CPU calibration)."""
     fail_at_step: int = -1
-    """Testing only: rank `fail_rank` kills itself (SIGKILL) when it reaches this step."""
+    """Testing only: rank `fail_rank` signals itself (`fail_signal`) when it reaches this step."""
     fail_rank: int = 0
+    fail_signal: str = "kill"
+    """Testing only: kill (SIGKILL), term (SIGTERM), stop (SIGSTOP: frozen), term-launcher."""
     quiet: bool = False
     """No progress output (the JSON log is still written)."""
 
@@ -127,6 +142,10 @@ class TrainConfig:
     @property
     def log_path(self) -> str:
         return os.path.join(self.out_dir, "train_log.jsonl")
+
+    @property
+    def tensorboard_path(self) -> str:
+        return os.path.join(self.out_dir, "tensorboard")
 
     @property
     def last_step(self) -> int:
@@ -162,6 +181,12 @@ def validate(
     check_at_least("batch-size", cfg.batch_size, 1)
     if cfg.fail_at_step >= 0 and not 0 <= cfg.fail_rank < world_size:
         raise ValueError(f"--fail-rank {cfg.fail_rank} is not a rank of {world_size}")
+    check_choice("fail-signal", cfg.fail_signal, FAIL_SIGNALS)
+    check_at_least("max-bad-steps", cfg.max_bad_steps, 1)
+    if not cfg.grace_s > 0:
+        raise ValueError(f"--grace must be > 0 seconds, got {cfg.grace_s}")
+    if cfg.tensorboard:
+        check_tensorboard()
     if check is not None:  # what only the model can see: its shape, its data (recipe.check)
         check(cfg, cp)
     return dp, cp

@@ -17,11 +17,20 @@ run's. Under torchrun the parent is itself a rank: it runs `train_worker` in the
 from __future__ import annotations
 
 import os
+import signal
 
 import torch.distributed as dist
 
 from ringattn.runtime import checkpoint as ckpt
-from ringattn.runtime.launch import LaunchError, init_distributed, launch, running_under_torchrun
+from ringattn.runtime import preempt
+from ringattn.runtime.launch import (
+    LaunchError,
+    LaunchInterrupted,
+    init_distributed,
+    launch,
+    running_under_torchrun,
+)
+from ringattn.runtime.outcome import Stopped
 from ringattn.train.config import TrainConfig, validate
 from ringattn.train.loop import train
 from ringattn.train.run import build_run, recipe_for
@@ -35,9 +44,11 @@ def world_size(cfg: TrainConfig) -> int:
 
 
 def train_worker(cfg: TrainConfig) -> dict:
-    """Entry point of each rank: join the process group, build the run, train; the summary."""
-    device = init_distributed(timeout_s=cfg.timeout_s)
-    summary = train(build_run(cfg, device)).summary()
+    """Entry point of each rank: handle SIGTERM (preempt.py), join the process group, build the
+    run, train; the summary."""
+    stop = preempt.install(cfg.grace_s)
+    device = init_distributed(timeout_s=cfg.timeout_s, stall_s=cfg.stall_s)
+    summary = train(build_run(cfg, device), stop).summary()
     dist.destroy_process_group()
     return summary
 
@@ -49,7 +60,9 @@ def run_train(cfg: TrainConfig) -> dict:
     if running_under_torchrun():
         return train_worker(cfg)
     try:
-        return launch(train_worker, cfg.nproc, cfg)[0]
+        return launch(train_worker, cfg.nproc, cfg, stall_s=cfg.stall_s)[0]
+    except LaunchInterrupted as err:  # SIGTERM to the launcher: forwarded to every rank
+        return {"rank": 0, "checkpoint": None, "stopped": _interrupted(cfg, err).as_dict()}
     except LaunchError as err:
         last = ckpt.latest(cfg.checkpoint_path)
         hint = (
@@ -59,3 +72,14 @@ def run_train(cfg: TrainConfig) -> dict:
             else "no checkpoint was completed; a rerun starts afresh"
         )
         raise LaunchError(f"{err}\n{hint}") from None
+
+
+def _interrupted(cfg: TrainConfig, err: LaunchInterrupted) -> Stopped:
+    """What a launch cut short by a signal reports: where to resume (exit 128 + the signal)."""
+    last = ckpt.latest(cfg.checkpoint_path)
+    step = int(os.path.basename(last).split("-")[1]) if last else 0
+    where = "no checkpoint was completed; a rerun starts afresh"
+    if last:
+        where = f"the newest complete checkpoint is {last}; run the same command again to resume"
+    code = 128 + getattr(signal, err.signal_name, signal.SIGTERM)
+    return Stopped("interrupted", step, code, f"{err}; {where}")

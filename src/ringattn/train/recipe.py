@@ -24,7 +24,7 @@ __all__ = ["ModelRecipe"]
 
 @dataclass(frozen=True)
 class ModelRecipe:
-    """How a run makes its model. Both are module-level functions (ranks are spawned).
+    """How a run makes its model. Each is a module-level function (ranks are spawned).
 
     `build(cfg)`: the plain single-device model, on CPU, initialised from the global RNG (seeded
     with cfg.seed just before); `model(inputs, positions, labels)` must return (loss sum,

@@ -34,6 +34,7 @@ from ringattn.models.config import ModelConfig
 from ringattn.runtime import checkpoint as ckpt
 from ringattn.runtime.mesh import Mesh, build_mesh
 from ringattn.runtime.meter import Meter
+from ringattn.runtime.outcome import Stopped
 from ringattn.train.config import IDENTITY, TrainConfig, validate
 from ringattn.train.data import Loader, get_dataset, shard_batch
 from ringattn.train.decoder import DECODER, decoder_of, parallelize_decoder
@@ -71,6 +72,8 @@ class Run:
     """Rank 0: one record per step trained in this invocation (the JSON log's step records)."""
     checkpoint: str | None = None
     """The last checkpoint this invocation wrote."""
+    stopped: Stopped | None = None
+    """Why the run ended before its last step (preempted, diverged, checkpoint failed), or None."""
 
     @property
     def rank(self) -> int:
@@ -96,7 +99,7 @@ class Run:
             "checkpoint": self.checkpoint, "memory_method": self.memory_method,
             "baseline_mb": self.baseline_mb,
             "dp": self.mesh.dp, "cp": self.mesh.cp, "tp": self.mesh.tp, "pp": self.mesh.pp,
-            "rank": self.rank,
+            "rank": self.rank, "stopped": self.stopped.as_dict() if self.stopped else None,
         }  # fmt: skip
 
 

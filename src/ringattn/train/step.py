@@ -3,12 +3,21 @@
     batch (this rank's shard) -> model -> loss_sum, count, correct        (local sums)
     count, loss_sum, correct  <- sum over every rank of the mesh           (global sums)
     (loss_sum / global count).backward()     FSDP2 then SUMS the gradients over all ranks
-    clip to --grad-clip, lr = learning_rate(step), AdamW step, zero the gradients
+    clip to --grad-clip
+    flags     <- every rank's (stop requested, non-finite local loss, non-finite grad norm)
+    no rank's loss or gradient norm non-finite: lr = learning_rate(step), AdamW step
+    otherwise the update is skipped on EVERY rank (the decision comes from the shared flags)
+    zero the gradients
 
 The loss is the mean over every supervised token of the global batch: each rank divides its SUM
 of token losses by the global count, and the gradients are summed over all ranks (mesh.py: FSDP2
 with divide factor 1). A mean of per-rank means would weight a rank holding 3 supervised tokens
 like one holding 3000, and with zigzag CP the key-value task's answers all sit on rank 0.
+
+The flags travel in one small all-reduce (runtime/consensus.py), which also carries a SIGTERM
+request (loop.py): a NaN on one rank never leaves the ranks with different weights, and the step
+and the rank are named. The local loss is what tells the ranks apart (FSDP's reduce-scatter
+spreads one rank's NaN gradient to every shard, so a non-finite norm is seen everywhere).
 
 The model's contract: `model(inputs, positions, labels)` returns (sum of the token losses,
 number of supervised tokens, number predicted right), never a mean (model.Transformer does).
@@ -22,10 +31,15 @@ from dataclasses import dataclass
 import torch
 
 from ringattn.comm.world import sum_over_world
+from ringattn.runtime.consensus import share_flags
 from ringattn.train.config import TrainConfig
 from ringattn.train.data import Batch
 
-__all__ = ["StepStats", "build_optimizer", "forward_backward", "learning_rate", "train_step"]
+__all__ = ["BAD_GRAD", "BAD_LOSS", "STOP", "StepStats", "build_optimizer", "forward_backward",
+           "learning_rate", "train_step"]  # fmt: skip
+
+STOP, BAD_LOSS, BAD_GRAD = 1, 2, 4
+"""Bits of a rank's flag word: SIGTERM received, local loss non-finite, grad norm non-finite."""
 
 
 def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
@@ -53,14 +67,23 @@ def forward_backward(
     the gradients over all ranks, which gives the gradient of the global mean exactly, however
     unequally the supervised tokens are spread over the ranks.
     """
+    return _forward_backward(model, batch, device)[1:]
+
+
+def _forward_backward(
+    model: torch.nn.Module, batch: Batch, device: torch.device
+) -> tuple[float, float, float, float]:
+    """forward_backward with this rank's own loss sum first (a pipeline stage: the global one)."""
     if hasattr(model, "forward_backward"):  # a pipeline stage runs its own (pipeline.py)
-        return model.forward_backward(batch, device)
+        total_loss, total_count, total_correct = model.forward_backward(batch, device)
+        return total_loss, total_loss, total_count, total_correct
     loss_sum, count, correct = model(batch.inputs, batch.positions, batch.labels)
+    local_loss = loss_sum.item()
     total_loss, total_count, total_correct = sum_over_world(
-        [loss_sum.item(), count.item(), correct.item()], device
+        [local_loss, count.item(), correct.item()], device
     )
     (loss_sum / max(total_count, 1.0)).backward()
-    return total_loss, total_count, total_correct
+    return local_loss, total_loss, total_count, total_correct
 
 
 @dataclass(frozen=True)
@@ -72,6 +95,28 @@ class StepStats:
     correct: float
     grad_norm: float
     """Norm of the whole (global) gradient before clipping."""
+    flags: tuple[int, ...] = ()
+    """Every rank's flag word (STOP | BAD_LOSS | BAD_GRAD), in rank order."""
+
+    @property
+    def applied(self) -> bool:
+        """Whether the update was applied (no rank had a non-finite loss or gradient norm)."""
+        return not any(f & (BAD_LOSS | BAD_GRAD) for f in self.flags)
+
+    @property
+    def stop_requested(self) -> bool:
+        """Whether some rank received SIGTERM before this step's flags were shared."""
+        return any(f & STOP for f in self.flags)
+
+    def bad_ranks(self) -> dict[int, str]:
+        """{rank: what was non-finite there} for this step."""
+        out = {}
+        for rank, f in enumerate(self.flags):
+            what = [name for bit, name in ((BAD_LOSS, "loss"), (BAD_GRAD, "gradient norm"))
+                    if f & bit]  # fmt: skip
+            if what:
+                out[rank] = " and ".join(what)
+        return out
 
     @property
     def loss(self) -> float:
@@ -89,17 +134,24 @@ def train_step(
     lr: float,
     grad_clip: float,
     device: torch.device,
+    stop_requested: bool = False,
 ) -> StepStats:
-    """forward_backward, clip, AdamW at learning rate `lr`; the gradients are zeroed after."""
+    """forward_backward, clip, share the flags, AdamW at learning rate `lr` unless some rank's
+    loss or gradient norm is non-finite; the gradients are zeroed after. Collective."""
     for group in optimizer.param_groups:
         group["lr"] = lr
-    total_loss, total_count, total_correct = forward_backward(model, batch, device)
+    local_loss, total_loss, total_count, total_correct = _forward_backward(model, batch, device)
     if hasattr(model, "clip_grad_norm_"):  # a pipeline stage: the norm of every stage's grads
         grad_norm = model.clip_grad_norm_(grad_clip)
     else:
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
     # FSDP2's gradients are DTensors, and so is their norm: full_tensor() is the global value
-    norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-    return StepStats(total_loss, total_count, total_correct, float(norm))
+    norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+    bits = (STOP if stop_requested else 0) | (0 if math.isfinite(local_loss) else BAD_LOSS)
+    bits |= 0 if math.isfinite(norm) else BAD_GRAD
+    flags = tuple(share_flags(bits, device))
+    stats = StepStats(total_loss, total_count, total_correct, norm, flags)
+    if stats.applied:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return stats

@@ -78,7 +78,7 @@ def run_hf_train(cfg: TrainConfig) -> dict:
         print(f"[hf] data {cfg.data}: {record['documents']} documents, {record['tokens']} "
               f"tokens, tokenized with {record['tokenized_by']}", flush=True)  # fmt: skip
     summary = run_train(cfg)
-    if summary.get("rank", 0) != 0:
+    if summary.get("rank", 0) != 0 or summary.get("stopped"):  # preempted...: no export yet
         return summary
     if cfg.export:
         checkpoint = summary.get("checkpoint") or ckpt.latest(cfg.checkpoint_path)

@@ -1,0 +1,136 @@
+"""Heartbeats under an external `torchrun`: ranks watch their ring neighbours through the store.
+
+Under our own launch the parent watches every rank's heartbeat file (heartbeat.py). Under torchrun
+there is no such parent (its agent sees a rank that exits, not one that freezes), and on several
+nodes no shared directory. But every rank can reach torchrun's TCPStore (MASTER_ADDR:MASTER_PORT,
+the store the agent hosts and the process group was built on), so the ranks watch each other:
+
+    rank r, thread "ringattn-peer-heartbeat", every BEAT_S:
+      store[hb/r] = {count, step, phase, pid, host}          its own beat (count always grows)
+      read hb/(r-1) and hb/(r+1)                              its two ring neighbours
+      a neighbour's value unchanged for stall_s (measured on r's own clock, so clock skew
+      between nodes does not matter) and not "done":
+        -> print "rank s (pid P on H) stopped responding: no heartbeat for 10 s, last at step 60
+           (train step)"; SIGKILL it when it runs on this host; exit EXIT_FROZEN_PEER (70)
+      torchrun's agent then sees ranks exit and ends the job.
+
+Each rank reads two keys per beat, so the store's load grows with W, not W^2; every rank is watched
+by two peers, so one frozen rank is named even if one of its neighbours is slow. The beat thread
+runs while the main thread computes or waits in a collective: only a process that stops running
+(SIGSTOP, a hung driver, a swapped-out machine) stops beating. A rank that finishes marks itself
+done (at exit), so a neighbour still training does not mistake it for a frozen one.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+
+import torch.distributed as dist
+
+from ringattn.runtime.outcome import EXIT_FROZEN_PEER
+
+__all__ = ["start_peer_beating"]
+
+BEAT_S = 1.0
+_PREFIX = "ringattn/heartbeat/"
+
+
+class _PeerBeat:
+    def __init__(self, store: dist.Store, rank: int, world_size: int, stall_s: float):
+        self.store, self.rank, self.world_size, self.stall_s = store, rank, world_size, stall_s
+        self.progress: dict = {}
+        self.count = 0
+        self.lock = threading.Lock()
+        self.done = False
+        self.neighbours = sorted({(rank - 1) % world_size, (rank + 1) % world_size} - {rank})
+        self.seen: dict[int, tuple[bytes, float]] = {}  # rank -> (last value, when it changed)
+
+    def beat(self, done: bool = False) -> None:
+        with self.lock:
+            self.count += 1
+            record = {"count": self.count, "pid": os.getpid(), "host": socket.gethostname(),
+                      "done": done, **self.progress}  # fmt: skip
+        self.store.set(f"{_PREFIX}{self.rank}", json.dumps(record))
+
+    def check(self) -> None:
+        now = time.monotonic()
+        keys = [f"{_PREFIX}{r}" for r in self.neighbours]
+        present = [r for r, key in zip(self.neighbours, keys) if self.store.check([key])]
+        for r in present:
+            value = self.store.get(f"{_PREFIX}{r}")
+            last = self.seen.get(r)
+            if last is None or last[0] != value:
+                self.seen[r] = (value, now)
+                continue
+            record = json.loads(value)
+            if not record.get("done") and now - last[1] >= self.stall_s:
+                self.verdict(r, record, now - last[1])
+
+    def verdict(self, rank: int, record: dict, silent: float) -> None:
+        where = ", ".join(f"{k} {v}" for k, v in record.items()
+                          if k not in ("count", "pid", "host", "done"))  # fmt: skip
+        killed = ""
+        if record.get("host") == socket.gethostname():
+            try:
+                os.kill(record["pid"], signal.SIGKILL)
+                killed = "; it was killed to end the job"
+            except (ProcessLookupError, PermissionError):
+                pass
+        text = (f"[rank {self.rank}] rank {rank} (pid {record.get('pid')} on "
+                f"{record.get('host')}) stopped responding: no heartbeat for {silent:.0f} s"
+                + (f", last at {where}" if where else "") + killed
+                + f"; rank {self.rank} exits with code {EXIT_FROZEN_PEER}\n")  # fmt: skip
+        try:
+            os.write(sys.stderr.fileno(), text.encode())
+        finally:
+            os._exit(EXIT_FROZEN_PEER)
+
+    def run(self) -> None:
+        while not self.done:
+            try:
+                self.beat()
+                self.check()
+            except (RuntimeError, OSError, ValueError):
+                return  # the store is gone: torchrun's agent has ended the job
+            time.sleep(BEAT_S)
+
+    def finish(self) -> None:
+        self.done = True
+        try:
+            self.beat(done=True)
+        except (RuntimeError, OSError):
+            pass
+
+
+_PEER: _PeerBeat | None = None
+
+
+def start_peer_beating(rank: int, world_size: int, stall_s: float) -> None:
+    """Under torchrun: beat into torchrun's store and watch the ring neighbours (idempotent).
+
+    Needs MASTER_ADDR and MASTER_PORT (set by torchrun); a no-op with one rank or without them.
+    """
+    global _PEER
+    if _PEER is not None or world_size < 2 or "MASTER_ADDR" not in os.environ:
+        return
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          is_master=False, timeout=datetime.timedelta(seconds=30))  # fmt: skip
+    _PEER = _PeerBeat(store, rank, world_size, stall_s)
+    _PEER.beat()
+    atexit.register(_PEER.finish)
+    threading.Thread(target=_PEER.run, name="ringattn-peer-heartbeat", daemon=True).start()
+
+
+def report_peer_progress(**progress: object) -> None:
+    """Where this rank is (step, phase): part of its next beat."""
+    if _PEER is not None:
+        with _PEER.lock:
+            _PEER.progress = dict(progress)
