@@ -4,17 +4,20 @@
           -> serve_worker on --nproc ranks (serve/worker.py), rank 0 listening on --host:--port
 
 SIGTERM or Ctrl-C to this process ends every rank (the launcher's teardown) and returns 0 with
-one line; a rank that dies ends the server with the launcher's message naming it (exit 1).
+one line; a rank that dies on its own ends the server with the launcher's message naming it
+(exit 1).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
 from dataclasses import fields
 
 from ringattn.layout import LAYOUTS
-from ringattn.runtime.launch import launch, running_under_torchrun
+from ringattn.runtime.launch import LaunchError, launch, running_under_torchrun
 from ringattn.serve.config import ServeConfig, check
 from ringattn.serve.worker import serve_worker
 
@@ -22,19 +25,42 @@ __all__ = ["add_serve_command", "run_serve"]
 
 
 def run_serve(cfg: ServeConfig) -> int:
-    """`ringattn serve`: check the flags, then serve on --nproc ranks until stopped."""
+    """`ringattn serve`: check the flags, then serve on --nproc ranks until stopped.
+
+    SIGTERM and SIGINT are the elastic agent's: it raises SignalException and tears the ranks
+    down. It may also see a rank end in that teardown before its handler runs, and then reports
+    a failed rank; so every signal this process receives is also written to a wakeup pipe
+    (`signal.set_wakeup_fd`), and a failure after SIGTERM or SIGINT counts as a stop."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     check(cfg)
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(read_fd, False)
+    os.set_blocking(write_fd, False)
+    previous = signal.set_wakeup_fd(write_fd)
+    failure = None
     try:
         if running_under_torchrun() or cfg.nproc == 1:
             serve_worker(cfg)
         else:
             launch(serve_worker, cfg.nproc, cfg)
-    except (KeyboardInterrupt, SignalException) as err:
-        what = getattr(err, "sigval", None)
-        what = what.name if what is not None else "SIGINT"
-        print(f"[serve] stopped by {what}: every rank has ended", file=sys.stderr, flush=True)
+    except (KeyboardInterrupt, SignalException):
+        pass
+    except LaunchError as err:
+        failure = err
+    finally:
+        signal.set_wakeup_fd(previous)
+        try:
+            received = os.read(read_fd, 64)
+        except BlockingIOError:
+            received = b""
+        os.close(read_fd)
+        os.close(write_fd)
+    stops = [signal.Signals(n).name for n in received if n in (signal.SIGTERM, signal.SIGINT)]
+    if failure is not None and not stops:
+        raise failure
+    if stops:
+        print(f"[serve] stopped by {stops[0]}: every rank has ended", file=sys.stderr, flush=True)
     return 0
 
 
