@@ -53,8 +53,13 @@ fi
 
 # transformers goes in pinned, like torch, so that the hf extra's range resolves to a tested version
 TRANSFORMERS_PIN="transformers==5.23.0"
-echo "[setup] installing ringattn (editable) with dev, plot and hf extras ($TRANSFORMERS_PIN)"
-pip_install -e ".[dev,plot,hf]" "$TRANSFORMERS_PIN"
+# the serve extra (FastAPI + uvicorn, `ringattn serve`) pinned the same way; the official openai
+# client is what the server's tests call it with (tests only, not a dependency of ringattn)
+SERVE_PINS=("fastapi==0.163.2" "uvicorn==0.54.0")
+OPENAI_PIN="openai==3.51.0"
+echo "[setup] installing ringattn (editable) with dev, plot, hf and serve extras" \
+    "($TRANSFORMERS_PIN ${SERVE_PINS[*]}; $OPENAI_PIN for tests)"
+pip_install -e ".[dev,plot,hf,serve]" "$TRANSFORMERS_PIN" "${SERVE_PINS[@]}" "$OPENAI_PIN"
 
 # Optional: TensorBoard, for `ringattn train --tensorboard` (torch.utils.tensorboard writes the
 # event files; tests/test_cluster.py reads them back with tensorboard's EventAccumulator).

@@ -3,6 +3,7 @@
     ringattn demo            train a small decoder with CP = 4 on CPU: loss, accuracy, memory, plot
     ringattn train           train the decoder over a dp x cp mesh (local processes or torchrun)
     ringattn generate        decoding from a checkpoint over a KV cache sharded across ranks
+    ringattn serve           an OpenAI-compatible HTTP server over that sharded decoding
     ringattn attention-demo  one long sequence on W processes: time, memory, error vs 1 process
     ringattn check    the correctness matrix against a float64 reference
     ringattn layout   per-rank tokens and attention work for a layout, documents and window
@@ -29,6 +30,7 @@ from ringattn.cli.options import LAYOUTS as _LAYOUTS
 from ringattn.cli.options import int_list as _int_list
 from ringattn.cli.options import name_list as _name_list
 from ringattn.cli.plan import add_parser as add_plan_command
+from ringattn.cli.serve import add_serve_command
 from ringattn.cli.train import add_demo_command as add_train_demo_command
 from ringattn.cli.train import add_train_command
 from ringattn.runtime.launch import LaunchError
@@ -220,6 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_demo_command(sub)
     add_train_command(sub)
     add_generate_command(sub)
+    add_serve_command(sub)
     add_attention_demo_command(sub)
     add_check_command(sub)
     _layout_parser(sub)

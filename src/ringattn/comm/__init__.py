@@ -6,6 +6,7 @@
     RingTransport         the ring strategy's transport seam (K/V and dK/dV messages) on RingComm
     all_gather_cat        concatenation of every rank's tensor along a dim
     all_gather_json       every rank's JSON value (agreement checks: data, never pickles)
+    broadcast_json        rank src's JSON value on every rank (the server's requests)
     all_gather_async      every rank's tensor stacked, posted without waiting (all-gather strategy)
     reduce_scatter        rank r gets the sum of every rank's r-th slice (NCCL native, else a ring)
     all_to_all            per-destination lists of tensors of any dtypes, as one all_to_all_single
@@ -25,6 +26,7 @@ from ringattn.comm.collectives import (
     all_gather_json,
     all_reduce,
     all_to_all,
+    broadcast_json,
     reduce_scatter,
 )
 from ringattn.comm.groups import (
@@ -53,6 +55,7 @@ __all__ = [
     "all_reduce",
     "all_to_all",
     "backend_device",
+    "broadcast_json",
     "reduce_scatter",
     "resolve_group",
     "resolve_mesh",

@@ -1,4 +1,5 @@
-"""Collectives: all-gathers (tensors, ints, JSON), reduce-scatter, all-to-all, all-reduce.
+"""Collectives: all-gathers (tensors, ints, JSON), a JSON broadcast, reduce-scatter, all-to-all,
+all-reduce.
 
 With one rank (or no initialised process group) nothing here communicates: gloo cannot send to
 itself, and a single process needs no transport at all. A 2-D mesh's flattened world (MeshInfo)
@@ -53,6 +54,27 @@ def all_gather_json(obj: object, info: GroupInfo) -> list[object]:
     parts = [torch.empty_like(local) for _ in range(info.world_size)]
     dist.all_gather(parts, local, group=info.group)
     return [json.loads(bytes(part[:size].cpu().tolist())) for part, size in zip(parts, sizes)]
+
+
+def broadcast_json(obj: object, info: GroupInfo, src: int = 0) -> object:
+    """Rank `src`'s JSON-serialisable `obj` on every rank (others pass anything, say None).
+
+    Two broadcasts: the payload's length, then its bytes. JSON for the same reason as
+    all_gather_json. The server (ringattn.serve) sends each admitted request this way.
+    """
+    if info.world_size == 1:
+        return obj
+    group = single_group(info, "broadcast_json").group
+    device = backend_device(info, torch.device("cpu"))
+    payload = json.dumps(obj).encode() if info.rank == src else b""
+    size = torch.tensor([len(payload)], dtype=torch.int64, device=device)
+    root = dist.get_global_rank(group, src) if group is not None else src
+    dist.broadcast(size, src=root, group=group)
+    data = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    if info.rank == src:
+        data.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+    dist.broadcast(data, src=root, group=group)
+    return json.loads(bytes(data.cpu().tolist()))
 
 
 def _gather_list(x: torch.Tensor, info: GroupInfo) -> list[torch.Tensor]:

@@ -74,6 +74,7 @@ class LayerCache:
     def evict_before(self, position: int) -> None:
         """Drop every kept token whose position is below `position` (a prefix, see module doc)."""
         live = self.positions[self.start : self.length]
+        # the probe on the positions' own device: a CPU scalar against CUDA positions raises
         self.start += int(torch.searchsorted(live, torch.tensor(position, device=live.device)))
         if self.start > (self.k.shape[2] // 2):  # compact: the dead prefix must not grow forever
             self._resize(max(1, self.length - self.start))

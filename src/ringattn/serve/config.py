@@ -1,0 +1,93 @@
+"""`ringattn serve`'s settings (one field per flag) and the checks made before any launch.
+
+check(cfg)  the model directory has a config and a tokenizer (the server speaks text), --nproc
+            and --tp agree and the model splits over --tp (its own tp plan), the port can be
+            bound on --host, FastAPI and uvicorn import: every mistake a ValueError in the
+            parent, before any rank starts.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import socket
+from dataclasses import dataclass
+
+from ringattn.integrations.hf.source import load_config, model_source
+from ringattn.integrations.hf.tensor_parallel import check_tensor_parallel
+from ringattn.layout import LAYOUTS
+from ringattn.runtime.flags import check_at_least, check_choice
+
+__all__ = ["ServeConfig", "bind", "check", "model_name"]
+
+
+@dataclass
+class ServeConfig:
+    hf: str | None = None
+    """A local Hugging Face model directory: config.json, tokenizer, weights (or none: random)."""
+    nproc: int = 1
+    """Ranks; every rank takes part in each request's prefill and decode."""
+    tp: int = 1
+    """Tensor-parallel degree (cp = nproc / tp)."""
+    host: str = "127.0.0.1"
+    """Interface to listen on (loopback unless asked)."""
+    port: int = 8000
+    """TCP port (0: any free port, printed at start)."""
+    model_name: str | None = None
+    """The model's id in the API (default: the directory's name)."""
+    api_key: str | None = None
+    """When set, every request needs `Authorization: Bearer KEY`."""
+    layout: str = "zigzag"
+    """How each prompt is sharded over the ranks."""
+    seed: int = 0
+    """Seed of the random init when the directory has no weights."""
+    max_batch: int = 8
+    """Requests waiting together run as one ragged batch of at most this many."""
+
+
+def model_name(cfg: ServeConfig) -> str:
+    return cfg.model_name or os.path.basename(os.path.normpath(cfg.hf))
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on (host, port); ValueError with the fix when it cannot bind."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as err:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port} ({err.strerror}); pick another --port "
+                         f"or --host") from None  # fmt: skip
+    sock.listen(128)
+    return sock
+
+
+def check(cfg: ServeConfig) -> None:
+    """Every flag mistake as a ValueError, before any process starts (see the docstring)."""
+    missing = [m for m in ("fastapi", "uvicorn") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ValueError(f"ringattn serve needs {' and '.join(missing)}: pip install "
+                         f"'ringattn[serve]' (or bash scripts/setup.sh)")  # fmt: skip
+    if cfg.hf is None:
+        raise ValueError("ringattn serve needs --hf DIR (a local Hugging Face model directory)")
+    check_at_least("nproc", cfg.nproc, 1)
+    check_at_least("tp", cfg.tp, 1)
+    check_at_least("max-batch", cfg.max_batch, 1)
+    if cfg.nproc % cfg.tp:
+        raise ValueError(f"--tp {cfg.tp} must divide --nproc {cfg.nproc} (cp = nproc / tp)")
+    check_choice("layout", cfg.layout, LAYOUTS)
+    if not 0 <= cfg.port < 65536:
+        raise ValueError(f"--port must be in [0, 65535], got {cfg.port}")
+    if cfg.api_key is not None and not cfg.api_key.strip():
+        raise ValueError("--api-key is empty; give a key or drop the flag")
+    source = model_source(cfg.hf)
+    check_tensor_parallel(load_config(source), cfg.tp)
+    if source.tokenizer_dir is None:
+        raise ValueError(
+            f"--hf {cfg.hf}: no tokenizer files in {source.directory}; the server takes and "
+            f"returns text, so save the model's tokenizer there"
+        )
+    if cfg.port != 0:
+        bind(cfg.host, cfg.port).close()  # in use, or a host we cannot listen on: say so now

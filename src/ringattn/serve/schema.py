@@ -1,0 +1,200 @@
+"""The OpenAI request bodies, checked, and turned into a `Request` the ranks can run.
+
+    body (JSON bytes) --pydantic, strict types--> ChatBody / CompletionBody
+      --admit--> checks the API would refuse (empty messages, unknown roles, n != 1, too many
+                 stop strings), the chat template (tokenizer.apply_chat_template), the context
+                 limit (prompt + max_tokens <= the model's max_position_embeddings)
+      --> Request (token ids, max_new_tokens, temperature, top_p, seed, stop)
+
+Every refusal is an `APIError` (HTTP 400 with the API's error body: message, type, param, code),
+raised on rank 0 before anything is sent to the other ranks. Sampling defaults: an omitted
+`temperature`/`top_p` takes the model's generation_config when it samples (do_sample), else
+greedy, as vLLM does; `temperature: 0` is greedy. A sampled request without a `seed` gets one
+drawn here, so every rank draws the same tokens.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ringattn.serve.protocol import Request
+
+__all__ = ["APIError", "ChatBody", "CompletionBody", "Limits", "admit", "parse"]
+
+ROLES = ("system", "developer", "user", "assistant")
+MAX_STOP = 4
+
+
+class APIError(Exception):
+    """A refused request: HTTP `status` with the API's error body."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None,
+                 status: int = 400, kind: str = "invalid_request_error"):  # fmt: skip
+        super().__init__(message)
+        self.message, self.param, self.code, self.status, self.kind = (
+            message, param, code, status, kind)  # fmt: skip
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param,
+                          "code": self.code}}  # fmt: skip
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class Message(_Strict):
+    role: str
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _Common(_Strict):
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+
+
+class ChatBody(_Common):
+    messages: list[Message]
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+
+class CompletionBody(_Common):
+    prompt: str | list[str] | list[int]
+    echo: bool = False
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What admission needs to know about the model."""
+
+    context: int  # max_position_embeddings: prompt + completion tokens
+    vocab_size: int
+    sampling: bool  # ringattn.hf.generate samples (do_sample=...); else greedy only
+    default_temperature: float = 0.0  # from generation_config when it samples
+    default_top_p: float = 1.0
+
+
+def parse(raw: bytes, body_type: type[_Common]) -> _Common:
+    """The JSON body as `body_type`; APIError naming the first wrong field."""
+    try:
+        return body_type.model_validate_json(raw)
+    except ValidationError as err:
+        first = err.errors()[0]
+        where = ".".join(str(p) for p in first["loc"] if not isinstance(p, str) or p not in
+                         ("str", "list[int]", "list[str]", "list[TextPart]"))  # fmt: skip
+        param = where or None
+        raise APIError(f"invalid request body: {where or 'body'}: {first['msg']}"
+                       f" ({err.error_count()} error(s))", param=param) from None  # fmt: skip
+
+
+def _text(message: Message, index: int) -> str:
+    if isinstance(message.content, list):
+        return "".join(part.text for part in message.content)
+    if message.content is None:
+        if message.role == "assistant":
+            return ""
+        raise APIError(f"messages[{index}].content is required for role {message.role!r}",
+                       param=f"messages.{index}.content")  # fmt: skip
+    return message.content
+
+
+def chat_ids(body: ChatBody, tokenizer) -> list[int]:
+    """The messages through the tokenizer's chat template, ending with the assistant's turn."""
+    if not body.messages:
+        raise APIError("messages must hold at least one message", param="messages")
+    messages = []
+    for i, m in enumerate(body.messages):
+        if m.role not in ROLES:
+            raise APIError(f"messages[{i}].role {m.role!r} is not one of {', '.join(ROLES)}",
+                           param=f"messages.{i}.role")  # fmt: skip
+        messages.append({"role": m.role, "content": _text(m, i)})
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise APIError("the model's tokenizer has no chat template; use /v1/completions")
+    from jinja2 import TemplateError  # transformers' chat templates are Jinja
+
+    try:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                            return_dict=False)  # fmt: skip
+    except (TemplateError, ValueError, TypeError, KeyError) as err:  # raise_exception, Jinja
+        raise APIError(f"the chat template refused the messages: {err}", param="messages") from None
+    if isinstance(ids, dict) or hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    return [int(t) for t in ids]
+
+
+def completion_ids(body: CompletionBody, tokenizer, vocab_size: int) -> list[int]:
+    prompt = body.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        if len(prompt) != 1:
+            raise APIError(f"one prompt per request, got {len(prompt)}", param="prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        ids = list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    else:
+        ids = list(prompt)
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise APIError(f"prompt token ids must be in [0, {vocab_size}), got {bad[:4]}",
+                           param="prompt")  # fmt: skip
+    if not ids:
+        raise APIError("the prompt is empty (no tokens)", param="prompt")
+    return ids
+
+
+def admit(body: _Common, tokenizer, limits: Limits) -> Request:
+    """The checked `Request` for `body` (ChatBody or CompletionBody), or APIError."""
+    if body.n != 1:
+        raise APIError(f"n={body.n}: this server returns one choice per request (n=1)",
+                       param="n")  # fmt: skip
+    if isinstance(body, CompletionBody) and body.echo:
+        raise APIError("echo is not supported", param="echo")
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    if len(stop) > MAX_STOP or any(not s for s in stop):
+        raise APIError(f"stop takes up to {MAX_STOP} non-empty strings, got {stop!r}",
+                       param="stop")  # fmt: skip
+    if isinstance(body, ChatBody):
+        ids, where, asked = chat_ids(body, tokenizer), "messages", body.max_completion_tokens
+        asked = body.max_tokens if asked is None else asked
+    else:
+        ids, where, asked = completion_ids(body, tokenizer, limits.vocab_size), "prompt", None
+        asked = 16 if body.max_tokens is None else body.max_tokens  # the API's default
+    room = limits.context - len(ids)
+    if room < 1 or (asked is not None and asked > room):
+        want = len(ids) + (asked or 1)
+        raise APIError(
+            f"This model's maximum context length is {limits.context} tokens. However, you "
+            f"requested {want} tokens ({len(ids)} in the {where}, {asked or 1} in the "
+            f"completion). Please reduce the length of the {where} or the completion.",
+            param=where, code="context_length_exceeded",
+        )  # fmt: skip
+    temperature = limits.default_temperature if body.temperature is None else body.temperature
+    top_p = limits.default_top_p if body.top_p is None else body.top_p
+    if temperature > 0 and not limits.sampling:
+        raise APIError(f"temperature={temperature}: this build decodes greedily only; pass "
+                       f"temperature 0", param="temperature")  # fmt: skip
+    seed = body.seed
+    if temperature > 0 and seed is None:
+        seed = secrets.randbits(62)  # drawn once here: every rank samples the same tokens
+    return Request(ids, room if asked is None else asked, float(temperature), float(top_p), seed,
+                   stop)  # fmt: skip
