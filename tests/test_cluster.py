@@ -10,6 +10,7 @@ forwards it to every rank). The references are the same runs uninterrupted, in a
 from __future__ import annotations
 
 import math
+import multiprocessing
 import os
 import shutil
 import signal
@@ -96,8 +97,15 @@ def test_sigterm_to_the_launcher_checkpoints_that_step_and_the_same_command_resu
     within 30 s of the signal; the same command ends with the uninterrupted run's losses."""
     out = str(tmp_path / "run")
     flags = [*FLAGS, "--steps", "12", "--checkpoint-every", "0", "--out-dir", out]
+    # a child of this process that is not one of the launch's ranks (as a test pool's workers
+    # are): the forwarded SIGTERM must leave it alone
+    bystander = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(300,))
+    bystander.start()
     signalled = _when_step_logged(out, 2, lambda: os.kill(os.getpid(), signal.SIGTERM))
     code = main(flags)
+    alive = bystander.is_alive()
+    bystander.kill()
+    assert alive, "the launcher's SIGTERM reached a child that is not one of its ranks"
     assert signalled, "the run ended before step 2 was logged"
     assert time.monotonic() - signalled[0] < 30
     assert code == EXIT_PREEMPTED

@@ -216,7 +216,12 @@ def launch(
     # the agent installs its own handlers for the other signals (raising SignalException here,
     # forwarding the signal to every rank); they are put back afterwards
     handlers = {sig: signal.getsignal(sig) for sig in _AGENT_SIGNALS}
-    forwarder = SigtermForwarder(lambda: [p.pid for p in multiprocessing.active_children()])
+    # only this launch's ranks: a process that launches may have other children of its own (a
+    # test suite's worker pools, a notebook's), and a forwarded SIGTERM must not reach them
+    others = {p.pid for p in multiprocessing.active_children()}
+    forwarder = SigtermForwarder(
+        lambda: [p.pid for p in multiprocessing.active_children() if p.pid not in others]
+    )
     try:
         with watchdog, forwarder:
             results = elastic_launch(config, _run_rank)(fn, *args)
