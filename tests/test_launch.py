@@ -132,11 +132,15 @@ def test_a_local_launch_listens_on_loopback_only():
 
 def _freeze_rank_one() -> None:
     import signal
+    import time
 
     from ringattn.runtime.heartbeat import report_progress
 
     init_distributed(timeout_s=120)
     report_progress(step=3, phase="forward")
+    # the beat thread writes the report when it next runs; freezing within microseconds of the
+    # report could name the previous one (seen once in CI), so give it a beat's time first
+    time.sleep(1.5)
     dist.barrier()
     if dist.get_rank() == 1:
         os.kill(os.getpid(), signal.SIGSTOP)  # frozen, not dead: the agent cannot see it
