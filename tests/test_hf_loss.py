@@ -16,7 +16,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import ringattn.hf
-from test_train_hf import _llama_config, _options, _text, _tokenizer
+from test_train_hf import _llama_config, _options, tiny_llama_dir
 
 
 def _batch(vocab: int, seq_len: int = 61):
@@ -72,15 +72,7 @@ def test_chunked_loss_equals_the_model_loss(family):
 @pytest.fixture(scope="module")
 def bf16_model(tmp_path_factory):
     """A tiny Llama saved in bfloat16 (config dtype bfloat16) with a tokenizer, and documents."""
-    root = tmp_path_factory.mktemp("bf16")
-    torch.manual_seed(1)
-    model = transformers.AutoModelForCausalLM.from_config(_llama_config(), dtype=torch.bfloat16)
-    model.save_pretrained(root / "model")
-    _tokenizer().save_pretrained(root / "model")
-    (root / "docs").mkdir()
-    for i in range(12):
-        (root / "docs" / f"{i:02d}.txt").write_text(_text(i, 2 + i % 5))
-    return root / "model", root / "docs"
+    return tiny_llama_dir(tmp_path_factory.mktemp("bf16"), torch.bfloat16)
 
 
 def test_chunked_training_at_cp2_equals_whole_logits_on_one_process(pools, bf16_model, tmp_path):

@@ -49,18 +49,22 @@ def _text(i: int, n: int) -> str:
     return " ".join(WORDS[(i * 7 + j) % len(WORDS)] for j in range(n)) + f" {i}."
 
 
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory):
-    """(model dir with weights and tokenizer, corpus dir of 12 one-document files)."""
-    root = tmp_path_factory.mktemp("hf")
+def tiny_llama_dir(root, dtype: torch.dtype = torch.float32):
+    """(model dir with weights in `dtype` and a tokenizer, corpus dir of 12 one-document files)."""
     torch.manual_seed(1)
-    model = transformers.AutoModelForCausalLM.from_config(_llama_config(), dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_config(_llama_config(), dtype=dtype)
     model.save_pretrained(root / "model")
     _tokenizer().save_pretrained(root / "model")
     (root / "docs").mkdir()
     for i in range(12):
         (root / "docs" / f"{i:02d}.txt").write_text(_text(i, 2 + i % 5))
     return root / "model", root / "docs"
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    """(model dir with weights and tokenizer, corpus dir of 12 one-document files)."""
+    return tiny_llama_dir(tmp_path_factory.mktemp("hf"))
 
 
 def _options(model_dir, docs, out_dir, **overrides) -> dict:
