@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from ringattn.comm import resolve_group
+from ringattn.inflight import running, start_call
 from ringattn.ops import compiled_attention
 from ringattn.plan import Call
 from ringattn.resolve import build_call
@@ -31,7 +32,8 @@ class _Attention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, strategy: Strategy, call: Call):
-        result = strategy.forward(q, k, v, call)
+        with running(call.info, "forward", call.signature):
+            result = strategy.forward(q, k, v, call)
         # what the strategy's backward needs (Ulysses: the head-sharded tensors)
         ctx.save_for_backward(*result.saved)
         ctx.strategy, ctx.call = strategy, call
@@ -40,7 +42,8 @@ class _Attention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        dq, dk, dv = ctx.strategy.backward(dout, tuple(ctx.saved_tensors), ctx.call)
+        with running(ctx.call.info, "backward", ctx.call.signature):
+            dq, dk, dv = ctx.strategy.backward(dout, tuple(ctx.saved_tensors), ctx.call)
         return dq, dk, dv, None, None
 
 
@@ -96,7 +99,7 @@ def attention(
             backend=backend, cu_seqlens=cu_seqlens, window=window,
         )  # fmt: skip
 
-    call = validated(info, device, build)
+    call = validated(info, device, build, start_call(info))
     out, lse = _Attention.apply(q, k, v, STRATEGIES[strategy], call)
     if call.placement is not None and call.placement.has_padding:
         lse = lse.masked_fill(torch.isneginf(lse), 0.0)  # padding rows see no key

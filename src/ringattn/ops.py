@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ringattn.comm import GroupInfo, MeshInfo, resolve_group
+from ringattn.inflight import running, start_call
 from ringattn.merge import accumulator_dtype
 from ringattn.resolve import build_call
 from ringattn.strategies import STRATEGIES
@@ -110,8 +111,10 @@ def attention_forward(
     """(out, lse) of `ringattn.attention` (see api.py); checks and agreement run here."""
     info = resolve_spec(group)
     statics = (group, layout, strategy, backend, causal, scale, window)
-    call = validated(info, q.device, lambda: _checked(q, k, v, cu_seqlens, *statics))
-    result = STRATEGIES[strategy].forward(q, k, v, call)
+    number = start_call(info)
+    call = validated(info, q.device, lambda: _checked(q, k, v, cu_seqlens, *statics), number)
+    with running(info, "forward", call.signature):
+        result = STRATEGIES[strategy].forward(q, k, v, call)
     lse = result.lse
     if call.placement is not None and call.placement.has_padding:
         lse = lse.masked_fill(torch.isneginf(lse), 0.0)  # padding rows see no key
@@ -155,8 +158,9 @@ def attention_backward(
     statics = (group, layout, strategy, backend, causal, scale, window)
     call, _ = _checked(q, k, v, cu_seqlens, *statics)  # the forward agreed on these
     strategy_obj = STRATEGIES[strategy]
-    saved = strategy_obj.saved_from_local(q, k, v, out, lse, call)
-    dq, dk, dv = strategy_obj.backward(dout.contiguous(), saved, call)
+    with running(call.info, "backward", call.signature):
+        saved = strategy_obj.saved_from_local(q, k, v, out, lse, call)
+        dq, dk, dv = strategy_obj.backward(dout.contiguous(), saved, call)
     return _own((dq, dk, dv), (dout, q, k, v, out, lse, cu_seqlens))
 
 

@@ -60,6 +60,8 @@ class Call:
     # folds a block's (out, lse) into the float32 accumulators in place; None skips merging
     # (benchmarks only: the kernels' share of the time, with a wrong result)
     merge: Merge | None = merge_fused_
+    # what the ranks agreed on for this call ((name, value) pairs): published while it runs
+    signature: tuple = ()
 
     def __post_init__(self) -> None:
         if self.window is not None and not self.kernel.supports_band:

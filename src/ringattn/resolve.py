@@ -64,7 +64,8 @@ def build_call(
     bounds = None if placement is None else placement.bounds
     # the kernel `auto` picked: a probe that differs between ranks must not split them
     signature += (("window", checked_window), ("cu_seqlens", bounds), ("kernel", kernel.name))
-    call = Call(info, layout_obj, kernel, bool(causal), resolved_scale, placement, checked_window)
+    call = Call(info, layout_obj, kernel, bool(causal), resolved_scale, placement, checked_window,
+                signature=signature)  # fmt: skip
     return call, signature
 
 

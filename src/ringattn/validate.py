@@ -19,6 +19,7 @@ from typing import TypeVar
 import torch
 
 from ringattn.comm import GroupInfo, all_gather_ints, all_gather_json
+from ringattn.inflight import agreeing, readable
 from ringattn.kernels import check_backend_name
 from ringattn.layout import Layout
 
@@ -90,19 +91,25 @@ def _code(value: object) -> int:
     return int.from_bytes(hashlib.blake2b(str(value).encode(), digest_size=7).digest(), "little")
 
 
-def validated(info: GroupInfo, device: object, build: Callable[[], tuple[T, tuple]]) -> T:
+def validated(
+    info: GroupInfo,
+    device: object,
+    build: Callable[[], tuple[T, tuple]],
+    call: int | None = None,
+) -> T:
     """Run the local checks in `build` (-> (result, signature)) and agree on them across ranks.
 
     A ValueError/TypeError from `build` is not raised at once: it is this rank's verdict, which
     `agree` shares with the others, so every rank raises the same error, naming the rank(s) at
-    fault, instead of the valid ranks waiting forever in their first collective.
+    fault, instead of the valid ranks waiting forever in their first collective. `call` is the
+    attention call's number (inflight.start_call), published while its agreement runs.
     """
     try:
         result, signature = build()
         error = None
     except (ValueError, TypeError) as err:
         result, signature, error = None, None, err
-    agree(signature, info, device, error)
+    agree(signature, info, device, error, call)
     return result
 
 
@@ -111,6 +118,7 @@ def agree(
     info: GroupInfo,
     device: object,
     error: Exception | None = None,
+    call: int | None = None,
 ) -> None:
     """Raise the same error on every rank if any rank's local checks failed (`error`) or the ranks
     called with different signatures ((name, value) pairs).
@@ -121,9 +129,10 @@ def agree(
     message and readable signature (as JSON) words the error, identically on every rank.
 
     All ranks must reach this call together the first time they use a signature. A rank that
-    changes its arguments while the others repeat an agreed call cannot be caught without a
-    collective on every call: its error (or the transport's) then ends the job through the
-    launcher, which names the failing rank.
+    changes its arguments while the others repeat an agreed call waits here while they wait in
+    the call's collectives. Catching that on the main threads would need a collective on every
+    call; instead, with `call` (an attention call's number), the wait is published (inflight.py)
+    and the heartbeat threads name the rank within seconds (runtime/mismatch.py).
     """
     if info.world_size == 1:
         if error is not None:
@@ -134,14 +143,15 @@ def agree(
         return
     device = device if isinstance(device, torch.device) else torch.device("cpu")
     mine = [0 if error is None else 1, 0 if signature is None else _code(signature)]
-    gathered = all_gather_ints(mine, info, device)
-    failed = any(row[0] for row in gathered)
-    if failed or len({row[1] for row in gathered}) > 1:
-        # every rank saw the same gathered integers, so every rank takes this branch together
-        verdict = None if error is None else [type(error).__name__, str(error)]
-        readable = None if signature is None else [[n, _jsonable(v)] for n, v in signature]
-        rows = all_gather_json({"error": verdict, "signature": readable}, info)
-        raise _group_error(rows) if failed else _disagreement(rows)
+    with agreeing(info, call, signature, error):
+        gathered = all_gather_ints(mine, info, device)
+        failed = any(row[0] for row in gathered)
+        if failed or len({row[1] for row in gathered}) > 1:
+            # every rank saw the same gathered integers, so every rank takes this branch together
+            verdict = None if error is None else [type(error).__name__, str(error)]
+            shown = None if signature is None else readable(signature)
+            rows = all_gather_json({"error": verdict, "signature": shown}, info)
+            raise _group_error(rows) if failed else _disagreement(rows)
     if len(agreed) >= _MAX_AGREED:
         agreed.clear()
     agreed.add(signature)
@@ -150,14 +160,6 @@ def agree(
 def check_agreement(signature: tuple, info: GroupInfo, device: object) -> None:
     """`agree` for a caller whose local checks have already passed."""
     agree(signature, info, device)
-
-
-def _jsonable(value: object) -> object:
-    if isinstance(value, (bool, int, float, str)) or value is None:
-        return value
-    if isinstance(value, (tuple, list)):
-        return [_jsonable(v) for v in value]
-    return str(value)
 
 
 def _ranks(ranks: list[int]) -> str:

@@ -20,6 +20,10 @@ waiting on a frozen peer is not mistaken for a frozen rank: only a process that 
 The files live in the launch's private run directory (mode 0700). Under an external `torchrun`
 there is no run directory: the ranks watch each other through torchrun's store instead
 (peer_heartbeat.py), and `report_progress` feeds both.
+
+Each beat also carries the rank's attention calls (ringattn/inflight.py), so the watchdog sees a
+rank that changed its attention arguments after the ranks agreed (it waits in a new agreement
+while its peers wait in the call for it: runtime/mismatch.py), kills the ranks and names it.
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ from dataclasses import dataclass, field
 
 from typing_extensions import Self
 
+from ringattn.inflight import snapshot
+from ringattn.runtime.mismatch import MismatchWatch
 from ringattn.runtime.peer_heartbeat import report_peer_progress
 
 RUN_DIR_ENV = "RINGATTN_RUN_DIR"
@@ -55,7 +61,8 @@ class _Beat:
         if self.stopped.is_set():
             return
         with self.lock:
-            record = {"pid": os.getpid(), "rank": self.rank, "time": time.time(), **self.progress}
+            record = {"pid": os.getpid(), "rank": self.rank, "time": time.time(), **self.progress,
+                      "attention": snapshot()}  # fmt: skip
         tmp = f"{self.path}.tmp"
         with open(tmp, "w") as f:
             json.dump(record, f)
@@ -172,9 +179,19 @@ class Watchdog:
 
     def _watch(self) -> None:
         killed: set[int] = set()
+        mismatch = MismatchWatch()
         while not self._stop.wait(BEAT_S):
             now = time.time()
-            for record in _records(self.run_dir):
+            records = _records(self.run_dir)
+            live = [r for r in records if r["pid"] not in killed and _running(r["pid"])]
+            found = mismatch.observe({r["rank"]: r.get("attention", []) for r in live})
+            if found is not None:
+                # every rank is stuck (the changed one in its agreement, the others in the call)
+                self.verdicts.append(found[1] + "; the ranks were killed to end the job")
+                killed.update(r["pid"] for r in records)
+                kill_ranks(self.run_dir)
+                continue
+            for record in records:
                 silent = now - record["time"]
                 if silent < self.stall_s or record["pid"] in killed or not _running(record["pid"]):
                     continue

@@ -6,6 +6,8 @@
     70   a peer stopped responding (heartbeat, runtime/heartbeat.py and peer_heartbeat.py)
     74   a checkpoint could not be written; the previous complete one is intact
     75   preempted (SIGTERM): the step was checkpointed; the same command resumes
+    76   the ranks made different attention calls (one changed its arguments after they agreed:
+         runtime/mismatch.py), named under torchrun
     143  a second SIGTERM or the grace period ran out: exited at once (128 + SIGTERM)
 
 A run that stops early returns normally on every rank, with a `Stopped` in its summary, so the
@@ -18,13 +20,14 @@ from __future__ import annotations
 import signal
 from dataclasses import asdict, dataclass
 
-__all__ = ["EXIT_CHECKPOINT", "EXIT_DIVERGED", "EXIT_FROZEN_PEER", "EXIT_HARD", "EXIT_PREEMPTED",
-           "Stopped"]  # fmt: skip
+__all__ = ["EXIT_CHECKPOINT", "EXIT_DIVERGED", "EXIT_FROZEN_PEER", "EXIT_HARD", "EXIT_MISMATCH",
+           "EXIT_PREEMPTED", "Stopped"]  # fmt: skip
 
 EXIT_DIVERGED = 65
 EXIT_FROZEN_PEER = 70
 EXIT_CHECKPOINT = 74
 EXIT_PREEMPTED = 75
+EXIT_MISMATCH = 76
 EXIT_HARD = 128 + signal.SIGTERM
 
 

@@ -19,6 +19,13 @@ by two peers, so one frozen rank is named even if one of its neighbours is slow.
 runs while the main thread computes or waits in a collective: only a process that stops running
 (SIGSTOP, a hung driver, a swapped-out machine) stops beating. A rank that finishes marks itself
 done (at exit), so a neighbour still training does not mistake it for a frozen one.
+
+The beat also carries the rank's attention calls (ringattn/inflight.py). A rank that has waited
+in an attention agreement for MIN_S reads every rank's beat (W reads, only while it waits) and
+asks runtime/mismatch.py whether a peer passed that agreement without it: a rank that changed its
+arguments after the ranks agreed. If so it posts the message under ringattn/mismatch/<restart>
+and exits EXIT_MISMATCH (76); every other rank checks that one key per beat and exits the same
+way, printing the same message, so the job ends in seconds instead of at the group's timeout.
 """
 
 from __future__ import annotations
@@ -35,12 +42,16 @@ import time
 
 import torch.distributed as dist
 
-from ringattn.runtime.outcome import EXIT_FROZEN_PEER
+from ringattn.inflight import snapshot
+from ringattn.runtime.mismatch import MIN_S, MismatchWatch
+from ringattn.runtime.outcome import EXIT_FROZEN_PEER, EXIT_MISMATCH
 
 __all__ = ["start_peer_beating"]
 
 BEAT_S = 1.0
 _PREFIX = "ringattn/heartbeat/"
+# one per restart of torchrun's worker group: a restarted group must not read the last one's
+_MISMATCH_KEY = f"ringattn/mismatch/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 
 
 class _PeerBeat:
@@ -52,15 +63,17 @@ class _PeerBeat:
         self.done = False
         self.neighbours = sorted({(rank - 1) % world_size, (rank + 1) % world_size} - {rank})
         self.seen: dict[int, tuple[bytes, float]] = {}  # rank -> (last value, when it changed)
+        self.mismatch = MismatchWatch()
 
     def beat(self, done: bool = False) -> None:
         with self.lock:
             self.count += 1
             record = {"count": self.count, "pid": os.getpid(), "host": socket.gethostname(),
-                      "done": done, **self.progress}  # fmt: skip
+                      "done": done, **self.progress, "attention": snapshot()}  # fmt: skip
         self.store.set(f"{_PREFIX}{self.rank}", json.dumps(record))
 
     def check(self) -> None:
+        self.check_calls()
         now = time.monotonic()
         keys = [f"{_PREFIX}{r}" for r in self.neighbours]
         present = [r for r, key in zip(self.neighbours, keys) if self.store.check([key])]
@@ -92,6 +105,32 @@ class _PeerBeat:
             os.write(sys.stderr.fileno(), text.encode())
         finally:
             os._exit(EXIT_FROZEN_PEER)
+
+    def check_calls(self) -> None:
+        """A mismatch another rank found ends this rank too; while this rank itself waits in an
+        attention agreement, read every rank's beat and judge (mismatch.py)."""
+        if self.store.check([_MISMATCH_KEY]):
+            self.exit(self.store.get(_MISMATCH_KEY).decode(), EXIT_MISMATCH)
+        mine = snapshot()
+        if not any(e["state"] == "agreeing" and e["for_s"] >= MIN_S for e in mine):
+            self.mismatch.observe({})
+            return
+        records = {self.rank: mine}
+        for r in range(self.world_size):
+            key = f"{_PREFIX}{r}"
+            if r != self.rank and self.store.check([key]):
+                records[r] = json.loads(self.store.get(key)).get("attention", [])
+        found = self.mismatch.observe(records)
+        if found is not None:
+            self.store.set(_MISMATCH_KEY, found[1])
+            self.exit(found[1], EXIT_MISMATCH)
+
+    def exit(self, message: str, code: int) -> None:
+        try:
+            os.write(sys.stderr.fileno(), f"[rank {self.rank}] {message}; rank {self.rank} "
+                     f"exits with code {code}\n".encode())  # fmt: skip
+        finally:
+            os._exit(code)
 
     def run(self) -> None:
         while not self.done:
