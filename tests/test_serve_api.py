@@ -192,6 +192,16 @@ def test_serve_refuses_bad_flags_before_launching(served, tmp_path, capfd):
         assert needle in capfd.readouterr().err
 
 
+def test_the_api_key_comes_from_the_environment_unless_the_flag_gives_one(monkeypatch):
+    from ringattn.cli.main import build_parser
+
+    monkeypatch.setenv("RINGATTN_API_KEY", "from-env")
+    assert build_parser().parse_args(["serve", "--hf", "d"]).api_key == "from-env"
+    assert build_parser().parse_args(["serve", "--hf", "d", "--api-key", "k"]).api_key == "k"
+    monkeypatch.delenv("RINGATTN_API_KEY")
+    assert build_parser().parse_args(["serve", "--hf", "d"]).api_key is None
+
+
 @pytest.mark.skipif(not SAMPLING, reason="ringattn.hf.generate samples (issue 22 item 2)")
 def test_sampling_with_a_seed_is_the_seeded_generate_alone(served):
     _, client, model, tok, _ = served

@@ -21,6 +21,8 @@ from ringattn.runtime.launch import LaunchError, launch, running_under_torchrun
 from ringattn.serve.config import ServeConfig, check
 from ringattn.serve.worker import serve_worker
 
+API_KEY_ENV = "RINGATTN_API_KEY"
+
 __all__ = ["add_serve_command", "run_serve"]
 
 
@@ -89,8 +91,10 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=d.port, help="TCP port (0: any free port)")
     p.add_argument("--model-name", default=d.model_name,
                    help="the model id in the API (default: the directory's name)")  # fmt: skip
-    p.add_argument("--api-key", default=d.api_key, metavar="KEY",
-                   help="require 'Authorization: Bearer KEY' on every request")  # fmt: skip
+    # from the environment by default: a key on the command line shows in `ps` to every user
+    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV, d.api_key), metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on every request (default: "
+                   f"${API_KEY_ENV}, which other users cannot see in ps)")  # fmt: skip
     p.add_argument("--layout", choices=tuple(LAYOUTS), default=d.layout,
                    help="how each prompt is sharded")  # fmt: skip
     p.add_argument("--seed", type=int, default=d.seed, help="seed of a random init (no weights)")
