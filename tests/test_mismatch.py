@@ -39,8 +39,10 @@ def test_a_rank_that_passed_the_agreement_without_another_is_a_mismatch():
     # a rank that started a later call is past it too; one still in an earlier call is slow
     assert suspect({0: [_entry("backward", 4, 6, 0.5)], 1: [changed]}) is not None
     assert suspect({0: [_entry("forward", 4, 4, 30.0)], 1: [changed]}) is None
-    # in the same agreement (it completes), or not waiting long enough yet
+    # in an agreement too (the all-gathers meet; counts that drifted apart are resynced there),
+    # or not waiting long enough yet
     assert suspect({0: [_entry("agreeing", 5, 5, 3.0)], 1: [changed]}) is None
+    assert suspect({0: [_entry("agreeing", 6, 6, 3.0)], 1: [changed]}) is None
     assert suspect({0: [_entry("forward", 5, 5, 3.0)], 1: [{**changed, "for_s": 1.0}]}) is None
     # another group's calls say nothing about this one
     assert suspect({0: [{**_entry("forward", 5, 5, 3.0), "group": "7"}], 1: [changed]}) is None

@@ -34,7 +34,7 @@ from contextlib import contextmanager
 
 from ringattn.comm import GroupInfo
 
-__all__ = ["agreeing", "readable", "running", "snapshot", "start_call"]
+__all__ = ["agreeing", "readable", "resync", "running", "snapshot", "start_call"]
 
 _IDLE = ("idle", 0, 0.0, None, None)
 
@@ -69,6 +69,13 @@ def start_call(info: GroupInfo) -> int | None:
         return None
     group.calls += 1
     return group.calls
+
+
+def resync(info: GroupInfo, calls: int) -> None:
+    """After an agreement: the group's highest count (every rank was at the same call)."""
+    group = _group(info)
+    if group is not None and calls > group.calls:
+        group.calls = calls
 
 
 @contextmanager

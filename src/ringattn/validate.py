@@ -19,7 +19,7 @@ from typing import TypeVar
 import torch
 
 from ringattn.comm import GroupInfo, all_gather_ints, all_gather_json
-from ringattn.inflight import agreeing, readable
+from ringattn.inflight import agreeing, readable, resync
 from ringattn.kernels import check_backend_name
 from ringattn.layout import Layout
 
@@ -142,9 +142,13 @@ def agree(
     if error is None and signature in agreed:
         return
     device = device if isinstance(device, torch.device) else torch.device("cpu")
-    mine = [0 if error is None else 1, 0 if signature is None else _code(signature)]
+    # the call's number travels too: the ranks leave every agreement with the same count, even
+    # if an earlier call failed on one of them only (a worker pool that outlives a task)
+    mine = [0 if error is None else 1, 0 if signature is None else _code(signature), call or 0]
     with agreeing(info, call, signature, error):
         gathered = all_gather_ints(mine, info, device)
+        if call is not None:
+            resync(info, max(row[2] for row in gathered))
         failed = any(row[0] for row in gathered)
         if failed or len({row[1] for row in gathered}) > 1:
             # every rank saw the same gathered integers, so every rank takes this branch together

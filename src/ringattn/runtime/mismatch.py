@@ -4,7 +4,7 @@ Every rank's heartbeat carries its attention calls' states (`inflight.snapshot()
 of them:
 
     rank b "agreeing" on call n of group g for >= MIN_S           (its new signature or its error)
-    rank a of g (a != b) has started call n or later, not in that agreement
+    rank a of g (a != b) has started call n or later and is not in an agreement
         -> a passed call n's agreement without b: a took the fast path with arguments b does
            not have and waits for b inside the call; b waits for a in the agreement.
 
@@ -42,8 +42,8 @@ def suspect(records: dict[int, list[dict]], min_s: float = MIN_S) -> tuple | Non
                 for other in records[a] if a != b else ():
                     if other["group"] != mine["group"] or other["calls"] < mine["call"]:
                         continue
-                    if other["state"] == "agreeing" and other["call"] == mine["call"]:
-                        continue  # in the same agreement: it completes
+                    if other["state"] == "agreeing":
+                        continue  # in an agreement too: the two all-gathers meet
                     ahead.append(a)
                     theirs = theirs or other
             if ahead:

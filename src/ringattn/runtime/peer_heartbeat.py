@@ -110,7 +110,9 @@ class _PeerBeat:
         """A mismatch another rank found ends this rank too; while this rank itself waits in an
         attention agreement, read every rank's beat and judge (mismatch.py)."""
         if self.store.check([_MISMATCH_KEY]):
-            self.exit(self.store.get(_MISMATCH_KEY).decode(), EXIT_MISMATCH)
+            self.say(self.store.get(_MISMATCH_KEY).decode(), EXIT_MISMATCH)
+            self.store.add(_MISMATCH_KEY + "/seen", 1)
+            os._exit(EXIT_MISMATCH)
         mine = snapshot()
         if not any(e["state"] == "agreeing" and e["for_s"] >= MIN_S for e in mine):
             self.mismatch.observe({})
@@ -123,14 +125,19 @@ class _PeerBeat:
         found = self.mismatch.observe(records)
         if found is not None:
             self.store.set(_MISMATCH_KEY, found[1])
-            self.exit(found[1], EXIT_MISMATCH)
+            # the first rank to exit makes torchrun's agent SIGTERM the others: wait (a few
+            # beats at most) until each has printed the message too
+            deadline = time.monotonic() + 3 * BEAT_S
+            while self.store.add(_MISMATCH_KEY + "/seen", 0) < self.world_size - 1:
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+            self.say(found[1], EXIT_MISMATCH)
+            os._exit(EXIT_MISMATCH)
 
-    def exit(self, message: str, code: int) -> None:
-        try:
-            os.write(sys.stderr.fileno(), f"[rank {self.rank}] {message}; rank {self.rank} "
-                     f"exits with code {code}\n".encode())  # fmt: skip
-        finally:
-            os._exit(code)
+    def say(self, message: str, code: int) -> None:
+        os.write(sys.stderr.fileno(), f"[rank {self.rank}] {message}; rank {self.rank} exits "
+                 f"with code {code}\n".encode())  # fmt: skip
 
     def run(self) -> None:
         while not self.done:
