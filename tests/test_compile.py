@@ -101,6 +101,19 @@ def test_decoder_compiles_whole_and_equals_one_process(pools, world_size):
         assert loss_error <= LOSS_RTOL and grad_error <= GRAD_RTOL, (loss_error, grad_error)
 
 
+def test_hybrid_decoder_compiles_whole_and_equals_one_process(pools):
+    """strategy="hybrid" over a 2 x 2 ("ring", "ulysses") mesh of W = 4 ranks (Ulysses inside
+    pairs, a ring across them): explain finds no graph break, one graph, the loss and
+    gradients of one process on the full sequence."""
+    for breaks, reasons, loss_error, grad_error, graphs in pools(4).run(
+        "workers_compile:decoder_case", strategy="hybrid", compiler="aot_eager", explain=True,
+        timeout=600,
+    ):  # fmt: skip
+        assert breaks == 0, reasons
+        assert graphs == 1
+        assert loss_error <= LOSS_RTOL and grad_error <= GRAD_RTOL, (loss_error, grad_error)
+
+
 def test_packed_documents_change_without_recompiling(pools):
     """cu_seqlens is data of the op: new document layouts (and lengths) reuse the graph. Each
     input dim that changes recompiles once (dynamo's automatic dynamic shapes: the number of

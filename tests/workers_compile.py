@@ -80,9 +80,10 @@ def decoder_case(
     compiler="inductor",
     explain=False,
 ):
-    """Our decoder, CP over the world, compiled whole with fullgraph=True, against the same
-    weights on the full sequence in one process: (graph breaks, reasons, loss error, worst
-    gradient error relative to each tensor's largest entry, graphs compiled)."""
+    """Our decoder, CP over the world (for "hybrid" a 2-D mesh of it), compiled whole with
+    fullgraph=True, against the same weights on the full sequence in one process: (graph
+    breaks, reasons, loss error, worst gradient error relative to each tensor's largest entry,
+    graphs compiled)."""
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=64, dim=32, n_layers=1, n_heads=4, n_kv_heads=2)
     reference = Transformer(cfg)
@@ -98,9 +99,10 @@ def decoder_case(
     model = Transformer(cfg)
     model.load_state_dict(reference.state_dict())
     model.loss_chunk = 16  # the chunked loss (checkpointed chunks) traces too
-    set_context_parallel(model, dist.group.WORLD, layout=layout, strategy=strategy)
-    local = [ringattn.shard(x, 1, layout=layout) for x in (tokens, labels)]
-    positions = ringattn.positions(seq_len, layout=layout)
+    group = _group(strategy) or dist.group.WORLD  # hybrid: a ("ring", "ulysses") mesh
+    set_context_parallel(model, group, layout=layout, strategy=strategy)
+    local = [ringattn.shard(x, 1, group=group, layout=layout) for x in (tokens, labels)]
+    positions = ringattn.positions(seq_len, group=group, layout=layout)
     # fullgraph=True below fails on any graph break; explain (another whole trace) only if asked
     breaks, reasons = graph_breaks(model, local[0], positions, local[1]) if explain else (0, [])
     backend = Counting(compiler)
