@@ -2,6 +2,9 @@
 
     python scripts/bench_compile.py                  # CPU: writes results/compile_cpu.json
     python scripts/bench_compile.py --nproc 2 --cp 2 --seq-len 2048 --steps 8
+    python scripts/bench_compile.py --nproc 4 --cp 2 --tp 2 --json results/compile_cp2_tp2_cpu.json
+    python scripts/bench_compile.py --nproc 4 --cp 1 --pp 2 --tp 2 \
+        --json results/compile_pp2_tp2_cpu.json
 
 Each mode is a fresh launch of the same training run (`run_train`, the code behind `ringattn
 train`), with the same seed, data and flags except `--compile`. From rank 0's step times:
@@ -48,10 +51,11 @@ def measure(cfg: TrainConfig) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--nproc", type=int, default=2, help="ranks (dp x cp x tp)")
+    p.add_argument("--nproc", type=int, default=2, help="ranks (dp x cp x tp x pp)")
     p.add_argument("--dp", type=int, default=1)
     p.add_argument("--cp", type=int, default=2)
     p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
     p.add_argument("--model", default="tiny", help="model size preset")
     p.add_argument("--seq-len", type=int, default=1024, help="global tokens per sequence")
     p.add_argument("--steps", type=int, default=6, help="training steps per run")
@@ -64,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         for compiled in (False, True):
             cfg = TrainConfig(
                 model=args.model, seq_len=args.seq_len, nproc=args.nproc, dp=args.dp,
-                cp=args.cp, tp=args.tp, steps=args.steps, warmup=1, layout=args.layout,
+                cp=args.cp, tp=args.tp, pp=args.pp, steps=args.steps, warmup=1, layout=args.layout,
                 strategy=args.strategy, compile=compiled, checkpoint_every=-1, resume=False,
                 quiet=True, out_dir=os.path.join(tmp, "compiled" if compiled else "eager"),
             )  # fmt: skip

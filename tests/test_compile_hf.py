@@ -8,6 +8,10 @@ graphs compiled go 1, 2, 2, 2: the first new length makes dynamo's shapes dynami
 dynamic shapes: the sequence dim and the number of documents), and no later batch recompiles,
 since the document bounds are data of ringattn's op.
 
+`ringattn train --hf --compile` on cp 2 compiles each decoder layer (FSDP2's hooks between):
+dynamo makes `layer_idx` symbolic at the second layer, which the attention's messages must not
+format while tracing; the compiled run trains as the eager one does.
+
 A 2-D attention_mask given to the model itself is checked once per forward (one all-gather,
 not one per layer), also over a 2-D mesh (strategy="hybrid"); under torch.compile it is refused
 at trace time, since `shard_batch` checks it once per batch.
@@ -16,8 +20,11 @@ at trace time, since `shard_batch` checks it once per batch.
 from __future__ import annotations
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
+
+from test_train_hf import _options, tiny_llama_dir
 
 LOSS_RTOL, GRAD_RTOL = 1e-5, 1e-4
 BATCHES = [(37,), (11, 1, 18, 7), (5, 20, 9), (3, 3, 9, 2, 30)]  # dense, then packed
@@ -37,6 +44,19 @@ def test_llama_compiled_equals_one_process(pools, world_size):
         for docs, (_, loss_error, grad_error) in zip(BATCHES, rows):
             assert loss_error <= LOSS_RTOL, (docs, loss_error)
             assert grad_error <= GRAD_RTOL, (docs, grad_error)
+
+
+def test_train_hf_compiled_equals_eager(pools, tmp_path):
+    model_dir, docs = tiny_llama_dir(tmp_path)
+    runs = {}
+    for compiled in (False, True):
+        options = _options(model_dir, docs, tmp_path / f"run-{compiled}", cp=2, compile=compiled,
+                           compile_backend="aot_eager")  # fmt: skip
+        runs[compiled] = pools(2).run("workers_train:train", options, timeout=600)[0]
+    assert runs[True]["losses"] == pytest.approx(runs[False]["losses"], rel=1e-6)
+    for name, value in runs[False]["params"].items():
+        torch.testing.assert_close(runs[True]["params"][name], value, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m, name=name: f"{name}: {m}")  # fmt: skip
 
 
 @pytest.mark.parametrize(("world_size", "strategy"), [(2, "ring"), (4, "hybrid")])

@@ -54,8 +54,13 @@ class CPContext:
 
 
 def _where(module: torch.nn.Module) -> str:
+    """The module for messages, with its layer index in eager. Not under torch.compile: when the
+    trainer compiles each decoder layer, dynamo makes `layer_idx` a symbolic int at the second
+    layer, which a traced f-string cannot format (a graph break, an error under fullgraph)."""
     layer = getattr(module, "layer_idx", None)
-    return type(module).__name__ + ("" if layer is None else f" (layer {layer})")
+    if layer is None or torch.compiler.is_compiling():
+        return type(module).__name__
+    return f"{type(module).__name__} (layer {layer})"
 
 
 def _check_call(module, query, key, attention_mask, dropout, kwargs) -> None:
