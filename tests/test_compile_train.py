@@ -2,14 +2,15 @@
 
 The trainer compiles every block's forward with fullgraph=True when FSDP2 shards the model (its
 hooks stay outside the graphs), the whole model otherwise (train/compile.py). Here on 4 ranks,
-with the "aot_eager" backend (the same graphs as inductor, without its code generation;
+mostly with the "aot_eager" backend (the same graphs as inductor, without its code generation;
 scripts/bench_compile.py measures inductor), against one process in eager: the same losses and
 final parameters as tests/test_train.py requires of eager runs, for
 - dp 2 x cp 2;
 - cp 2 x tp 2: the row-parallel embedding hands the first compiled block an
   AsyncCollectiveTensor, whose gradient torch 2.13's AOTAutograd drops unless the trainer waits
   on it first (train/compile.py);
-- pp 2 x tp 2: each stage's blocks compiled, the pipeline schedule eager.
+- pp 2 x tp 2: each stage's blocks compiled, the pipeline schedule eager;
+- tp 2 on 2 ranks with inductor (one block, two steps: inductor's code generation is the cost).
 """
 
 from __future__ import annotations
@@ -28,17 +29,27 @@ GLOBAL_BATCH = 4  # sequences per step over all dp rows
 
 
 @pytest.mark.parametrize(
-    ("pp", "dp", "cp", "tp", "extra"),
-    [(1, 2, 2, 1, {}), (1, 1, 2, 2, {}), (2, 1, 1, 2, {"microbatches": 2})],
-    ids=["dp2xcp2", "cp2xtp2", "pp2xtp2"],
+    ("pp", "dp", "cp", "tp", "backend", "extra"),
+    [
+        (1, 2, 2, 1, "aot_eager", {}),
+        (1, 1, 2, 2, "aot_eager", {}),
+        (2, 1, 1, 2, "aot_eager", {"microbatches": 2}),
+        # inductor's code generation costs ~30 s per graph here: one block, forward + backward
+        (1, 1, 1, 2, "inductor", {"layers": 1, "steps": 2}),
+    ],
+    ids=["dp2xcp2", "cp2xtp2", "pp2xtp2", "tp2-inductor"],
 )
-def test_compiled_training_equals_one_process(pools, tmp_path, pp, dp, cp, tp, extra):
-    single = {**TINY, "out_dir": str(tmp_path / "one"), "batch_size": GLOBAL_BATCH}
+def test_compiled_training_equals_one_process(pools, tmp_path, pp, dp, cp, tp, backend, extra):
+    model = {k: v for k, v in extra.items() if k in ("layers", "steps")}  # both runs
+    extra = {k: v for k, v in extra.items() if k not in model}
+    single = {**TINY, **model, "out_dir": str(tmp_path / "one"), "batch_size": GLOBAL_BATCH}
     want = pools(1).run("workers_train:train", single)[0]
-    options = {**TINY, "out_dir": str(tmp_path / "compiled"), "pp": pp, "dp": dp, "cp": cp,
-               "tp": tp, "batch_size": GLOBAL_BATCH // dp, "compile": True,
-               "compile_backend": "aot_eager", **extra}  # fmt: skip
-    results = pools(4).run("workers_train_4d:train_all_parameters", options, timeout=600)
+    options = {**TINY, **model, "out_dir": str(tmp_path / "compiled"), "pp": pp, "dp": dp,
+               "cp": cp, "tp": tp, "batch_size": GLOBAL_BATCH // dp, "compile": True,
+               "compile_backend": backend, **extra}  # fmt: skip
+    results = pools(pp * dp * cp * tp).run(
+        "workers_train_4d:train_all_parameters", options, timeout=600
+    )
     assert results[0]["degrees"] == (pp, dp, cp, tp)
     got = {}
     for r in results:  # under pp each rank holds its stage's parameters
