@@ -112,7 +112,7 @@ class _PeerBeat:
         if self.store.check([_MISMATCH_KEY]):
             self.say(self.store.get(_MISMATCH_KEY).decode(), EXIT_MISMATCH)
             self.store.add(_MISMATCH_KEY + "/seen", 1)
-            os._exit(EXIT_MISMATCH)
+            self.leave_together()
         mine = snapshot()
         if not any(e["state"] == "agreeing" and e["for_s"] >= MIN_S for e in mine):
             self.mismatch.observe({})
@@ -124,16 +124,19 @@ class _PeerBeat:
                 records[r] = json.loads(self.store.get(key)).get("attention", [])
         found = self.mismatch.observe(records)
         if found is not None:
-            self.store.set(_MISMATCH_KEY, found[1])
-            # the first rank to exit makes torchrun's agent SIGTERM the others: wait (a few
-            # beats at most) until each has printed the message too
-            deadline = time.monotonic() + 3 * BEAT_S
-            while self.store.add(_MISMATCH_KEY + "/seen", 0) < self.world_size - 1:
-                if time.monotonic() > deadline:
-                    break
-                time.sleep(0.05)
             self.say(found[1], EXIT_MISMATCH)
-            os._exit(EXIT_MISMATCH)
+            self.store.set(_MISMATCH_KEY, found[1])
+            self.leave_together()
+
+    def leave_together(self) -> None:
+        """Exit EXIT_MISMATCH once every other rank has printed the message (a few beats at
+        most): the first rank to exit makes torchrun's agent SIGTERM the others."""
+        deadline = time.monotonic() + 3 * BEAT_S
+        while self.store.add(_MISMATCH_KEY + "/seen", 0) < self.world_size - 1:
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        os._exit(EXIT_MISMATCH)
 
     def say(self, message: str, code: int) -> None:
         os.write(sys.stderr.fileno(), f"[rank {self.rank}] {message}; rank {self.rank} exits "
