@@ -11,7 +11,9 @@ train`), with the same seed, data and flags except `--compile`. From rank 0's st
 
     step time     median of the steps after the first (the first of a compiled run compiles)
     compile time  the compiled run's first step minus its median step: dynamo + AOTAutograd +
-                  inductor for every graph, forward and backward (they compile on first use)
+                  inductor for every graph, forward and backward (they compile on first use),
+                  with inductor's caches off (TORCHINDUCTOR_FORCE_DISABLE_CACHES=1) unless
+                  --warm-cache: a second run would otherwise reuse the first one's kernels
     losses        every step's loss in both runs (equal up to float32 rounding)
 
 On a shared CPU absolute times are noise; the ratio compiled / eager is the figure to quote. The
@@ -62,7 +64,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--strategy", default="ring")
     p.add_argument("--layout", default="zigzag")
     p.add_argument("--json", default="results/compile_cpu.json", help="where the results go")
+    p.add_argument(
+        "--warm-cache", action="store_true",
+        help="let inductor reuse kernels that earlier runs cached (the compile time then reads "
+        "low); by default its caches are off, as on a fresh machine",
+    )  # fmt: skip
     args = p.parse_args(argv)
+    if not args.warm_cache:  # inherited by the launched ranks
+        os.environ["TORCHINDUCTOR_FORCE_DISABLE_CACHES"] = "1"
     rows = []
     with tempfile.TemporaryDirectory(prefix="ringattn-compile-") as tmp:
         for compiled in (False, True):
@@ -90,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
                     or platform.machine(), "cpus": os.cpu_count(),
                     "load_average": os.getloadavg()},
         "torch": torch.__version__, "config": vars(args), "rows": rows,
+        "inductor_caches": "reused" if args.warm_cache else "disabled",
         "compiled_over_eager_step": ratio, "compile_seconds": compile_s,
         "max_loss_difference": loss_diff,
     }  # fmt: skip
