@@ -8,6 +8,12 @@ published runs"; tests/test_planner_published.py keeps them as regression checks
         to 256k tokens, Float8 linears, full activation checkpointing, SDPA's flash kernel.
         The absolute rates depend on a 500 W power limit and torch.compile, so the check is
         the fall of tokens/s per GPU from each row to the next (a ratio).
+    NVIDIA NeMo (docs/source/performance/performance_long_sequence.md, "LLAMA2-7B (FP8) -
+        H100"): Llama 2 7B on DGX-H100, Megatron TP x PP x DP x CP with 4 to 1,024 GPUs, 4k to
+        1M tokens, the GPU count growing with the length (TP 1-8, CP 1-32), FP8 through
+        Transformer Engine. Absolute rates depend on TE's kernels and FP8 recipe, so the check is
+        each row's model TFLOP/s per GPU relative to the 4k row (how throughput holds up as CP
+        grows), another long-context table to set beside torchtitan's.
     ring-flash-attention (README, batch API): one attention layer of Llama-3.1-8B's shape, 8k
         tokens per GPU on 8 H800 and 8 A100 with FlashAttention-2, causal: zigzag's iterations
         per second over the plain ring's (contiguous layout), forward and forward + backward.
@@ -79,6 +85,35 @@ def _torchtitan_fall(i: int) -> Callable[[], float]:
     return predict
 
 
+# (k tokens, published model TFLOP/s per GPU with CP, tp, pp, dp, cp)
+NEMO_LLAMA2_7B = (
+    (4, 768, 1, 1, 4, 1), (8, 730, 1, 2, 4, 1), (16, 660, 2, 1, 8, 1), (32, 610, 2, 1, 8, 2),
+    (64, 574, 4, 1, 8, 2), (128, 555, 4, 1, 8, 4), (256, 549, 4, 1, 8, 8),
+    (512, 549, 8, 1, 4, 16), (1024, 536, 8, 1, 4, 32),
+)  # fmt: skip
+
+
+def nemo_llama2_7b(k: int, tp: int, pp: int, dp: int, cp: int) -> PlanSpec:
+    """One micro-batch of one sequence per dp rank (8 micro-batches, 1F1B, where pp = 2), FP8
+    GEMMs, cuDNN attention (TE's fused attention), zigzag ring (Megatron's CP load balancing),
+    no activation checkpointing (the plans fit 80 GB: 22-58 GiB predicted)."""
+    micro = 8 if pp > 1 else 1
+    return check_plan(PlanSpec(
+        get_model("llama2-7b"), get_hardware("h100"), k * 1024, micro, dp, cp, tp, pp, "ring",
+        "zigzag", dtype="fp8", kernel="cudnn", microbatches=micro,
+        pp_schedule="1f1b" if pp > 1 else "gpipe",
+    ))  # fmt: skip
+
+
+def _nemo_relative(i: int) -> Callable[[], float]:
+    def predict() -> float:
+        rate = [evaluate(nemo_llama2_7b(k, *degrees))["model_tflops_per_gpu"]
+                for k, _, *degrees in (NEMO_LLAMA2_7B[0], NEMO_LLAMA2_7B[i])]  # fmt: skip
+        return rate[1] / rate[0]
+
+    return predict
+
+
 def ring_flash_attention(hardware: str, layout: str) -> PlanSpec:
     """One attention layer of Llama-3.1-8B's shape (32 heads, 8 K/V heads, head dim 128), 8k
     tokens per GPU on 8 GPUs, FlashAttention-2."""
@@ -102,6 +137,7 @@ def _zigzag_over_ring(hardware: str, backward: bool) -> Callable[[], float]:
 _META = "Llama 3 Herd of Models (arXiv 2407.21783), table 4"
 _TITAN = "torchtitan docs/performance.md, table 2 (FSDP + CP + torch.compile + Float8)"
 _RFA = "zhuzilin/ring-flash-attention README, batch api table"
+_NEMO = "NVIDIA NeMo docs/source/performance/performance_long_sequence.md, LLAMA2-7B (FP8) - H100"
 _META_ASSUMED = (f"cuDNN attention, {LLAMA3_VIRTUAL_STAGES} virtual stages, one sequence per "
                  "microbatch, no activation checkpointing")  # fmt: skip
 PUBLISHED: tuple[Published, ...] = (
@@ -119,6 +155,13 @@ PUBLISHED: tuple[Published, ...] = (
                   TORCHTITAN_8B[i][2] / TORCHTITAN_8B[i + 1][2], _torchtitan_fall(i), _TITAN,
                   "SDPA flash (FlashAttention-2) kernel, zigzag (torch's load balancer)")
         for i in range(3)
+    ),
+    *(
+        Published(f"NeMo Llama 2 7B FP8, DGX-H100: {k}k (TP{tp} PP{pp} DP{dp} CP{cp}) vs 4k "
+                  "(TP1 PP1 DP4 CP1)", "model TFLOP/s per GPU, ratio to the 4k row",
+                  pub / NEMO_LLAMA2_7B[0][1], _nemo_relative(i), _NEMO,
+                  "cuDNN attention, FP8 GEMMs, micro-batch 1, no activation checkpointing")
+        for i, (k, pub, tp, pp, dp, cp) in enumerate(NEMO_LLAMA2_7B) if i > 0
     ),
     Published("ring-flash-attention, 8x H800, fwd: zigzag / ring", "iterations/s ratio",
               63.0 / 38.5, _zigzag_over_ring("h800", False), _RFA),
