@@ -6,6 +6,7 @@ frozen rank is named by its neighbours' heartbeats within seconds (runtime/peer_
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -77,5 +78,8 @@ def test_a_frozen_rank_is_named_under_torchrun(tmp_path):
     assert code != 0
     assert "rank 1 (pid" in output and "stopped responding: no heartbeat for 4 s" in output, output
     assert "it was killed to end the job" in output
-    assert f"exitcode: {EXIT_FROZEN_PEER}" in output, output[-3000:]
+    assert "last at attention" not in output, output[-3000:]
+    # rank 0's code: in the agent's log line when it is the first failure it sees, in its table
+    # ("exitcode  : 70") when the killed rank 1 is seen first
+    assert re.search(rf"exitcode\s*: {EXIT_FROZEN_PEER}\b", output), output[-3000:]
     assert seconds < 200  # startup under load + 4 s, not the process-group timeout

@@ -196,7 +196,9 @@ class Watchdog:
                 if silent < self.stall_s or record["pid"] in killed or not _running(record["pid"]):
                     continue
                 where = ", ".join(
-                    f"{k} {v}" for k, v in record.items() if k not in ("pid", "rank", "time")
+                    f"{k} {v}"
+                    for k, v in record.items()
+                    if k not in ("pid", "rank", "time", "attention")
                 )
                 self.verdicts.append(
                     f"rank {record['rank']} (pid {record['pid']}) stopped responding: no "

@@ -89,7 +89,7 @@ class _PeerBeat:
 
     def verdict(self, rank: int, record: dict, silent: float) -> None:
         where = ", ".join(f"{k} {v}" for k, v in record.items()
-                          if k not in ("count", "pid", "host", "done"))  # fmt: skip
+                          if k not in ("count", "pid", "host", "done", "attention"))  # fmt: skip
         killed = ""
         if record.get("host") == socket.gethostname():
             try:
