@@ -35,7 +35,7 @@ import ringattn.hf
 from ringattn.comm import all_gather_ints, backend_device, resolve_group
 from ringattn.inference.sampling import Sampling
 from ringattn.integrations.hf.source import load_config, load_model, load_tokenizer, model_source
-from ringattn.integrations.hf.tensor_parallel import check_tensor_parallel, tensor_parallel
+from ringattn.integrations.hf.tensor_parallel import check_tensor_parallel, split_cp_tp
 from ringattn.runtime.launch import init_distributed
 
 __all__ = ["Progress", "check", "hf_worker"]
@@ -111,18 +111,6 @@ def _device(world_size: int) -> torch.device:
     return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def _split(cfg, model, world_size: int, device: torch.device) -> tuple[object, object]:
-    """(cp group, tp group) after splitting `model` over tp; (None, None) without --tp."""
-    if cfg.tp == 1:
-        return None, None
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh(device.type, (world_size // cfg.tp, cfg.tp),
-                            mesh_dim_names=("cp", "tp"))  # fmt: skip
-    tensor_parallel(model, mesh["tp"])
-    return mesh["cp"].get_group(), mesh["tp"].get_group()
-
-
 class Progress:
     """Prefill progress as one updating line on stderr (rank 0), ended at the first token."""
 
@@ -149,7 +137,7 @@ def hf_worker(cfg) -> dict:
     vocab_size = model.config.get_text_config().vocab_size
     device = _device(world_size)
     model.to(device)  # model and inputs on the rank's device (NCCL needs CUDA tensors)
-    group, tp_group = _split(cfg, model, world_size, device)
+    group, tp_group = split_cp_tp(model, cfg.tp, world_size, device)
     world = resolve_group(None)
     lead = world.rank == 0
     prompt, tokenizer, text = encode(cfg, source, vocab_size)

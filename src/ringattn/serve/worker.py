@@ -34,7 +34,7 @@ import torch
 import ringattn.hf
 from ringattn.comm import GroupInfo, resolve_group
 from ringattn.integrations.hf.source import load_model, load_tokenizer, model_source
-from ringattn.integrations.hf.tensor_parallel import tensor_parallel
+from ringattn.integrations.hf.tensor_parallel import split_cp_tp
 from ringattn.runtime.heartbeat import report_progress
 from ringattn.runtime.launch import init_distributed
 from ringattn.serve.app import build_app, serve_in_thread
@@ -153,19 +153,6 @@ def rank_loop(model, tokenizer, info: GroupInfo, layout: str, jobs: queue.Queue,
         report_progress(phase="idle", served=served)
 
 
-def _split(cfg: ServeConfig, model, world_size: int, device: torch.device) -> tuple:
-    """(cp group, tp group) after splitting `model` by its own tp plan over a (cp, tp) mesh
-    (integrations/hf/tensor_parallel.py); (None, None) without --tp."""
-    if cfg.tp == 1:
-        return None, None
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh(device.type, (world_size // cfg.tp, cfg.tp),
-                            mesh_dim_names=("cp", "tp"))  # fmt: skip
-    tensor_parallel(model, mesh["tp"])
-    return mesh["cp"].get_group(), mesh["tp"].get_group()
-
-
 def serve_worker(cfg: ServeConfig) -> dict:
     """One rank of `ringattn serve` (see the module docstring); returns what it served."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -181,7 +168,7 @@ def serve_worker(cfg: ServeConfig) -> dict:
     elif torch.cuda.is_available():
         device = torch.device("cuda", torch.cuda.current_device())
     model.to(device)  # the group's device: NCCL collectives take CUDA tensors only
-    groups = _split(cfg, model, world_size, device)
+    groups = split_cp_tp(model, cfg.tp, world_size, device)
     info = resolve_group(None)
     jobs, http = queue.Queue(), None
     if info.rank == 0:

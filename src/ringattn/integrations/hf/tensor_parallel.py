@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["check_tensor_parallel", "tensor_parallel"]
+__all__ = ["check_tensor_parallel", "split_cp_tp", "tensor_parallel"]
 
 _STYLES = ("colwise", "rowwise", "replicated_with_grad_allreduce")
 
@@ -70,3 +70,15 @@ def tensor_parallel(model: torch.nn.Module, tp_mesh) -> torch.nn.Module:
     torch_plan = {fqn: styles[style]() for fqn, style in plan.items() if style in styles}
     parallelize_module(model.base_model, tp_mesh, torch_plan)
     return model
+
+
+def split_cp_tp(model: torch.nn.Module, tp: int, world_size: int, device: torch.device) -> tuple:
+    """(cp group, tp group) after splitting `model` by its own tp plan over a (world / tp, tp)
+    mesh with dims ("cp", "tp"); (None, None) for tp 1 (the default group is the cp group)."""
+    if tp == 1:
+        return None, None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device.type, (world_size // tp, tp), mesh_dim_names=("cp", "tp"))
+    tensor_parallel(model, mesh["tp"])
+    return mesh["cp"].get_group(), mesh["tp"].get_group()
