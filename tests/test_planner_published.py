@@ -1,14 +1,16 @@
 """`ringattn plan` against published runs, kernel curves, dtypes, pipeline schedules, the printed
 `ringattn train` command and the CPU oversubscription model.
 
-The published figures (Meta's Llama 3 405B table, torchtitan's FSDP x CP table, NVIDIA NeMo's
-TP x CP table up to 1M tokens, ring-flash-attention's zigzag vs ring) are the independent
+The published figures (Meta's Llama 3 405B table, torchtitan's 8B FSDP x CP, 405B 4-D and 405B
+pipeline-schedule tables, NVIDIA NeMo's TP x CP table up to 1M tokens, ring-flash-attention's
+zigzag vs ring) are the independent
 reference: docs/plan.md lists them with their sources; a change to the cost model that moves a
 prediction out of +-25 % fails here.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import shlex
 
@@ -20,26 +22,43 @@ from ringattn.planner.hardware import get_hardware
 from ringattn.planner.kernels import attention_tflops, check_kernel, default_kernel
 from ringattn.planner.models import get_model
 from ringattn.planner.oversubscribe import oversubscription_cost
-from ringattn.planner.published import check_published, llama3_405b, torchtitan_8b
+from ringattn.planner.published import (
+    TORCHTITAN_8B,
+    check_published,
+    implied_attention_scale,
+    llama3_405b,
+    titan_attention_scale,
+    torchtitan_8b,
+)
 from ringattn.planner.search import evaluate
 from ringattn.train.config import TrainConfig, validate
-
-# published 2.37x fall in one doubling at constant tokens per rank: more than the 2x that the
-# attention work can grow by (docs/plan.md); checked against that bound instead
-BEYOND_BOUND = "torchtitan Llama 3.1 8B, 8 H100: 64k (CP 2) -> 128k (CP 4)"
 
 
 def test_published_runs_are_predicted_within_25_percent():
     rows = check_published()
-    assert len(rows) >= 18
+    assert len(rows) >= 22
     for r in rows:
-        if r["name"] == BEYOND_BOUND:
-            assert 1.5 < r["predicted"] <= 2.0 and r["error"] > -0.35, r
-        else:
-            assert abs(r["error"]) <= 0.25, r
+        assert abs(r["error"]) <= 0.25, r
     names = " ".join(r["name"] for r in rows)
-    for source in ("Llama 3 405B", "torchtitan", "NeMo", "zigzag / ring"):
+    for source in ("Llama 3 405B", "torchtitan Llama 3.1 8B", "torchtitan Llama 3.1 405B",
+                   "interleaved 1F1B", "NeMo", "zigzag / ring"):  # fmt: skip
         assert source in names, source
+
+
+def test_torchtitan_attention_rate_is_one_number_for_both_tables():
+    # fitted on the 405B table's 256k row; the 8B table's 256k row, not used, agrees
+    fitted = titan_attention_scale()
+    assert 0.35 < fitted < 0.75
+    assert implied_attention_scale(torchtitan_8b, *TORCHTITAN_8B[-1]) == pytest.approx(
+        fitted, rel=0.10)  # fmt: skip
+    # tokens per rank are 32k in every 8B row: a doubling grows the step by at most 2x (the
+    # published 64k -> 128k fall, 2.37x, is beyond that; the prediction stays physical)
+    rate = [evaluate(torchtitan_8b(cp, s))["tokens_per_s_per_gpu"] for cp, s, _ in TORCHTITAN_8B]
+    falls = [a / b for a, b in itertools.pairwise(rate)]
+    assert all(1.0 < f <= 2.0 for f in falls), falls
+    # at FlashAttention-2's published rate the long rows' absolute throughput is far too high
+    full = evaluate(torchtitan_8b(8, 262144, attention_scale=1.0))["tokens_per_s_per_gpu"]
+    assert full > 1.5 * TORCHTITAN_8B[-1][2]
 
 
 def test_interleaving_is_what_closes_the_llama3_gap():
