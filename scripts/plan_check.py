@@ -139,7 +139,11 @@ def sharing_check(path: str, rounds: int) -> dict:
 
 def published_table() -> str:
     """docs/plan.md's table: each published figure, the prediction, the error."""
-    from ringattn.planner.published import check_published, llama3_virtual_sensitivity
+    from ringattn.planner.published import (
+        check_published,
+        llama3_virtual_sensitivity,
+        titan_sensitivity,
+    )
 
     lines = ["| run | quantity | published | predicted | error |", "|---|---|---|---|---|"]
     for r in check_published():
@@ -149,6 +153,17 @@ def published_table() -> str:
     lines += ["", "Llama 3 rows by virtual stages " + str(sens["virtual_stages"]) + ":"]
     for key, values in sens["rows"].items():
         lines.append(f"    {key}: " + ", ".join(f"{v:.0f}" for v in values))
+    titan = titan_sensitivity()
+    fit, implied = titan["fitted"], titan["implied_by_8b_256k"]
+    lines.append("")
+    lines.append(f"torchtitan attention scale: {fit:.3f} fitted on the 405B 256k row, "
+                 f"{implied:.3f} implied by the 8B 256k row (not fitted)")  # fmt: skip
+    for scale, tables in titan["absolute_errors"].items():
+        lines.append(f"    absolute tokens/s per GPU at scale {scale:.3f}:")
+        for name, errors in tables.items():
+            lines.append(f"        {name}: " + ", ".join(f"{e:+.0%}" for e in errors))
+    lines.append("    8B 64k -> 128k fall's error by scale: " + ", ".join(
+        f"{s}: {e:+.1%}" for s, e in titan["fall_64k_128k_error_by_scale"].items()))  # fmt: skip
     return "\n".join(lines)
 
 

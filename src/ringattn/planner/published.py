@@ -269,3 +269,34 @@ def llama3_virtual_sensitivity(virtuals: tuple[int, ...] = (1, 2, 3, 4, 7)) -> d
             evaluate(replace(llama3_405b(gpus, cp, seq, batch), virtual_stages=v))[
                 "model_tflops_per_gpu"] for v in virtuals]  # fmt: skip
     return {"virtual_stages": virtuals, "rows": rows}
+
+
+def titan_sensitivity(scales: tuple[float, ...] = (0.5, 0.55, 0.6)) -> dict:
+    """docs/plan.md's torchtitan figures: the fitted scale and the one the 8B 256k row implies;
+    each table's absolute rows (error against the published tokens/s per GPU) at the fitted
+    scale and at FlashAttention-2's published rate (1.0); the 8B 64k -> 128k fall's error at
+    other scales."""
+    fitted = titan_attention_scale()
+    absolute = {}
+    for scale in (fitted, 1.0):
+        errors = {}
+        for name, spec, table in (("8B", torchtitan_8b, TORCHTITAN_8B),
+                                  ("405B", torchtitan_405b, TORCHTITAN_405B_CP)):  # fmt: skip
+            errors[name] = [
+                evaluate(spec(cp, s, attention_scale=scale))["tokens_per_s_per_gpu"] / pub - 1
+                for cp, s, pub in table
+            ]
+        errors["405B 8k schedules"] = [
+            evaluate(torchtitan_405b(1, 8192, 32, sched, v, attention_scale=scale))[
+                "tokens_per_s_per_gpu"] / pub - 1 for sched, v, pub in TORCHTITAN_405B_PP
+        ]  # fmt: skip
+        absolute[scale] = errors
+    published = TORCHTITAN_8B[1][2] / TORCHTITAN_8B[2][2]
+    edge = {}
+    for scale in scales:
+        rate = [evaluate(torchtitan_8b(cp, s, attention_scale=scale))["tokens_per_s_per_gpu"]
+                for cp, s, _ in TORCHTITAN_8B[1:3]]  # fmt: skip
+        edge[scale] = rate[0] / rate[1] / published - 1
+    return {"fitted": fitted, "implied_by_8b_256k": implied_attention_scale(
+        torchtitan_8b, *TORCHTITAN_8B[-1]), "absolute_errors": absolute,
+        "fall_64k_128k_error_by_scale": edge}  # fmt: skip
