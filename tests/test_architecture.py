@@ -22,7 +22,7 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "src" / "ringattn"
 CORE_PACKAGES = ("comm", "kernels", "strategies")
 APPLICATIONS = ("train", "bench", "cli", "integrations", "runtime", "testing", "inference",
-                "models", "planner", "hf")  # fmt: skip
+                "models", "planner", "hf", "evals")  # fmt: skip
 
 
 def _modules() -> dict[str, pathlib.Path]:
@@ -103,7 +103,8 @@ def test_import_ringattn_needs_only_torch():
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in "
         "('transformers', 'triton', 'matplotlib'))\n"
         "apps = sorted(m for m in sys.modules if m.startswith(('ringattn.train', 'ringattn.bench',"
-        " 'ringattn.cli', 'ringattn.testing', 'ringattn.inference', 'ringattn.planner')))\n"
+        " 'ringattn.cli', 'ringattn.testing', 'ringattn.inference', 'ringattn.planner',"
+        " 'ringattn.evals')))\n"
         "print(bad, apps)\n"
         "assert not bad and not apps, (bad, apps)\n"
     )
@@ -155,6 +156,9 @@ def test_applications_stand_side_by_side():
         deps = _imports(path, modules)
         if room in ("inference", "planner", "models"):
             bad = sorted(d for d in deps if d.startswith("ringattn.train"))
+            assert not bad, f"{name} imports {bad}"
+        if room in ("inference", "integrations", "models", "hf"):  # evals/ builds on them
+            bad = sorted(d for d in deps if d.startswith("ringattn.evals"))
             assert not bad, f"{name} imports {bad}"
         if room == "models":
             bad = sorted(

@@ -24,6 +24,7 @@ from ringattn.bench.million import MillionConfig, run_million
 from ringattn.bench.sweep import BenchConfig, run_bench
 from ringattn.cli.correctness import add_check_command
 from ringattn.cli.correctness import add_demo_command as add_attention_demo_command
+from ringattn.cli.eval import add_eval_command
 from ringattn.cli.generate import add_generate_command
 from ringattn.cli.layout_report import layout_report
 from ringattn.cli.options import LAYOUTS as _LAYOUTS
@@ -223,6 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_command(sub)
     add_generate_command(sub)
     add_serve_command(sub)
+    add_eval_command(sub)
     add_attention_demo_command(sub)
     add_check_command(sub)
     _layout_parser(sub)
