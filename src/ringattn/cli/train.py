@@ -236,6 +236,28 @@ def add_arguments(p: argparse.ArgumentParser, d: TrainConfig, *, demo: bool = Fa
             help="--hf: after training, write the final checkpoint's model as a "
             "save_pretrained directory (AutoModelForCausalLM.from_pretrained(DIR) loads it)",
         )
+        m.add_argument(
+            "--rope-scaling",
+            default=d.rope_scaling,
+            metavar="TYPE:FACTOR",
+            help="--hf: extend the context with the model's own RoPE scaling (linear, dynamic, "
+            "yarn, llama3), e.g. yarn:4; written into --export's config.json",
+        )
+        m.add_argument(
+            "--max-position-embeddings",
+            type=int,
+            default=d.max_position_embeddings,
+            help="--hf: the model's new context length (0: its own x the --rope-scaling factor)",
+        )
+        o.add_argument(
+            "--eval-niah-every",
+            type=int,
+            default=d.eval_niah_every,
+            metavar="K",
+            help="--hf: every K steps and at the last, a small needle-in-a-haystack grid "
+            "(--seq-len / 2 and --seq-len tokens x depths 0, 50, 100 %%) through the sharded KV "
+            "cache, logged (and to TensorBoard); 0: never",
+        )
         o.add_argument(
             "--export-dtype",
             default=d.export_dtype,

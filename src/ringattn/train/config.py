@@ -33,7 +33,7 @@ COMPILE_BACKENDS = ("inductor", "aot_eager")
 
 # a checkpoint whose config differs in one of these is from another run: resuming is refused
 IDENTITY = ("model", "dim", "layers", "heads", "kv_heads", "data", "seq_len", "seed", "keys",
-            "copies", "noisy", "hf")  # fmt: skip
+            "copies", "noisy", "hf", "rope_scaling", "max_position_embeddings")  # fmt: skip
 
 
 @dataclass
@@ -49,6 +49,14 @@ class TrainConfig:
     export_dtype: str = ""
     token_cache: str = ""
     """--hf: where the memory-mapped token files of --data go (default ~/.cache/ringattn/tokens)."""
+    rope_scaling: str = ""
+    """--hf: TYPE:FACTOR, the model's own RoPE scaling (linear, dynamic, yarn, llama3), written
+    into the exported config (train/hf/context.py); empty: the model's RoPE as it is."""
+    max_position_embeddings: int = 0
+    """--hf: the model's new context length (0: its own, x the --rope-scaling factor)."""
+    eval_niah_every: int = 0
+    """--hf: every K steps (and at the last), a small needle grid answered through the sharded
+    KV cache (train/hf/probe.py), logged and sent to TensorBoard; 0: never."""
     """--export in this dtype (float32, bfloat16, float16); empty: the dtype the model came in."""
     dim: int = 0
     """Override the preset's model width (0 = keep)."""

@@ -53,6 +53,11 @@ def check_decoder(cfg: TrainConfig, cp: int) -> None:
         _check_pipeline(cfg)
     if cfg.export:
         raise ValueError("--export writes a Hugging Face model directory: it needs --hf DIR")
+    hf_only = {"rope-scaling": cfg.rope_scaling, "eval-niah-every": cfg.eval_niah_every,
+               "max-position-embeddings": cfg.max_position_embeddings}  # fmt: skip
+    for flag, value in hf_only.items():
+        if value:
+            raise ValueError(f"--{flag} applies to a Hugging Face model: it needs --hf DIR")
     get_dataset(cfg.data, cfg.seq_len, cfg.seed, cfg.keys, cfg.copies, cfg.noisy)
 
 

@@ -47,7 +47,7 @@ from ringattn.runtime.outcome import EXIT_CHECKPOINT, EXIT_DIVERGED, EXIT_PREEMP
 from ringattn.runtime.preempt import StopRequest
 from ringattn.train.config import TrainConfig
 from ringattn.train.progress import JsonLog, ProgressBar
-from ringattn.train.run import Run
+from ringattn.train.run import Run, recipe_for
 from ringattn.train.step import STOP, StepStats, learning_rate, train_step
 
 __all__ = ["train"]
@@ -88,6 +88,24 @@ def _fail_here(cfg: TrainConfig, rank: int, step: int) -> None:
         os.kill(os.getppid(), signal.SIGTERM)
     else:
         os.kill(os.getpid(), _FAIL_SIGNALS[cfg.fail_signal])
+
+
+def _probe(run: Run, done: int, log, board, bar) -> None:
+    """--eval-niah-every: the recipe's probe on every rank; rank 0 logs it (train/hf/probe.py)."""
+    cfg = run.cfg
+    every, probe = cfg.eval_niah_every, recipe_for(cfg).probe
+    if not (every > 0 and probe is not None and (done % every == 0 or done == cfg.last_step)):
+        return
+    report_progress(step=done, phase="niah probe")
+    record = probe(run.model, cfg, done, run.mesh.cp_group)
+    if log:
+        log.write(record)
+    if board:
+        board.write(record)
+    if bar:
+        scores = ", ".join(f"{k[len('niah_score_'):]} tokens {100 * v:.0f}%"
+                           for k, v in record.items() if k.startswith("niah_score_"))  # fmt: skip
+        bar.write(f"[niah] step {done}: accuracy {100 * record['niah_accuracy']:.0f}% ({scores})")
 
 
 def _bad_step_text(done: int, stats: StepStats) -> str:
@@ -156,6 +174,8 @@ def train(run: Run, stop: StopRequest | None = None) -> Run:
             if len(bad) >= cfg.max_bad_steps:
                 run.stopped = _diverged(cfg, bad)
                 break
+            if not stats.stop_requested:
+                _probe(run, done, log, board, bar)
             # during a streak of skipped steps the periodic checkpoint waits for an applied one:
             # the newest checkpoint is then the last good state (a preemption still saves)
             if stats.stop_requested or (_checkpoint_due(cfg, done) and not bad):

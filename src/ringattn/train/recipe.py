@@ -35,9 +35,12 @@ class ModelRecipe:
     `check(cfg, cp)`: every mistake in the flags that only this model can see (its shape against
     --tp/--pp, its data), as a ValueError; config.validate calls it after the generic checks, in
     the parent before any launch and on every rank before its first collective.
+    `probe(model, cfg, step, cp_group)`: an evaluation between steps (`--eval-niah-every`), on
+    every rank at once; returns the log record rank 0 writes (train/hf/probe.py).
     """
 
     build: Callable[[TrainConfig], nn.Module]
     parallelize: Callable[[nn.Module, Mesh, TrainConfig], nn.Module]
     loader: Callable[[TrainConfig, Mesh, torch.device], Loader] | None = None
     check: Callable[[TrainConfig, int], None] | None = None
+    probe: Callable[[nn.Module, TrainConfig, int, object], dict] | None = None

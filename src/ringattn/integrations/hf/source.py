@@ -93,19 +93,22 @@ def load_config(source: ModelSource):
     return config
 
 
-def load_model(source: ModelSource, pretrained: bool | None = None) -> nn.Module:
-    """The plain transformers model of `source` in float32, in training mode, on the CPU."""
+def load_model(source: ModelSource, pretrained: bool | None = None, config=None) -> nn.Module:
+    """The plain transformers model of `source` in float32, in training mode, on the CPU;
+    `config` replaces the directory's (e.g. a longer RoPE: train/hf/context.py)."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging
 
     logging.disable_progress_bar()  # W ranks drawing "Loading weights" bars at once
     pretrained = source.pretrained if pretrained is None else pretrained
     if pretrained:
+        extra = {} if config is None else {"config": config}
         model = AutoModelForCausalLM.from_pretrained(
-            source.directory, dtype=torch.float32, local_files_only=True
+            source.directory, dtype=torch.float32, local_files_only=True, **extra
         )
     else:  # the global RNG was seeded with --seed: the same weights on every rank
-        model = AutoModelForCausalLM.from_config(load_config(source), dtype=torch.float32)
+        config = load_config(source) if config is None else config
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     return model.train()  # from_pretrained returns the model in eval mode
 
 

@@ -42,12 +42,14 @@ from ringattn.models.parallelize import parallelize
 from ringattn.runtime.flags import check_choice
 from ringattn.runtime.mesh import Mesh
 from ringattn.train.config import TrainConfig
+from ringattn.train.hf.context import extended_config
 from ringattn.train.hf.data import (
     DocumentLoader,
     PackedConversations,
     PackedDocuments,
     load_corpus,
 )
+from ringattn.train.hf.probe import check_probe, probe
 from ringattn.train.hf.sources import split_data
 from ringattn.train.recipe import ModelRecipe
 
@@ -59,6 +61,7 @@ EXPORT_DTYPES = ("float32", "bfloat16", "float16")
 def check(cfg: TrainConfig, cp: int) -> None:
     """Every --hf mistake as a ValueError before any process starts (see the module docstring)."""
     load_config(model_source(cfg.hf))
+    extended_config(cfg)  # --rope-scaling, --max-position-embeddings
     split_data(cfg.data)
     tp, pp = getattr(cfg, "tp", 1), getattr(cfg, "pp", 1)
     if tp != 1 or pp != 1:
@@ -76,6 +79,7 @@ def check(cfg: TrainConfig, cp: int) -> None:
     if cfg.export and os.path.isfile(cfg.export):
         raise ValueError(f"--export {cfg.export} is a file; give a directory to write the model to")
     dataset(cfg)  # tokenized once (corpus.py), enough tokens for one window
+    check_probe(cfg)  # --eval-niah-every: a needle prompt fits --seq-len
 
 
 def dataset(cfg: TrainConfig) -> PackedDocuments | PackedConversations:
@@ -126,7 +130,8 @@ class CausalLMLoss(nn.Module):
 
 def build(cfg: TrainConfig) -> CausalLMLoss:
     """recipe.build: the model of --hf, plain single-device code."""
-    return CausalLMLoss(load_model(model_source(cfg.hf)), cfg.loss_chunk)
+    model = load_model(model_source(cfg.hf), config=extended_config(cfg))
+    return CausalLMLoss(model, cfg.loss_chunk)
 
 
 def parallelize_hf(model: nn.Module, mesh: Mesh, cfg: TrainConfig) -> nn.Module:
@@ -153,4 +158,4 @@ def loader(cfg: TrainConfig, mesh: Mesh, device: torch.device) -> DocumentLoader
                           cfg.layout, device)  # fmt: skip
 
 
-HF = ModelRecipe(build=build, parallelize=parallelize_hf, loader=loader, check=check)
+HF = ModelRecipe(build=build, parallelize=parallelize_hf, loader=loader, check=check, probe=probe)

@@ -26,6 +26,7 @@ import torch
 from ringattn.integrations.hf.source import load_config, load_model, load_tokenizer, model_source
 from ringattn.runtime import checkpoint as ckpt
 from ringattn.train.config import TrainConfig, validate
+from ringattn.train.hf.context import extended_config
 from ringattn.train.hf.data import PackedConversations
 from ringattn.train.hf.recipe import EXPORT_DTYPES, HF, CausalLMLoss, dataset
 from ringattn.train.main import run_train, world_size
@@ -48,6 +49,11 @@ def describe(cfg: TrainConfig) -> dict:
         "documents": corpus.documents, "tokens": len(corpus.tokens),
         "token_files": corpus.directory,
     }  # fmt: skip
+    extended = extended_config(cfg)
+    if extended is not None:
+        text = extended.get_text_config()
+        record["rope_parameters"] = text.rope_parameters
+        record["max_position_embeddings"] = text.max_position_embeddings
     if isinstance(data, PackedConversations):
         record["supervised_tokens"] = int(corpus.supervised.sum())
         record["longer_than_seq_len"] = data.split
@@ -72,7 +78,8 @@ def export(cfg: TrainConfig, checkpoint: str, out_dir: str) -> str:
 
     source = model_source(cfg.hf)
     dtype = export_dtype(cfg)
-    model = load_model(source, pretrained=False)  # the weights come from the checkpoint
+    # the weights come from the checkpoint; the config with --rope-scaling's RoPE, if any
+    model = load_model(source, pretrained=False, config=extended_config(cfg))
     wrapped = CausalLMLoss(model)
     weights = {"model": wrapped.state_dict()}  # the names the ranks saved under
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": yes
@@ -101,6 +108,9 @@ def run_hf_train(cfg: TrainConfig) -> dict:
         print(f"[hf] data {cfg.data}: {record['documents']} documents, {record['tokens']} "
               f"tokens, tokenized with {record['tokenized_by']} ({record['token_files']})",
               flush=True)  # fmt: skip
+        if "max_position_embeddings" in record:
+            print(f"[hf] context extended: rope {record['rope_parameters']}, max positions "
+                  f"{record['max_position_embeddings']}", flush=True)  # fmt: skip
         if "longer_than_seq_len" in record:
             print(f"[hf] chat: {record['supervised_tokens']} assistant tokens supervised; "
                   f"{record['longer_than_seq_len']} conversations longer than --seq-len "
