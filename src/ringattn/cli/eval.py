@@ -70,7 +70,8 @@ def add_eval_command(sub: argparse._SubParsersAction) -> None:
         "--depths",
         type=_depths,
         default=d.depths,
-        help="a count N (evenly spaced from 0 to 100 %%) or percents such as 0,50,100",
+        help="a count N (N depths evenly spaced from 0 to 100 %%) or percents such as 0,50,100 "
+        "(a single depth: 50, with the comma)",
     )
     n.add_argument(
         "--nproc", type=int, default=d.nproc, help="ranks the prefill and KV cache are split over"
@@ -93,7 +94,7 @@ def add_eval_command(sub: argparse._SubParsersAction) -> None:
         default=d.haystack,
         metavar="PATH",
         help="filler sentences from "
-        "this text file or directory of .txt/.md files (default: generated)",
+        "this text file or directory of .txt/.md files (None: generated sentences)",
     )
     n.add_argument(
         "--max-new-tokens",
