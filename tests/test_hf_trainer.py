@@ -99,3 +99,26 @@ def test_refusals_name_the_setting(tmp_path):
         run(0, 1, {"kind": "trainer", "cp": 3}, str(tmp_path))
     with pytest.raises(TypeError, match="transformers.Trainer or a subclass"):
         ringattn.hf.with_context_parallel(object)
+
+
+def test_checkpoint_resumes_equal_and_save_model_loads(pools, tmp_path):
+    """A Trainer checkpoint at step 2 resumed under cp=2 continues as the uninterrupted run;
+    `save_model` writes the whole model, which `from_pretrained` loads in a plain process."""
+    import transformers
+
+    out, saved = str(tmp_path / "run"), str(tmp_path / "saved")
+    case = {"kind": "trainer", "cp": 2, "args": {"save_strategy": "steps", "save_steps": 2}}
+    whole = pools(2).run("workers_hf_trainer:run", {**case, "save": saved}, out, timeout=600)
+    resumed = pools(2).run("workers_hf_trainer:run", {**case, "resume": f"{out}/checkpoint-2"},
+                           str(tmp_path / "resumed"), timeout=600)  # fmt: skip
+    # the resumed log starts with the checkpoint's history (steps 1-2), then steps 3-5
+    assert len(whole[0]["losses"]) == len(resumed[0]["losses"]) == 5
+    for step, (a, b) in enumerate(zip(resumed[0]["losses"][2:], whole[0]["losses"][2:]), 3):
+        assert abs(a - b) <= LOSS_ATOL, f"step {step} after resuming: {a} != {b}"
+    for name, value in whole[0]["params"].items():
+        assert torch.allclose(resumed[0]["params"][name], value, atol=WEIGHT_ATOL), name
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(saved)
+    assert loaded.config._attn_implementation != "ringattn"
+    state = dict(loaded.named_parameters())
+    for name, value in whole[0]["params"].items():
+        assert torch.equal(state[name], value), f"saved {name} differs"
