@@ -102,7 +102,7 @@ def one_row(inputs: dict) -> tuple[dict, dict]:
     bounds = _bounds_from(positions, lengths)
     cu = inputs.get("cu_seq_lens_q")
     if cu is not None and batch == 1 and mask is None:
-        bounds = [int(b) for b in torch.as_tensor(cu).tolist()]  # TRL's own bounds: the same
+        bounds = [int(b) for b in torch.as_tensor(cu, device="cpu").tolist()]  # TRL's: the same
     rows = range(batch)
     row = {
         "input_ids": torch.cat([ids[i, : lengths[i]] for i in rows]).unsqueeze(0),
