@@ -54,6 +54,14 @@ def test_sft_packing_cp2_equals_one_process(pools, tmp_path, lora):
         assert all("lora_" in name for name in results[0]["params"])
 
 
+def test_sft_moe_router_loss_cp2(pools, tmp_path):
+    """SFTTrainer's own MoE router loss (Qwen3-MoE, coef 0.5) over the whole packed sequence."""
+    case = {"kind": "sft", "cp": 2, "arch": "qwen3_moe"}
+    results = pools(2).run("workers_hf_trainer:run", case, str(tmp_path / "cp"), timeout=600)
+    _ranks_agree(results)
+    _same(results[0], _reference(case, tmp_path), "SFTTrainer + MoE router loss")
+
+
 def test_trainer_flattening_accumulation_eval_cp2(pools, tmp_path):
     """transformers.Trainer + DataCollatorWithFlattening, gradient accumulation 2, an eval set;
     Mistral's sliding window (6 tokens, shorter than the chats) with GQA 4/2."""

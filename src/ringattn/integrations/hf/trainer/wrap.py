@@ -19,6 +19,8 @@ What a hand-wired Trainer gets wrong, and the documented hook that puts it right
                                               and averaged over dp, under DDP or FSDP alike
     eval losses are one rank's                prediction_step: the cp group's sum (the batch's
                                               mean), gathered once per dp group
+    SFTTrainer's MoE router loss is one       router.py: its router logits gathered over the cp
+    rank's                                    group
 
 The logged training loss is the Trainer's own mean over ranks of W x (sum / global count): the
 global token mean. Checkpoints and `save_model` are the Trainer's: DDP keeps the whole model on
@@ -37,6 +39,7 @@ from ringattn.integrations.hf.batch import shard_batch
 from ringattn.integrations.hf.model import parallelize
 from ringattn.integrations.hf.trainer.batch import one_row
 from ringattn.integrations.hf.trainer.config import ContextParallelConfig, split_world
+from ringattn.integrations.hf.trainer.router import gather_router_logits
 
 __all__ = ["with_context_parallel"]
 
@@ -72,10 +75,6 @@ def _refuse(trainer: object, extra_settings: dict) -> None:
          "accelerate's own cp/sp/tp would shard the sequence a second time"),
         (args.n_gpu > 1, f"n_gpu={args.n_gpu} (nn.DataParallel)",
          "launch one process per device with torchrun or accelerate launch"),
-        (getattr(trainer, "aux_loss_enabled", False),
-         "the MoE router loss in SFTTrainer (output_router_logits)",
-         ("TRL computes it over one rank's tokens; train MoE models with ringattn.hf.Trainer "
-          "(transformers.Trainer), whose router loss spans the whole sequence")),
     ]  # fmt: skip
     for failed, setting, fix in checks:
         if failed:
@@ -120,6 +119,8 @@ class _ContextParallel:
         base = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT
         parallelize(base, self.cp_split.group, context_parallel.layout, context_parallel.strategy,
                     backend=context_parallel.backend)  # fmt: skip
+        if getattr(self, "aux_loss_enabled", False):  # SFTTrainer's own MoE router loss
+            gather_router_logits(base)
         if self.cp_split.cp > 1:
             self.gather_function = self._gather_by_dp_group
 
