@@ -130,3 +130,23 @@ def test_checkpoint_resumes_equal_and_save_model_loads(pools, tmp_path):
     state = dict(loaded.named_parameters())
     for name, value in whole[0]["params"].items():
         assert torch.equal(state[name], value), f"saved {name} differs"
+
+
+def test_one_row_turns_batches_into_documents():
+    """Right-padded rows become documents with their own positions; padding-free rows keep the
+    collator's; left padding and unknown keys are refused."""
+    from ringattn.integrations.hf.trainer.batch import one_row
+
+    ids = torch.tensor([[5, 6, 7, 0], [8, 9, 0, 0], [1, 2, 3, 4]], device="cpu")
+    mask = (ids != 0).long()
+    mask[2] = 1
+    row, flags = one_row({"input_ids": ids, "attention_mask": mask, "labels": ids, "use_cache": 0})
+    assert row["input_ids"].tolist() == [[5, 6, 7, 8, 9, 1, 2, 3, 4]]
+    assert row["position_ids"].tolist() == [[0, 1, 2, 0, 1, 0, 1, 2, 3]]
+    assert row["cu_seqlens"] == [0, 3, 5, 9] and flags == {"use_cache": 0}
+    flat = {"input_ids": ids[2:], "position_ids": torch.tensor([[0, 1, 0, 1]], device="cpu")}
+    assert one_row(flat)[0]["cu_seqlens"] == [0, 2, 4]
+    with pytest.raises(ValueError, match="right padding"):
+        one_row({"input_ids": ids[:1], "attention_mask": torch.tensor([[0, 1, 1, 1]])})
+    with pytest.raises(ValueError, match="token_type_ids"):
+        one_row({"input_ids": ids, "token_type_ids": ids})
