@@ -70,11 +70,16 @@ def model(arch: str, vocab: int):
     elif arch == "qwen3_moe":  # the router load-balancing loss in out.loss
         config = tf.Qwen3MoeConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
                                    head_dim=8, output_router_logits=True,
-                                   router_aux_loss_coef=0.5, **common)  # fmt: skip
+                                   router_aux_loss_coef=10.0, **common)  # fmt: skip
     else:
         raise ValueError(f"unknown test architecture {arch!r}")
     torch.manual_seed(0)
-    return tf.AutoModelForCausalLM.from_config(config).float()
+    net = tf.AutoModelForCausalLM.from_config(config).float()
+    if arch == "qwen3_moe":  # peaked routing: the router loss of a shard is not the sequence's
+        with torch.no_grad():
+            for layer in net.model.layers:
+                layer.mlp.gate.weight.mul_(30.0)
+    return net
 
 
 def _tokenized(tok, rows: list[dict]) -> list[dict]:
