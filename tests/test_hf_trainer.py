@@ -151,3 +151,26 @@ def test_one_row_turns_batches_into_documents():
         one_row({"input_ids": ids[:1], "attention_mask": torch.tensor([[0, 1, 1, 1]])})
     with pytest.raises(ValueError, match="token_type_ids"):
         one_row({"input_ids": ids, "token_type_ids": ids})
+
+
+def test_example_runs_under_torchrun(tmp_path):
+    """examples/trl_sft_context_parallel.py as the docs launch it (2 steps), then its saved model
+    loads with from_pretrained."""
+    import os
+    import subprocess
+    import sys
+
+    import transformers
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = os.path.join(root, "examples", "trl_sft_context_parallel.py")
+    out = str(tmp_path / "out")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.join(root, "src")}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node=2", script, "--steps", "2", "--out", out]  # fmt: skip
+    proc = subprocess.run(
+        command, env=env, capture_output=True, text=True, timeout=600, check=False
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "[example] world 2 = dp 1 x cp 2; losses [" in proc.stdout, proc.stdout[-2000:]
+    transformers.AutoModelForCausalLM.from_pretrained(out)
