@@ -43,10 +43,14 @@ def _ranks_agree(results: list[dict]) -> None:
         assert result["losses"] == results[0]["losses"]
 
 
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_sft_packing_cp2_equals_one_process(pools, tmp_path, lora):
-    """TRL's SFTTrainer, packing=True (padding-free rows of packed chats), assistant-only loss."""
-    case = {"kind": "sft", "cp": 2, "lora": lora}
+@pytest.mark.parametrize(
+    ("lora", "packing"), [(False, True), (True, True), (False, False)],
+    ids=["full", "lora", "padded"],
+)  # fmt: skip
+def test_sft_packing_cp2_equals_one_process(pools, tmp_path, lora, packing):
+    """TRL's SFTTrainer, packing=True (padding-free rows of packed chats) or not (right-padded
+    rows of chats), assistant-only loss."""
+    case = {"kind": "sft", "cp": 2, "lora": lora, "packing": packing}
     results = pools(2).run("workers_hf_trainer:run", case, str(tmp_path / "cp"), timeout=600)
     _ranks_agree(results)
     _same(results[0], _reference(case, tmp_path), f"SFTTrainer lora={lora}")
