@@ -1,23 +1,34 @@
-"""Atomic training checkpoints with `torch.distributed.checkpoint` (DCP).
+"""Atomic, durable training checkpoints with `torch.distributed.checkpoint` (DCP).
 
     <dir>/step-00000200/        a complete checkpoint: what `latest` returns
         .metadata, __0_0.distcp ...   model and optimizer (sharded: each rank writes its part)
         train_state.json             step, data position, config (rank 0)
+        order.json                   {"written": n}: this checkpoint was the n-th written here
         rng/rank0.pt ...             each rank's RNG state
     <dir>/.tmp-step-00000300/   being written; never read, removed by the next save
+    <dir>/.replaced-step-N/     the old step-N while a new step-N replaces it (runtime/durable.py)
 
-Every rank writes into the temporary directory; after a barrier (every rank's files are on disk),
-rank 0 renames it to `step-N`. A rename within one file system is atomic, so a crash at any moment
-leaves either the previous set of complete checkpoints or the new one, never a half-written
-`step-N`. Only the last `keep` complete checkpoints are kept. On several nodes, `dir` must be on a
-file system every node sees (DCP's own requirement).
+Every rank writes into the temporary directory and fsyncs its files (DCP's writer does so for the
+shards, `write_synced` for the RNG state); after every rank reported success, rank 0 fsyncs the
+directory and renames it to `step-N` (runtime/durable.publish: the old `step-N`, if the step is
+saved again, is renamed aside first and deleted only after the commit), then fsyncs `<dir>`. So a
+crash or a power loss at any moment leaves the previous complete checkpoints, or those and the
+new one, never a `step-N` with missing or truncated files.
 
-A write that fails (disk full, permission, a directory turned read-only) is a decision of every
-rank: each rank catches its own error, the ranks share them (one small all-gather per phase: the
-directory, then the files), and every rank raises the same `CheckpointError` naming the failed
-ranks; rank 0 removes the temporary directory. Nothing is renamed, so the previous complete
-checkpoint stays the newest, and old checkpoints are pruned only after a new one is committed.
-Weights that are not finite are never written (`NonFiniteWeights`, checked on every rank first).
+"Newest" means last written, not highest step: `latest` and the pruning order checkpoints by
+`order.json` (a checkpoint written before it existed counts as older than any with it, by step
+among themselves). After a commit, rank 0 deletes the oldest-written complete checkpoints beyond
+`keep`: never the one just written, whatever its step.
+
+Any failure inside a save (disk full, permission, a read-only directory, `torch.save`'s
+RuntimeError, a bug) is a decision of every rank: each rank catches its own error, the ranks share
+them (one small all-gather per phase: the directory, the files, the commit), and every rank
+raises the same `CheckpointError` naming the failed ranks and their errors; rank 0 removes the
+temporary directory. The previous complete checkpoint stays the newest. Weights that are not
+finite are never written (`NonFiniteWeights`, checked on every rank first).
+
+`fault(point)`, where given, is called on every rank at each named point of a save (FAULT_POINTS;
+the commit's points on rank 0 only): the fault-injection tests kill the job or fill the disk there.
 
 The model and optimizer state come from `get_state_dict` (FSDP2 parameters are DTensors, so each
 rank saves and loads only its shard, and a run may resume on a different number of ranks). The
@@ -30,11 +41,19 @@ import json
 import os
 import re
 import shutil
+import sys
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["CheckpointError", "NonFiniteWeights", "latest", "load", "save"]
+from ringattn.runtime.durable import ASIDE_PREFIX, fsync_dir, publish, recover, write_synced
+
+__all__ = ["FAULT_POINTS", "CheckpointError", "NonFiniteWeights", "latest", "load", "save"]
+
+FAULT_POINTS = ("start", "directory", "model", "rng", "state", "shared", "aside", "committed",
+                "synced", "pruned", "end")  # fmt: skip
+"""Where `save` calls `fault`, in order ("aside" only when the step is saved again)."""
 
 
 class CheckpointError(RuntimeError):
@@ -46,33 +65,51 @@ class NonFiniteWeights(CheckpointError):
 
 
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
+_ASIDE_DIR = re.compile(rf"^{re.escape(ASIDE_PREFIX)}step-(\d{{8}})$")
+ORDER_FILE = "order.json"
 
 
 def _step_dir(root: str, step: int) -> str:
     return os.path.join(root, f"step-{step:08d}")
 
 
+def _written(path: str) -> int:
+    """The write order of a checkpoint: -1 for one written before order.json existed."""
+    try:
+        with open(os.path.join(path, ORDER_FILE)) as f:
+            return int(json.load(f)["written"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return -1
+
+
 def complete_checkpoints(root: str) -> list[tuple[int, str]]:
-    """(step, path) of every complete checkpoint under `root`, oldest first."""
+    """(step, path) of every complete checkpoint under `root`, in write order (newest last).
+
+    A `.replaced-step-N` whose `step-N` is missing (a crash between a replacement's two renames)
+    is the complete checkpoint of step N."""
     if not os.path.isdir(root):
         return []
+    names = os.listdir(root)
     found = [(int(m.group(1)), os.path.join(root, name))
-             for name in os.listdir(root) if (m := _STEP_DIR.match(name))]  # fmt: skip
-    return sorted(found)
+             for name in names if (m := _STEP_DIR.match(name))]  # fmt: skip
+    found += [(int(m.group(1)), os.path.join(root, name)) for name in names
+              if (m := _ASIDE_DIR.match(name)) and f"step-{m.group(1)}" not in names]  # fmt: skip
+    return sorted(found, key=lambda sp: (_written(sp[1]), sp[0]))
+
+
+def step_of(path: str) -> int:
+    """The step of a checkpoint directory (`step-N` or `.replaced-step-N`)."""
+    return int(os.path.basename(os.path.normpath(path)).rsplit("-", 1)[1])
 
 
 def latest(root: str | None) -> str | None:
-    """Path of the newest complete checkpoint under `root`, or None."""
+    """Path of the newest (last written) complete checkpoint under `root`, or None."""
     found = complete_checkpoints(root) if root else []
     return found[-1][1] if found else None
 
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def _no_fault(point: str) -> None:
+    del point
 
 
 def save(
@@ -82,15 +119,16 @@ def save(
     optimizer: torch.optim.Optimizer,
     state: dict,
     keep: int = 2,
+    fault: Callable[[str], None] | None = None,
 ) -> str:
     """Write the checkpoint of `step` (collective: every rank calls it); return its path.
 
-    `state` is JSON-serialisable training state (step, config...) written by rank 0.
-    """
+    `state` is JSON-serialisable training state (step, config...) written by rank 0. `fault`:
+    see the module docstring (testing)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
+    fault = fault or _no_fault
     rank = dist.get_rank() if dist.is_initialized() else 0
     final = _step_dir(root, step)
     tmp = os.path.join(root, f".tmp-step-{step:08d}")
@@ -100,37 +138,74 @@ def save(
     if failed:
         raise NonFiniteWeights(f"checkpoint of step {step} not written: {_ranks(failed)}; the "
                                f"newest complete checkpoint is {latest(root)}")  # fmt: skip
+    fault("start")
     error = None
     if rank == 0:
         try:
-            for name in os.listdir(root) if os.path.isdir(root) else []:
-                if name.startswith(".tmp-step-"):  # left by a crash: never complete, never read
-                    shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+            _clean(root)
             os.makedirs(os.path.join(tmp, "rng"))
-        except OSError as err:
+        except Exception as err:  # noqa: BLE001 - every failure is shared, whatever it is
             error = _describe(err)
     _raise_if_failed(_share(error), step, root, tmp, rank)  # a barrier: the directory is there
+    fault("directory")
     try:
-        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp)
-        torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank{rank}.pt"))
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp)  # fsyncs
+        fault("model")
+        rng = _rng_state()
+        write_synced(os.path.join(tmp, "rng", f"rank{rank}.pt"), lambda f: torch.save(rng, f))
+        fault("rng")
         if rank == 0:
-            with open(os.path.join(tmp, "train_state.json"), "w") as f:
-                json.dump(state, f, indent=2)
-                f.flush()
-                os.fsync(f.fileno())
+            order = max([_written(p) for _, p in complete_checkpoints(root)], default=-1) + 1
+            _write_json(os.path.join(tmp, "train_state.json"), state)
+            _write_json(os.path.join(tmp, ORDER_FILE), {"written": order, "step": step})
+            fault("state")
         error = None
-    except (OSError, CheckpointException) as err:
+    except Exception as err:  # noqa: BLE001 - torch.save raises RuntimeError on a full disk
         error = _describe(err)
     _raise_if_failed(_share(error), step, root, tmp, rank)  # every rank's files are written
+    fault("shared")
     if rank == 0:
-        if os.path.exists(final):  # the same step saved again (a rerun): replace it
-            shutil.rmtree(final)
-        os.rename(tmp, final)  # the commit point
-        _fsync_dir(root)
-        for _, old in complete_checkpoints(root)[:-keep] if keep > 0 else []:
-            shutil.rmtree(old, ignore_errors=True)
-    _barrier()
+        try:
+            fsync_dir(os.path.join(tmp, "rng"))  # the files' names: every rank's are there now
+            fsync_dir(tmp)
+            publish(tmp, final, fault)
+            error = None
+        except Exception as err:  # noqa: BLE001
+            error = _describe(err)
+        if error is None:
+            _prune(root, keep)
+            fault("pruned")
+    _raise_if_failed(_share(error), step, root, tmp, rank)  # committed (or not) on every rank
+    fault("end")
     return final
+
+
+def _write_json(path: str, value: dict) -> None:
+    write_synced(path, lambda f: json.dump(value, f, indent=2), mode="w")
+
+
+def _clean(root: str) -> None:
+    """Rank 0, before a save: what a crash left is finished (runtime/durable.recover) or removed."""
+    for name in os.listdir(root) if os.path.isdir(root) else []:
+        if name.startswith((".tmp-step-", ".pruned-step-")):  # never complete, never read
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        elif m := _ASIDE_DIR.match(name):
+            recover(os.path.join(root, f"step-{m.group(1)}"))
+
+
+def _prune(root: str, keep: int) -> None:
+    """Delete the oldest-written complete checkpoints beyond `keep` (the newest one never). Best
+    effort: the new checkpoint is committed, so a failure here only leaves an old one behind."""
+    if keep <= 0:
+        return
+    for step, old in complete_checkpoints(root)[:-keep]:
+        doomed = os.path.join(root, f".pruned-step-{step:08d}")
+        try:
+            os.rename(old, doomed)  # a half-deleted checkpoint never keeps a complete one's name
+        except OSError as err:
+            print(f"[checkpoint] could not prune {old}: {err}", file=sys.stderr, flush=True)
+            continue
+        shutil.rmtree(doomed, ignore_errors=True)
 
 
 def _finite(value: object) -> bool:
@@ -216,8 +291,3 @@ def _set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["cpu"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()

@@ -1,8 +1,9 @@
 """What a training run is: `TrainConfig` (one field per flag) and the checks made before any
 process starts.
 
-`validate(cfg, world_size, check)` is a pure function of the flags, the number of processes and the
-model recipe's own `check` (recipe.py; the config never imports a recipe): the
+`validate(cfg, world_size, check)` is a function of the flags, the number of processes, the model
+recipe's own `check` (recipe.py; the config never imports a recipe) and, for --no-resume, of
+whether the checkpoint directory already holds checkpoints (`check_fresh_start`): the
 parent calls it before launching (so a bad flag is a ValueError in one process, not W tracebacks),
 and every rank calls it again in `build_run`, before its first collective, so a run started under
 torchrun fails the same way on every rank. It returns the (dp, cp) degrees.
@@ -21,11 +22,12 @@ from dataclasses import dataclass
 
 import ringattn
 from ringattn.models.config import MODEL_SIZES, ModelConfig, model_config
+from ringattn.runtime import checkpoint as ckpt
 from ringattn.runtime.flags import check_at_least, check_choice
 from ringattn.runtime.mesh import degrees
 from ringattn.runtime.metrics import check_tensorboard
 
-__all__ = ["DTYPES", "IDENTITY", "TrainConfig", "validate"]
+__all__ = ["DTYPES", "IDENTITY", "TrainConfig", "check_fresh_start", "validate"]
 
 DTYPES = ("float32", "bfloat16")
 FAIL_SIGNALS = ("kill", "term", "stop", "term-launcher")
@@ -107,8 +109,9 @@ class TrainConfig:
     """Progress line every N steps when stdout is not a terminal."""
     activation_checkpointing: bool = False
     """Recompute each block in backward instead of keeping its activations."""
-    loss_chunk: int = 4096
-    """Tokens per chunk of the output projection + loss (0 = all at once)."""
+    loss_chunk: int = -1
+    """Tokens per chunk of the output projection + loss (0 = all at once; -1 = the most whose
+    float32 logits fit in 256 MiB at the model's vocabulary: models/loss.py's auto_chunk)."""
     compile: bool = False
     """torch.compile(model, fullgraph=True) after parallelizing it (attention: ringattn's ops)."""
     compile_backend: str = "inductor"
@@ -163,6 +166,21 @@ class TrainConfig:
         return min(self.steps, self.stop_at) if self.stop_at > 0 else self.steps
 
 
+def check_fresh_start(cfg: TrainConfig) -> None:
+    """--no-resume into a checkpoint directory that holds checkpoints is refused (when the run
+    would write checkpoints): the new run's would sit beside the old run's, and `latest`, a later
+    resume, --export and `generate` could not tell which run the newest one belongs to."""
+    found = ckpt.complete_checkpoints(cfg.checkpoint_path) if not cfg.resume else []
+    if found and cfg.checkpoint_every >= 0:
+        steps = ", ".join(str(step) for step, _ in found)
+        raise ValueError(
+            f"--no-resume: {cfg.checkpoint_path} holds the checkpoints of an earlier run (steps "
+            f"{steps}; newest {found[-1][1]}), which a new run would mix with its own; use "
+            f"another --checkpoint-dir (or --out-dir), delete that directory, or drop --no-resume "
+            f"to continue from its newest checkpoint"
+        )
+
+
 def validate(
     cfg: TrainConfig, world_size: int, check: Callable[[TrainConfig, int], None] | None = None
 ) -> tuple[int, int]:
@@ -198,10 +216,12 @@ def validate(
         raise ValueError(f"--fail-rank {cfg.fail_rank} is not a rank of {world_size}")
     check_choice("fail-signal", cfg.fail_signal, FAIL_SIGNALS)
     check_at_least("max-bad-steps", cfg.max_bad_steps, 1)
+    check_at_least("loss-chunk", cfg.loss_chunk, -1)
     if not cfg.grace_s > 0:
         raise ValueError(f"--grace must be > 0 seconds, got {cfg.grace_s}")
     if cfg.tensorboard:
         check_tensorboard()
+    check_fresh_start(cfg)
     if check is not None:  # what only the model can see: its shape, its data (recipe.check)
         check(cfg, cp)
     return dp, cp
