@@ -133,7 +133,9 @@ def add_arguments(p: argparse.ArgumentParser, d: TrainConfig, *, demo: bool = Fa
         type=int,
         default=d.loss_chunk,
         help="tokens per chunk of output projection + loss, recomputed in backward "
-        "(0 = all at once)",
+        "(0 = all at once; default -1: the most tokens whose float32 logits fit in 256 MiB, "
+        "i.e. 256 MiB / (4 bytes x vocab) rounded down to a multiple of 64: 512 at a "
+        "128k vocabulary)",
     )
     g.add_argument(
         "--dtype",
@@ -269,7 +271,8 @@ def add_arguments(p: argparse.ArgumentParser, d: TrainConfig, *, demo: bool = Fa
         default=d.resume,
         help=hide
         or "continue from the newest complete checkpoint in the checkpoint "
-        "directory, if any (--no-resume: start afresh)",
+        "directory, if any (--no-resume: start afresh; refused when that directory "
+        "already holds checkpoints)",
     )
     o.add_argument(
         "--memory-warmup",
