@@ -126,6 +126,7 @@ def save(
     `state` is JSON-serialisable training state (step, config...) written by rank 0. `fault`:
     see the module docstring (testing)."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     fault = fault or _no_fault
@@ -160,7 +161,8 @@ def save(
             _write_json(os.path.join(tmp, ORDER_FILE), {"written": order, "step": step})
             fault("state")
         error = None
-    except Exception as err:  # noqa: BLE001 - torch.save raises RuntimeError on a full disk
+    except (Exception, CheckpointException) as err:  # noqa: BLE001 - torch.save: RuntimeError
+        # on a full disk; DCP's CheckpointException is a BaseException
         error = _describe(err)
     _raise_if_failed(_share(error), step, root, tmp, rank)  # every rank's files are written
     fault("shared")
