@@ -38,6 +38,7 @@ import pytest
 import torch
 
 from ringattn.runtime import checkpoint as ckpt
+from ringattn.runtime import durable
 from ringattn.runtime.outcome import EXIT_CHECKPOINT
 from ringattn.train.hf.corpus import load_corpus
 from workers_crash import fill_up
@@ -299,3 +300,24 @@ def test_token_files_shorter_than_their_meta_are_tokenized_again(tmp_path):
     again = load_corpus(data, None, 97, cache_dir=cache)
     assert again.tokens.tolist() == want
     assert os.path.getsize(tokens) == 4 * len(want)
+
+
+def test_an_export_is_fsynced_then_renamed_and_never_deletes_a_users_files(tmp_path, monkeypatch):
+    """publish_into (train --hf --export): a new directory is renamed whole, after its files were
+    fsync'ed; into an existing one each file is replaced and the user's other files stay."""
+    log = _record_fsyncs_and_renames(monkeypatch)
+    for name in ("new", "again"):
+        tmp = tmp_path / f".tmp-{name}"
+        (tmp / "sub").mkdir(parents=True)
+        (tmp / "model.safetensors").write_bytes(name.encode())
+        (tmp / "sub" / "tokenizer.json").write_text(name)
+        durable.publish_into(str(tmp), str(tmp_path / "export"))
+        assert not tmp.exists()
+        if name == "new":
+            _assert_synced_before_published(log, str(tmp_path / "export"))
+            (tmp_path / "export" / "README.md").write_text("the user's")
+    export = tmp_path / "export"
+    assert sorted(os.listdir(export)) == ["README.md", "model.safetensors", "sub"]
+    assert (export / "model.safetensors").read_bytes() == b"again"
+    assert (export / "sub" / "tokenizer.json").read_text() == "again"
+    assert (export / "README.md").read_text() == "the user's"

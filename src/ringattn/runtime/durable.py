@@ -3,7 +3,7 @@
 A rename within one file system is atomic, but it says nothing of the renamed files' contents:
 after a power loss, a directory renamed into place can hold files whose data the kernel never
 wrote back (empty or truncated), under a name every reader trusts. So every directory that is
-published by a rename (checkpoints, token caches, exports) goes through the same steps:
+published by a rename (checkpoints, token caches) goes through the same steps:
 
     write the files into TMP/          each one fsync'ed (write_synced, fsync_tree)
     fsync TMP/ and its sub-folders     their entries are on disk
@@ -16,6 +16,9 @@ A crash between the two renames leaves the old version aside and nothing at FINA
 (called by the next writer) renames it back, and readers that list versions (checkpoint.py)
 count an aside directory whose FINAL is missing as the complete version it is.
 
+An export (`publish_into`) goes into a directory the user names, which may hold other files: it
+is renamed whole only when that directory is new or empty, else file by file (each one atomic).
+
 `fault(point)`, where given, is called at each named point (tests kill or fill the disk there).
 """
 
@@ -26,7 +29,8 @@ import shutil
 from collections.abc import Callable
 from typing import IO
 
-__all__ = ["aside_of", "fsync_dir", "fsync_tree", "publish", "recover", "write_synced"]
+__all__ = ["aside_of", "fsync_dir", "fsync_tree", "publish", "publish_into", "recover",
+           "write_synced"]  # fmt: skip
 
 Fault = Callable[[str], None]
 ASIDE_PREFIX = ".replaced-"
@@ -106,3 +110,22 @@ def publish(tmp: str, final: str, fault: Fault | None = None) -> None:
     fault("synced")
     if os.path.isdir(aside):
         shutil.rmtree(aside, ignore_errors=True)
+
+
+def publish_into(tmp: str, final: str) -> None:
+    """Publish the finished directory `tmp` as `final` (fsync'ed first): renamed whole when `final`
+    does not exist or is empty; else file by file into it (each file replaced atomically, the
+    others in `final` left alone: a user's directory is never deleted), then `tmp` removed."""
+    fsync_tree(tmp)
+    if not os.path.isdir(final) or not os.listdir(final):
+        if os.path.isdir(final):
+            os.rmdir(final)
+        publish(tmp, final)
+        return
+    for folder, dirs, names in os.walk(tmp):
+        target = os.path.join(final, os.path.relpath(folder, tmp))
+        os.makedirs(target, exist_ok=True)
+        for name in names:
+            os.replace(os.path.join(folder, name), os.path.join(target, name))
+        fsync_dir(target)
+    shutil.rmtree(tmp, ignore_errors=True)
