@@ -40,6 +40,7 @@ from ringattn.inference.session import Session
 from ringattn.layout import LAYOUTS
 from ringattn.models import Transformer, model_config
 from ringattn.runtime import checkpoint as ckpt
+from ringattn.runtime.extras import require
 from ringattn.runtime.flags import check_at_least, check_choice
 from ringattn.runtime.launch import init_distributed
 
@@ -168,6 +169,7 @@ def check_config(cfg: GenerateConfig) -> None:
     if cfg.hf is None and (cfg.tp != 1 or cfg.chat):
         raise ValueError("--tp and --chat apply to --hf models; drop them with --checkpoint")
     if cfg.hf is not None:
+        require("hf", "ringattn generate --hf")
         check_hf(cfg)
     else:
         resolve_checkpoint(cfg.checkpoint)
