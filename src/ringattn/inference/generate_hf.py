@@ -31,8 +31,8 @@ import time
 
 import torch
 
-import ringattn.hf
 from ringattn.comm import all_gather_ints, backend_device, resolve_group
+from ringattn.inference.hf.generate import generate
 from ringattn.inference.sampling import Sampling
 from ringattn.integrations.hf.source import load_config, load_model, load_tokenizer, model_source
 from ringattn.integrations.hf.tensor_parallel import check_tensor_parallel, split_cp_tp
@@ -169,7 +169,7 @@ def hf_worker(cfg) -> dict:
             shown[0] = decoded
 
     start = time.perf_counter()
-    tokens, stats = ringattn.hf.generate(
+    tokens, stats = generate(
         model, torch.tensor([prompt], device=device), cfg.max_new_tokens, group=group,
         layout=cfg.layout, do_sample=cfg.temperature > 0, temperature=cfg.temperature,
         top_k=cfg.top_k, top_p=cfg.top_p, seed=cfg.seed, eos_token_id=cfg.eos_id,
