@@ -38,7 +38,6 @@ import pytest
 import torch
 
 from ringattn.runtime import checkpoint as ckpt
-from ringattn.runtime import durable
 from ringattn.runtime.outcome import EXIT_CHECKPOINT
 from ringattn.train.hf.corpus import load_corpus
 from workers_crash import fill_up
@@ -311,7 +310,7 @@ def test_an_export_is_fsynced_then_renamed_and_never_deletes_a_users_files(tmp_p
         (tmp / "sub").mkdir(parents=True)
         (tmp / "model.safetensors").write_bytes(name.encode())
         (tmp / "sub" / "tokenizer.json").write_text(name)
-        durable.publish_into(str(tmp), str(tmp_path / "export"))
+        ckpt.publish_into(str(tmp), str(tmp_path / "export"))
         assert not tmp.exists()
         if name == "new":
             _assert_synced_before_published(log, str(tmp_path / "export"))

@@ -6,14 +6,22 @@
         order.json                   {"written": n}: this checkpoint was the n-th written here
         rng/rank0.pt ...             each rank's RNG state
     <dir>/.tmp-step-00000300/   being written; never read, removed by the next save
-    <dir>/.replaced-step-N/     the old step-N while a new step-N replaces it (runtime/durable.py)
+    <dir>/.replaced-step-N/     the old step-N while a new step-N replaces it (`publish`)
 
 Every rank writes into the temporary directory and fsyncs its files (DCP's writer does so for the
 shards, `write_synced` for the RNG state); after every rank reported success, rank 0 fsyncs the
-directory and renames it to `step-N` (runtime/durable.publish: the old `step-N`, if the step is
-saved again, is renamed aside first and deleted only after the commit), then fsyncs `<dir>`. So a
-crash or a power loss at any moment leaves the previous complete checkpoints, or those and the
-new one, never a `step-N` with missing or truncated files.
+directory and renames it to `step-N` (`publish`), then fsyncs `<dir>`. So a crash or a power
+loss at any moment leaves the previous complete checkpoints, or those and the new one, never a
+`step-N` with missing or truncated files (a rename is atomic, but says nothing of the renamed
+files' data: only the fsyncs before it do).
+
+Durable publishing, shared with the token cache (train/hf/corpus.py) and --export: files written
+and fsync'ed into TMP/ (`write_synced`, `fsync_tree`), TMP/ fsync'ed, [an existing FINAL renamed
+to `.replaced-FINAL`], TMP renamed to FINAL (the commit point), the parent fsync'ed, [the old one
+deleted]. A crash between the two renames leaves the old version aside and nothing at FINAL:
+`recover` (the next writer) renames it back, and `complete_checkpoints` counts it meanwhile.
+`publish_into` is for a directory the user names (an export), which may hold other files: renamed
+whole only when it is new or empty, else file by file (each file atomic).
 
 "Newest" means last written, not highest step: `latest` and the pruning order checkpoints by
 `order.json` (a checkpoint written before it existed counts as older than any with it, by step
@@ -43,13 +51,15 @@ import re
 import shutil
 import sys
 from collections.abc import Callable
+from typing import IO
 
 import torch
 import torch.distributed as dist
 
-from ringattn.runtime.durable import ASIDE_PREFIX, fsync_dir, publish, recover, write_synced
+__all__ = ["FAULT_POINTS", "CheckpointError", "NonFiniteWeights", "fsync_path", "fsync_tree",
+           "latest", "load", "publish", "publish_into", "save", "write_synced"]  # fmt: skip
 
-__all__ = ["FAULT_POINTS", "CheckpointError", "NonFiniteWeights", "latest", "load", "save"]
+ASIDE_PREFIX = ".replaced-"
 
 FAULT_POINTS = ("start", "directory", "model", "rng", "state", "shared", "aside", "committed",
                 "synced", "pruned", "end")  # fmt: skip
@@ -168,8 +178,8 @@ def save(
     fault("shared")
     if rank == 0:
         try:
-            fsync_dir(os.path.join(tmp, "rng"))  # the files' names: every rank's are there now
-            fsync_dir(tmp)
+            fsync_path(os.path.join(tmp, "rng"))  # the files' names: every rank's are there now
+            fsync_path(tmp)
             publish(tmp, final, fault)
             error = None
         except Exception as err:  # noqa: BLE001
@@ -187,7 +197,7 @@ def _write_json(path: str, value: dict) -> None:
 
 
 def _clean(root: str) -> None:
-    """Rank 0, before a save: what a crash left is finished (runtime/durable.recover) or removed."""
+    """Rank 0, before a save: what a crash left is finished (`recover`) or removed."""
     for name in os.listdir(root) if os.path.isdir(root) else []:
         if name.startswith((".tmp-step-", ".pruned-step-")):  # never complete, never read
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
@@ -293,3 +303,85 @@ def _set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["cpu"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
+
+
+def fsync_path(path: str) -> None:
+    """fsync a file, or a directory (the names created, renamed or removed in it)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_synced(path: str, write: Callable[[IO], None], mode: str = "wb") -> None:
+    """Create `path` with `write(f)`, then flush and fsync it."""
+    with open(path, mode) as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def fsync_tree(root: str) -> None:
+    """fsync every file under `root` (written by another library), then every folder, deepest
+    first."""
+    for folder, _, names in os.walk(root, topdown=False):
+        for name in names:
+            fsync_path(os.path.join(folder, name))
+        fsync_path(folder)
+
+
+def _aside_of(final: str) -> str:
+    parent, name = os.path.split(os.path.normpath(final))
+    return os.path.join(parent, ASIDE_PREFIX + name)
+
+
+def recover(final: str) -> None:
+    """An aside version whose `final` is missing goes back; one whose `final` exists goes."""
+    aside = _aside_of(final)
+    if not os.path.isdir(aside):
+        return
+    if os.path.exists(final):
+        shutil.rmtree(aside, ignore_errors=True)
+    else:
+        os.rename(aside, final)
+        fsync_path(os.path.dirname(aside) or ".")
+
+
+def publish(tmp: str, final: str, fault: Callable[[str], None] | None = None) -> None:
+    """Rename the finished, fsync'ed directory `tmp` to `final`, an existing `final` renamed aside
+    first and deleted only after the commit (see the module docstring)."""
+    fault = fault or _no_fault
+    aside = _aside_of(final)
+    recover(final)
+    if os.path.exists(final):
+        os.rename(final, aside)
+        fault("aside")
+    try:
+        os.rename(tmp, final)  # the commit point
+    except BaseException:
+        if os.path.isdir(aside) and not os.path.exists(final):
+            os.rename(aside, final)
+        raise
+    fault("committed")
+    fsync_path(os.path.dirname(os.path.normpath(final)) or ".")
+    fault("synced")
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def publish_into(tmp: str, final: str) -> None:
+    """Publish the finished directory `tmp` (fsync'ed here) as `final`: renamed whole when `final`
+    is new or empty, else file by file into it (a user's other files stay); `tmp` is consumed."""
+    fsync_tree(tmp)
+    if not os.path.isdir(final) or not os.listdir(final):
+        if os.path.isdir(final):
+            os.rmdir(final)
+        publish(tmp, final)
+        return
+    for folder, _, names in os.walk(tmp):
+        target = os.path.join(final, os.path.relpath(folder, tmp))
+        os.makedirs(target, exist_ok=True)
+        for name in names:
+            os.replace(os.path.join(folder, name), os.path.join(target, name))
+        fsync_path(target)
+    shutil.rmtree(tmp, ignore_errors=True)

@@ -5,7 +5,7 @@
                              starts.i64       where each document starts
                              supervised.u8    chat: 1 on the assistant's tokens
                              meta.json        counts, how the text became tokens
-        --> fsync, rename -> CACHE/KEY/       (atomic and durable: runtime/durable.publish)
+        --> fsync, rename -> CACHE/KEY/       (atomic and durable: runtime/checkpoint.publish)
 
     KEY = sha256(format, kind, the files' paths, sizes and mtimes, the tokenizer's files, vocab)
 
@@ -33,14 +33,14 @@ import hashlib
 import json
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from ringattn.integrations.hf.source import load_tokenizer
-from ringattn.runtime.durable import Fault, fsync_tree, publish, write_synced
+from ringattn.runtime.checkpoint import fsync_tree, publish, write_synced
 from ringattn.train.hf.chat import check_chat_tokenizer, render
 from ringattn.train.hf.sources import files, records
 
@@ -119,7 +119,12 @@ def _encode(kind: str, batch: list, tokenizer: object, vocab_size: int, first: i
 
 
 def _build(
-    kind: str, path: str, tokenizer_dir: str | None, vocab_size: int, out: str, fault: Fault
+    kind: str,
+    path: str,
+    tokenizer_dir: str | None,
+    vocab_size: int,
+    out: str,
+    fault: Callable[[str], None],
 ) -> None:
     tokenizer = load_tokenizer(tokenizer_dir) if tokenizer_dir else None
     if kind == "chat":
@@ -202,7 +207,7 @@ def _no_fault(point: str) -> None:
 
 def load_corpus(
     path: str, tokenizer_dir: str | None, vocab_size: int, *, kind: str = "text",
-    cache_dir: str = "", fault: Fault | None = None,
+    cache_dir: str = "", fault: Callable[[str], None] | None = None,
 ) -> Corpus:  # fmt: skip
     """The corpus of `--data kind:path`, tokenized for a model of `vocab_size` ids (once: see the
     module docstring), memory-mapped from `cache_dir` (default: default_cache()). `fault`

@@ -14,7 +14,8 @@ The export reads the run's final checkpoint in one process: DCP gathers the FSDP
 every rank wrote into the full tensors of a plain transformers model (the same load that resumes
 a run on another number of ranks), which `save_pretrained` writes with the tokenizer beside it.
 It needs no memory on the training ranks, and works again on any finished run. The files are
-written beside the export directory, fsync'ed, then renamed into it (runtime/durable.publish_into).
+written beside the export directory, fsync'ed, then renamed into it
+(runtime/checkpoint.publish_into).
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ import torch
 
 from ringattn.integrations.hf.source import load_config, load_model, load_tokenizer, model_source
 from ringattn.runtime import checkpoint as ckpt
-from ringattn.runtime.durable import publish_into
 from ringattn.train.config import TrainConfig, validate
 from ringattn.train.hf.data import PackedConversations
 from ringattn.train.hf.recipe import EXPORT_DTYPES, HF, CausalLMLoss, dataset
@@ -90,7 +90,7 @@ def export(cfg: TrainConfig, checkpoint: str, out_dir: str) -> str:
         model.to(dtype).eval().save_pretrained(tmp)
         if source.tokenizer_dir:
             load_tokenizer(source.tokenizer_dir).save_pretrained(tmp)
-        publish_into(tmp, out_dir)  # fsync'ed, then renamed: never a half-written export
+        ckpt.publish_into(tmp, out_dir)  # fsync'ed, then renamed: never a half-written export
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
