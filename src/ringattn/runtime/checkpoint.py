@@ -13,7 +13,8 @@ shards, `write_synced` for the RNG state); after every rank reported success, ra
 directory and renames it to `step-N` (`publish`), then fsyncs `<dir>`. So a crash or a power
 loss at any moment leaves the previous complete checkpoints, or those and the new one, never a
 `step-N` with missing or truncated files (a rename is atomic, but says nothing of the renamed
-files' data: only the fsyncs before it do).
+files' data: only the fsyncs before it do). On several nodes, `dir` must be on a file system
+every node sees (DCP's own requirement).
 
 Durable publishing, shared with the token cache (train/hf/corpus.py) and --export: files written
 and fsync'ed into TMP/ (`write_synced`, `fsync_tree`), TMP/ fsync'ed, [an existing FINAL renamed
