@@ -154,3 +154,25 @@ def test_no_resume_into_a_directory_with_checkpoints_is_refused(tmp_path):
     validate(replace(cfg, resume=True), 1)  # continues that run
     validate(replace(cfg, checkpoint_dir=str(tmp_path / "fresh")), 1)
     assert sorted(os.listdir(root)) == ["step-00000900", "step-00001000"]
+
+
+def test_non_finite_weights_or_a_failing_state_dict_write_nothing(tmp_path, monkeypatch):
+    """NaN in the weights: NonFiniteWeights; an error while collecting the state: CheckpointError
+    (shared like any other); in both cases nothing is written and step 1 stays the newest."""
+    model, optimizer = _model_and_optimizer()
+    root = str(tmp_path)
+    ckpt.save(root, 1, model, optimizer, {"step": 1})
+    with torch.no_grad():
+        model[1].weight[0, 0] = float("nan")
+    with pytest.raises(ckpt.NonFiniteWeights, match=r"rank 0: non-finite values in 1\.weight"):
+        ckpt.save(root, 2, model, optimizer, {"step": 2})
+    with torch.no_grad():
+        model[1].weight[0, 0] = 0.0
+
+    def broken(*args, **kwargs):
+        raise KeyError("no such parameter")
+
+    monkeypatch.setattr("torch.distributed.checkpoint.state_dict.get_state_dict", broken)
+    with pytest.raises(ckpt.CheckpointError, match="rank 0: KeyError: 'no such parameter'"):
+        ckpt.save(root, 2, model, optimizer, {"step": 2})
+    assert os.listdir(root) == ["step-00000001"]

@@ -78,6 +78,7 @@ class NonFiniteWeights(CheckpointError):
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 _ASIDE_DIR = re.compile(rf"^{re.escape(ASIDE_PREFIX)}step-(\d{{8}})$")
 ORDER_FILE = "order.json"
+_NON_FINITE = "non-finite values in"
 
 
 def _step_dir(root: str, step: int) -> str:
@@ -144,12 +145,17 @@ def save(
     rank = dist.get_rank() if dist.is_initialized() else 0
     final = _step_dir(root, step)
     tmp = os.path.join(root, f".tmp-step-{step:08d}")
-    model_state, optim_state = get_state_dict(model, optimizer)
-    bad = [name for name, value in model_state.items() if not _finite(value)]
-    failed = _share(f"non-finite values in {', '.join(bad[:3])}" if bad else None)
-    if failed:
+    try:
+        model_state, optim_state = get_state_dict(model, optimizer)
+        bad = [name for name, value in model_state.items() if not _finite(value)]
+        error = f"{_NON_FINITE} {', '.join(bad[:3])}" if bad else None
+    except Exception as err:  # noqa: BLE001 - shared like any other failure
+        error = _describe(err)
+    failed = _share(error)
+    if any(e.startswith(_NON_FINITE) for e in failed.values()):
         raise NonFiniteWeights(f"checkpoint of step {step} not written: {_ranks(failed)}; the "
                                f"newest complete checkpoint is {latest(root)}")  # fmt: skip
+    _raise_if_failed(failed, step, root, tmp, rank)
     fault("start")
     error = None
     if rank == 0:
