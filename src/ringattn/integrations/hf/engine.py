@@ -114,6 +114,11 @@ class KVEngine:
             if seq in seqs:
                 cache.reserve(extra[seqs.index(seq)])
 
+    def release(self, seq: int) -> None:
+        """Free every layer's cache of sequence `seq` (a cancelled request's)."""
+        for key in [key for key in self.state.caches if key[1] == seq]:
+            del self.state.caches[key]
+
     def decode(self, seqs: list[int], tokens: list[int]) -> torch.Tensor:
         """Feed one token to each sequence in `seqs`; logits (L, vocab) of their next tokens."""
         device, world = self.device, self.info.world_size
