@@ -41,6 +41,7 @@ from ringattn.serve.schema import APIError, ChatBody, CompletionBody, Limits, ad
 
 DISCONNECT_POLL_S = 0.25  # how often a waiting non-streamed request checks for its client
 RETRY_AFTER_S = 1  # Retry-After of a 503 (the queue is full)
+DRAIN_BYTES = 64 << 20  # a refused body is read and dropped up to this, then the line is cut
 
 __all__ = ["build_app", "serve_in_thread"]
 
@@ -136,16 +137,21 @@ def build_app(model_name: str, tokenizer, limits: Limits, jobs: queue.Queue,
 
 
 async def _read_body(request, limit: int) -> bytes:
-    """The body, or APIError 413 as soon as its Content-Length or its bytes pass `limit`."""
+    """The body, or APIError 413 once its Content-Length or its bytes pass `limit`: nothing
+    more is kept or parsed. The rest is read and dropped (up to DRAIN_BYTES) so that the client,
+    still sending, reads the 413 rather than a reset connection."""
     declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise _too_large(int(declared), limit)
-    chunks, size = [], 0
+    size = int(declared) if declared.isdigit() else 0
+    chunks, seen = [], 0
     async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise _too_large(size, limit)
+        seen += len(chunk)
+        if max(size, seen) > limit:
+            if seen > DRAIN_BYTES:
+                break
+            continue
         chunks.append(chunk)
+    if max(size, seen) > limit:
+        raise _too_large(max(size, seen), limit)
     return b"".join(chunks)
 
 
