@@ -18,8 +18,8 @@
                                                  time to first token, decode tokens/s, each rank's
                                                  cache MB kept and held by its buffers
 
-With a tokenizer the continuation is streamed as text (the decoded prefix grows token by token,
-so multi-byte pieces come out whole); without one the prompt's bytes mod vocab_size are the
+With a tokenizer the continuation is streamed as text, decoded incrementally (O(1) per token:
+inference/detokenize.py; multi-byte pieces come out whole); without one the prompt's bytes mod vocab_size are the
 tokens and the new token ids are printed, space-separated, after `generated ids:`.
 """
 
@@ -33,6 +33,7 @@ import torch
 
 import ringattn.hf
 from ringattn.comm import all_gather_ints, backend_device, resolve_group
+from ringattn.inference.detokenize import Detokenizer
 from ringattn.inference.sampling import Sampling
 from ringattn.integrations.hf.source import load_config, load_model, load_tokenizer, model_source
 from ringattn.integrations.hf.tensor_parallel import check_tensor_parallel, split_cp_tp
@@ -152,7 +153,7 @@ def hf_worker(cfg) -> dict:
               f"{', --chat' if cfg.chat else ''})", file=sys.stderr, flush=True)  # fmt: skip
         print(text + "|" if tokenizer is not None else "generated ids:", end="", flush=True)
     new: list[int] = []
-    shown = [""]  # the decoded text printed so far
+    text_out = Detokenizer(tokenizer, skip_special_tokens=False) if tokenizer else None  # O(1)
     progress = Progress(lead)
 
     def on_token(token: int) -> None:
@@ -163,10 +164,9 @@ def hf_worker(cfg) -> dict:
         if tokenizer is None:
             print(f" {token}", end="", flush=True)
             return
-        decoded = tokenizer.decode(new)
-        if not decoded.endswith("\ufffd"):  # a multi-byte piece still incomplete: wait for it
-            print(decoded[len(shown[0]) :], end="", flush=True)
-            shown[0] = decoded
+        piece = text_out.push(token)  # "" while a multi-byte character is incomplete
+        if piece:
+            print(piece, end="", flush=True)
 
     start = time.perf_counter()
     tokens, stats = ringattn.hf.generate(
@@ -181,8 +181,8 @@ def hf_worker(cfg) -> dict:
     figures = all_gather_ints([stats.cache_bytes, stats.cache_capacity_bytes], world,
                               backend_device(world, device))  # fmt: skip
     if lead:
-        if tokenizer is not None and len(shown[0]) < len(decoded := tokenizer.decode(new)):
-            print(decoded[len(shown[0]) :], end="")
+        if text_out is not None:
+            print(text_out.flush(), end="")
         print(flush=True)
         kept = ", ".join(f"{row[0] / 2**20:.3f}" for row in figures)
         held = ", ".join(f"{row[1] / 2**20:.3f}" for row in figures)
