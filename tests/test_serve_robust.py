@@ -242,6 +242,39 @@ def test_a_closed_stream_ends_its_sequence_and_metrics_count_it(served):
     assert after["ringattn_running_sequences"] == 0 and after["ringattn_waiting_requests"] == 0
 
 
+def test_clients_that_leave_while_waiting_are_dropped_from_the_queue(served):
+    server, client, _, tok = served
+    ids = tok("the quick brown")["input_ids"]
+    slow = server.model.register_forward_hook(lambda *_: time.sleep(0.02))  # a torch hook
+    key = 'ringattn_requests_total{outcome="cancelled"}'
+    before = scrape(server)
+    try:
+        [running] = concurrently(lambda: _while_running(server, client, ids))
+    finally:
+        slow.remove()
+    after = scrape(server)
+    assert after[key] == before[key] + 2  # the non-streamed and the streamed one
+    generated = "ringattn_generation_tokens_total"
+    assert after[generated] - before[generated] == running.usage.completion_tokens  # nor ran
+
+
+def _while_running(server, client, ids: list[int]):
+    """A long request; while it runs, one that times out and one stream closed at once."""
+    result = []
+    t = threading.Thread(target=lambda: result.append(
+        client.completions.create(model="tiny", prompt=ids, max_tokens=100)))  # fmt: skip
+    t.start()
+    deadline = time.monotonic() + 60
+    while scrape(server)["ringattn_running_sequences"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    impatient = client.with_options(timeout=0.3)
+    with pytest.raises(openai.APITimeoutError):
+        impatient.completions.create(model="tiny", prompt=ids, max_tokens=5)
+    client.completions.create(model="tiny", prompt=ids, max_tokens=5, stream=True).close()
+    t.join(120)
+    return result[0]
+
+
 def test_cancel_ends_one_sequence_of_a_batch_and_frees_its_cache(served):
     _, _, model, tok = served
     p0, p1 = torch.tensor(chat_ids(tok, HELLO)), torch.tensor(tok("the quick brown")["input_ids"])

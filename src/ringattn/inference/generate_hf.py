@@ -19,8 +19,9 @@
                                                  cache MB kept and held by its buffers
 
 With a tokenizer the continuation is streamed as text, decoded incrementally (O(1) per token:
-inference/detokenize.py; multi-byte pieces come out whole); without one the prompt's bytes mod vocab_size are the
-tokens and the new token ids are printed, space-separated, after `generated ids:`.
+inference/detokenize.py; multi-byte pieces come out whole); without one the prompt's bytes mod
+vocab_size are the tokens and the new token ids are printed, space-separated, after `generated
+ids:`.
 """
 
 from __future__ import annotations

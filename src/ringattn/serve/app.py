@@ -39,7 +39,6 @@ from ringattn.serve.openapi import install_openapi, post_route, responses
 from ringattn.serve.protocol import Job
 from ringattn.serve.schema import APIError, ChatBody, CompletionBody, Limits, admit, parse
 
-DISCONNECT_POLL_S = 0.25  # how often a waiting non-streamed request checks for its client
 RETRY_AFTER_S = 1  # Retry-After of a 503 (the queue is full)
 DRAIN_BYTES = 64 << 20  # a refused body is read and dropped up to this, then the line is cut
 
@@ -204,22 +203,33 @@ async def _respond(body, job: Job, kind: str, prefix: str, model_name: str, requ
         usage = body.stream_options is not None and body.stream_options.include_usage
         return StreamingResponse(_events(job, kind, head, usage), media_type="text/event-stream")
     pieces = []
-    while True:
-        try:
-            event = await asyncio.wait_for(job.events.get(), DISCONNECT_POLL_S)
-        except asyncio.TimeoutError:
-            if await request.is_disconnected():
-                job.cancelled = True  # the worker ends its sequence at the next step
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        while True:
+            event = asyncio.ensure_future(job.events.get())
+            await asyncio.wait({event, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not event.done():
+                event.cancel()
+                job.cancelled = True  # dropped while waiting, else ended at the next step
                 return _error(APIError("the client closed the request", status=499))
-            continue
-        if event[0] == "text":
-            pieces.append(event[1])
-        elif event[0] == "error":
-            return _error(_event_error(event))
-        else:
-            _, finish, usage = event
-            choice = _choice(kind, "".join(pieces), finish)
-            return {**head, "object": kind, "choices": [choice], "usage": usage}
+            event = event.result()
+            if event[0] == "text":
+                pieces.append(event[1])
+            elif event[0] == "error":
+                return _error(_event_error(event))
+            else:
+                _, finish, usage = event
+                choice = _choice(kind, "".join(pieces), finish)
+                return {**head, "object": kind, "choices": [choice], "usage": usage}
+    finally:
+        gone.cancel()
+
+
+async def _disconnected(request) -> None:
+    """Returns when the client has gone (the body is read: the server's next ASGI message for
+    this request is its disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _events(job: Job, kind: str, head: dict, with_usage: bool) -> AsyncIterator[str]:
