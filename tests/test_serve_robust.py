@@ -34,6 +34,7 @@ pytest.importorskip("uvicorn")
 
 import ringattn.hf
 from ringattn.inference.sampling import Sampling, next_token
+from ringattn.integrations.hf.generate import RESERVE_AHEAD
 from ringattn.integrations.hf.source import load_model, model_source
 from ringattn.serve.app import build_app, serve_in_thread
 from ringattn.serve.config import bind
@@ -289,6 +290,19 @@ def test_cancel_ends_one_sequence_of_a_batch_and_frees_its_cache(served):
     alone, alone_stats = ringattn.hf.generate(model, [p1], 8, return_stats=True)
     assert outs[0].shape[1] == p0.numel() + 2 and torch.equal(outs[1], alone[0])
     assert stats.cache_tokens == alone_stats.cache_tokens  # sequence 0's caches are gone
+
+
+def test_a_long_max_new_tokens_reserves_at_most_reserve_ahead(served):
+    _, _, model, tok = served
+    prompt = torch.tensor(chat_ids(tok, HELLO))
+    text = model.config
+    per_token = 2 * text.num_hidden_layers * text.num_key_value_heads * 8 * 4  # K+V, float32
+    for new, bound in ((100_000, RESERVE_AHEAD + 64), (20, 20 + 64)):  # 64: doubling's slack
+        _, stats = ringattn.hf.generate(model, prompt[None], new, on_token=lambda t: True,
+                                        return_stats=True)  # fmt: skip
+        assert stats.new_tokens == 1
+        assert stats.cache_capacity_bytes <= per_token * (prompt.numel() + bound)
+    assert RESERVE_AHEAD * per_token < 100_000 * per_token // 10  # the bound means something
 
 
 def test_greedy_tokens_and_verdicts_are_rank_0s_on_every_rank(pools):
