@@ -8,9 +8,11 @@ give the plain decoder's logits bit for bit.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from ringattn.inference import CachedDecoder, ShardedKVCache
+from ringattn.integrations.hf.engine import KVEngine
 from workers_inference import build_model
 
 
@@ -83,3 +85,29 @@ def test_offloaded_decoder_gives_the_plain_logits_exactly():
         for i, (a, b) in enumerate(zip(*runs, strict=True)):
             assert torch.equal(a, b), (window, i)
         assert len({int(x.argmax()) for x in runs[0]}) > 1  # the tokens vary
+
+
+def test_offloaded_hf_engine_holds_at_most_the_next_layer_and_equals_the_plain_one():
+    """The HF engine keeps one cache per (layer, sequence): a decode step must leave at most one
+    prefetched device copy per sequence (the next token's layer 0), not a copy of every layer,
+    and its logits must equal the plain engine's bit for bit."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=3, num_attention_heads=4,
+                                      num_key_value_heads=2)  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    prompts = [torch.randint(0, 64, (n,), generator=torch.Generator().manual_seed(n))
+               for n in (9, 5)]  # fmt: skip
+    runs = []
+    for offload in (False, True):
+        engine = KVEngine(model, offload=offload)
+        with torch.no_grad():
+            logits = [engine.prefill(prompts)]
+            for _ in range(3):
+                logits.append(engine.decode([0, 1], logits[-1].argmax(-1).tolist()))
+                copies = sum(len(c._copies) for c in engine.state.caches.values())
+                assert copies <= (2 if offload else 0), copies  # one per sequence at most
+        runs.append(logits)
+    for a, b in zip(*runs, strict=True):
+        assert torch.equal(a, b)

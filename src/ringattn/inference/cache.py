@@ -18,7 +18,9 @@ Offload (`ShardedKVCache.offload()`, `ringattn generate --offload-kv`): every la
 in host memory (pinned when the model computes on CUDA), rows first (capacity, B, Hkv, D) so that
 the live rows are one contiguous block. `kept(i)` returns device copies and starts the copy of
 layer i + 1 (i = last: layer 0, the next token's first), on a side CUDA stream, so it moves while
-layer i computes; on CPU the same path makes plain copies. Between the prefetch and its use the
+layer i computes; on CPU the same path makes plain copies. A cache of one layer (the HF path
+keeps one per (layer, sequence)) never prefetches itself: its owner calls `prefetch` on the next
+layer's cache instead. Between the prefetch and its use the
 layer may gain the token being decoded or lose evicted rows; both ends are patched with logical
 row counters (`dropped`, `added`), so the copy equals the host rows exactly. At most two layers'
 shards are on the device at once.
@@ -276,10 +278,14 @@ class ShardedKVCache:
             self._positions_device, copy=True
         )
         following = (layer + 1) % len(self.layers)
-        if self.layers[following] is not None:
-            self._copies[following] = _Copy(self.layers[following], self._device,
-                                            self._side_stream())  # fmt: skip
+        if following != layer:  # one layer per cache (the HF path): its owner prefetches
+            self.prefetch(following)
         return k, v, positions
+
+    def prefetch(self, layer: int) -> None:
+        """Start the device copy of `layer` (offloaded), unless one is under way."""
+        if self.offloaded and self.layers[layer] is not None and layer not in self._copies:
+            self._copies[layer] = _Copy(self.layers[layer], self._device, self._side_stream())
 
     def _side_stream(self):
         if self._device is None or self._device.type != "cuda":
