@@ -111,3 +111,24 @@ def test_offloaded_hf_engine_holds_at_most_the_next_layer_and_equals_the_plain_o
         runs.append(logits)
     for a, b in zip(*runs, strict=True):
         assert torch.equal(a, b)
+
+
+def test_decoding_appends_and_evicts_without_reading_the_device():
+    """The decode path's cache work (append a token, evict out of the window, read the kept
+    rows) never reads device memory, so it never syncs the host per layer: on the meta device,
+    whose tensors hold no data, any read raises; the host copy of the positions is what counts."""
+    meta = torch.device("meta")
+    cache = ShardedKVCache(2, 0, 1, window=4)
+    k = torch.empty(1, 2, 6, 4, device=meta)
+    positions = torch.arange(6, device=meta)
+    for layer in range(2):
+        cache.store(layer, k, k, positions, host=torch.arange(6, device="cpu"))
+    for position in range(6, 12):
+        for layer in range(2):
+            one = torch.empty(1, 2, 1, 4, device=meta)
+            cache.append_decoded(layer, one, one, position, owner=0)
+            cache.evict(layer, position)
+            kept_k, _, _ = cache.kept(layer)
+            assert kept_k.shape[2] == 5  # the window: position - 4 .. position
+    assert cache.layers[0].host[cache.layers[0].start : cache.layers[0].length].tolist() == [
+        7, 8, 9, 10, 11]  # fmt: skip
