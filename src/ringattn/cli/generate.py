@@ -20,6 +20,7 @@ from ringattn.inference.generate import (
     resolve_checkpoint,
 )
 from ringattn.inference.partials import MERGES
+from ringattn.integrations.hf.source import DTYPES
 from ringattn.layout import LAYOUTS
 from ringattn.runtime import checkpoint as ckpt
 from ringattn.runtime.launch import launch, running_under_torchrun
@@ -130,6 +131,12 @@ def add_generate_command(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="--hf: wrap the prompt as one user message with the tokenizer's chat template "
         "(and its generation prompt)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=tuple(DTYPES),
+        default=d.dtype,
+        help="--hf: the weights' dtype (auto: the checkpoint's, float32 for a random init)",
     )
     p.set_defaults(run=_run_from_args)
 

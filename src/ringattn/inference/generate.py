@@ -84,6 +84,8 @@ class GenerateConfig:
     """--hf: tensor-parallel degree; the --nproc ranks are cp = nproc / tp x tp."""
     chat: bool = False
     """--hf: wrap the prompt as a user message with the model's chat template."""
+    dtype: str = "auto"
+    """--hf: the weights' dtype; "auto" keeps the checkpoint's (float32 for a random init)."""
     prompt_ids: list[int] | None = None
     """The prompt's tokens, resolved from the flags before launch (`prompt`); not a flag."""
     answer: int | None = None

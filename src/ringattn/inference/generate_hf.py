@@ -36,8 +36,15 @@ import ringattn.hf
 from ringattn.comm import all_gather_ints, backend_device, resolve_group
 from ringattn.inference.detokenize import Detokenizer
 from ringattn.inference.sampling import Sampling
-from ringattn.integrations.hf.source import load_config, load_model, load_tokenizer, model_source
+from ringattn.integrations.hf.source import (
+    DTYPES,
+    load_config,
+    load_model,
+    load_tokenizer,
+    model_source,
+)
 from ringattn.integrations.hf.tensor_parallel import check_tensor_parallel, split_cp_tp
+from ringattn.runtime.flags import check_choice
 from ringattn.runtime.launch import init_distributed
 
 __all__ = ["Progress", "check", "hf_worker"]
@@ -99,6 +106,7 @@ def check(cfg) -> None:
         raise ValueError(f"--hf merges with allgather only; drop --merge {cfg.merge}")
     if not isinstance(cfg.tp, int) or cfg.tp < 1 or cfg.nproc % cfg.tp:
         raise ValueError(f"--tp {cfg.tp} must divide --nproc {cfg.nproc} (cp = nproc / tp)")
+    check_choice("dtype", cfg.dtype, DTYPES)
     source = model_source(cfg.hf)
     config = load_config(source)
     check_tensor_parallel(config, cfg.tp)
@@ -135,7 +143,7 @@ def hf_worker(cfg) -> dict:
     source = model_source(cfg.hf)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     torch.manual_seed(cfg.seed)  # from_config: the same random weights on every rank
-    model = load_model(source).eval()  # before the group exists: a plain local load
+    model = load_model(source, dtype=cfg.dtype).eval()  # before the group: a plain local load
     vocab_size = model.config.get_text_config().vocab_size
     device = _device(world_size)
     model.to(device)  # model and inputs on the rank's device (NCCL needs CUDA tensors)
@@ -149,7 +157,8 @@ def hf_worker(cfg) -> dict:
         how = f"bytes mod vocab_size {vocab_size} (no tokenizer in {source.directory})"
     parallel = f"cp {world_size // cfg.tp} x tp {cfg.tp}" if cfg.tp > 1 else f"{world_size} ranks"
     if lead:
-        print(f"model {type(model).__name__} from {cfg.hf} ({source.describe()}), "
+        dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+        print(f"model {type(model).__name__} from {cfg.hf} ({source.describe()}, {dtype}), "
               f"{len(prompt)} prompt tokens by {how} on {parallel} ({cfg.layout}, {device.type}"
               f"{', --chat' if cfg.chat else ''})", file=sys.stderr, flush=True)  # fmt: skip
         print(text + "|" if tokenizer is not None else "generated ids:", end="", flush=True)
