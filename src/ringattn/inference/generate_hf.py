@@ -146,8 +146,10 @@ def hf_worker(cfg) -> dict:
     model = load_model(source, dtype=cfg.dtype).eval()  # before the group: a plain local load
     vocab_size = model.config.get_text_config().vocab_size
     device = _device(world_size)
-    model.to(device)  # model and inputs on the rank's device (NCCL needs CUDA tensors)
+    # split first (--tp): each weight reaches the device as this rank's shard, one at a time,
+    # so no GPU holds the whole model; then the rest (embeddings, norms) to the device
     group, tp_group = split_cp_tp(model, cfg.tp, world_size, device)
+    model.to(device)  # model and inputs on the rank's device (NCCL needs CUDA tensors)
     world = resolve_group(None)
     lead = world.rank == 0
     prompt, tokenizer, text = encode(cfg, source, vocab_size)

@@ -301,8 +301,8 @@ def serve_worker(cfg: ServeConfig) -> dict:
         device = init_distributed()  # NCCL (a GPU per rank) or gloo (the CPU)
     elif torch.cuda.is_available():
         device = torch.device("cuda", torch.cuda.current_device())
+    groups = split_cp_tp(model, cfg.tp, world_size, device)  # first: only shards reach a GPU
     model.to(device)  # the group's device: NCCL collectives take CUDA tensors only
-    groups = split_cp_tp(model, cfg.tp, world_size, device)
     info = resolve_group(None)
     jobs, http, metrics = queue.Queue(), None, None
     if info.rank == 0:
