@@ -38,6 +38,7 @@ from ringattn.integrations.hf.generate import RESERVE_AHEAD
 from ringattn.integrations.hf.source import load_model, model_source
 from ringattn.serve.app import build_app, serve_in_thread
 from ringattn.serve.config import bind
+from ringattn.serve.metrics import Metrics
 from ringattn.serve.protocol import Request
 from ringattn.serve.schema import CompletionBody, admit
 from ringattn.serve.text import TextStream
@@ -191,7 +192,8 @@ def test_a_batch_failing_mid_decode_is_rerun_and_each_text_sent_once(served):
         if calls[0] == 4:
             raise torch.OutOfMemoryError("simulated: CUDA out of memory")
 
-    sinks = [Sink(_Recorder()), Sink(_Recorder())]
+    metrics = Metrics()
+    sinks = [Sink(_Recorder(), metrics), Sink(_Recorder(), metrics)]
     handle = server.model.register_forward_hook(oom_once)
     try:
         finishes = run_isolated(server.model, tok, requests, eos, "zigzag", sinks)
@@ -201,6 +203,9 @@ def test_a_batch_failing_mid_decode_is_rerun_and_each_text_sent_once(served):
     for sink, ids in zip(sinks, prompts):
         assert sink.job.text() == greedy(model, tok, ids, 12)  # nothing sent twice
         assert sum(1 for e in sink.job.events if e[0] == "done") == 1
+    new = sum(sink.job.events[-1][2]["completion_tokens"] for sink in sinks)
+    assert (metrics.ttft.count, metrics.itl.count) == (2, new - 2)  # no token timed twice
+    assert metrics.requests["stop"] + metrics.requests["length"] == 2
 
 
 def test_a_closed_stream_ends_its_sequence_and_metrics_count_it(served):

@@ -102,11 +102,13 @@ class Sink:
 
     def __init__(self, job: Job | None = None, metrics: Metrics | None = None):
         self.job, self.metrics = job, metrics
-        self.sent = self.skip = self.tokens = 0
-        self.last: float | None = None  # when the last token came
+        self.sent = self.skip = 0  # characters sent; characters a replay must not send again
+        self.tokens = self.timed = 0  # tokens seen in this run; tokens timed already
+        self.last: float | None = None  # when the last timed token came
 
     def replay(self) -> None:
-        self.skip, self.tokens, self.last = self.sent, 0, None
+        """The request runs again from its start: what was sent and timed is not again."""
+        self.skip, self.tokens = self.sent, 0
 
     def __call__(self, kind: str, *event: object) -> None:
         if kind == "token":
@@ -126,9 +128,11 @@ class Sink:
             self.job.emit(kind, *event)
 
     def _timed(self) -> None:
-        now = time.monotonic()
         self.tokens += 1
-        if self.metrics is not None and self.job is not None and self.skip == 0:
+        if self.tokens <= self.timed:  # a replayed token, timed in the run that failed
+            return
+        now, self.timed = time.monotonic(), self.tokens
+        if self.metrics is not None and self.job is not None:
             first = now - self.job.arrived if self.last is None else None
             self.metrics.token(first, None if self.last is None else now - self.last)
         self.last = now
