@@ -404,7 +404,10 @@ def test_admission_is_off_the_loop_and_bounded(served):
         with pytest.raises(openai.BadRequestError, match=f"at most {chars} characters"):
             client.chat.completions.create(model="tiny", max_tokens=2, messages=[
                 {"role": "user", "content": "x" * (chars + 1)}])  # fmt: skip
-        assert slow.calls == calls  # refused before the template ran
+        with pytest.raises(openai.BadRequestError, match="messages cannot fit the context"):
+            client.chat.completions.create(model="tiny", max_tokens=2, messages=[
+                {"role": "user", "content": ""}] * (server.limits.context + 1))  # fmt: skip
+        assert slow.calls == calls  # both refused before the template ran
         big = json.dumps({"prompt": "x" * server.limits.max_body_bytes}).encode()
         for data in (big, iter([big[: len(big) // 2], big[len(big) // 2 :]])):  # chunked too
             raw = urllib.request.Request(root + "/v1/completions", data=data, method="POST",

@@ -146,6 +146,10 @@ def chat_ids(body: ChatBody, tokenizer, limits: Limits | None = None) -> list[in
     """The messages through the tokenizer's chat template, ending with the assistant's turn."""
     if not body.messages:
         raise APIError("messages must hold at least one message", param="messages")
+    if limits is not None and len(body.messages) > limits.context:  # each takes a token at least
+        raise APIError(f"{len(body.messages)} messages cannot fit the context of "
+                       f"{limits.context} tokens", param="messages",
+                       code="context_length_exceeded")  # fmt: skip
     messages = []
     for i, m in enumerate(body.messages):
         if m.role not in ROLES:
