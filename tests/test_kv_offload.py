@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ringattn.inference import CachedDecoder, ShardedKVCache
-from ringattn.integrations.hf.engine import KVEngine
+from ringattn.inference.hf.engine import KVEngine
 from workers_inference import build_model
 
 

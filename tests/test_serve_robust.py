@@ -33,8 +33,8 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
 import ringattn.hf
+from ringattn.inference.hf.generate import RESERVE_AHEAD
 from ringattn.inference.sampling import Sampling, next_token
-from ringattn.integrations.hf.generate import RESERVE_AHEAD
 from ringattn.integrations.hf.source import load_model, model_source
 from ringattn.serve.app import build_app, serve_in_thread
 from ringattn.serve.config import bind

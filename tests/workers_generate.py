@@ -7,9 +7,9 @@ import torch
 import ringattn.hf
 import workers_hf
 from ringattn.comm import resolve_group
+from ringattn.inference.hf.batching import GREEDY, Request
+from ringattn.inference.hf.generate import NonFiniteLogits, decode_loop
 from ringattn.inference.session import TurnStats
-from ringattn.integrations.hf.batching import GREEDY, Request
-from ringattn.integrations.hf.generate import NonFiniteLogits, decode_loop
 
 
 def batch(rank: int, world_size: int, arch: str, prompts: list, options: dict) -> list:

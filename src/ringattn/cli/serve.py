@@ -20,7 +20,6 @@ from ringattn.integrations.hf.source import DTYPES
 from ringattn.layout import LAYOUTS
 from ringattn.runtime.launch import LaunchError, launch, running_under_torchrun
 from ringattn.serve.config import ServeConfig, check
-from ringattn.serve.worker import serve_worker
 
 API_KEY_ENV = "RINGATTN_API_KEY"
 
@@ -36,7 +35,9 @@ def run_serve(cfg: ServeConfig) -> int:
     (`signal.set_wakeup_fd`), and a failure after SIGTERM or SIGINT counts as a stop."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
-    check(cfg)
+    check(cfg)  # first: the serve extra, whose FastAPI and pydantic the worker imports
+    from ringattn.serve.worker import serve_worker  # optional: needs the serve extra
+
     read_fd, write_fd = os.pipe()
     os.set_blocking(read_fd, False)
     os.set_blocking(write_fd, False)

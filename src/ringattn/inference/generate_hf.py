@@ -32,9 +32,9 @@ import time
 
 import torch
 
-import ringattn.hf
 from ringattn.comm import all_gather_ints, backend_device, resolve_group
 from ringattn.inference.detokenize import Detokenizer
+from ringattn.inference.hf.generate import generate
 from ringattn.inference.sampling import Sampling
 from ringattn.integrations.hf.source import (
     DTYPES,
@@ -181,7 +181,7 @@ def hf_worker(cfg) -> dict:
             print(piece, end="", flush=True)
 
     start = time.perf_counter()
-    tokens, stats = ringattn.hf.generate(
+    tokens, stats = generate(
         model, torch.tensor([prompt], device=device), cfg.max_new_tokens, group=group,
         layout=cfg.layout, do_sample=cfg.temperature > 0, temperature=cfg.temperature,
         top_k=cfg.top_k, top_p=cfg.top_p, seed=cfg.seed, eos_token_id=cfg.eos_id,

@@ -8,7 +8,6 @@ check(cfg)  the model directory has a config and a tokenizer (the server speaks 
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import socket
 from dataclasses import dataclass
@@ -16,6 +15,7 @@ from dataclasses import dataclass
 from ringattn.integrations.hf.source import DTYPES, load_config, model_source
 from ringattn.integrations.hf.tensor_parallel import check_tensor_parallel
 from ringattn.layout import LAYOUTS
+from ringattn.runtime.extras import require
 from ringattn.runtime.flags import check_at_least, check_choice
 
 __all__ = ["ServeConfig", "bind", "check", "model_name"]
@@ -72,10 +72,7 @@ def bind(host: str, port: int) -> socket.socket:
 
 def check(cfg: ServeConfig) -> None:
     """Every flag mistake as a ValueError, before any process starts (see the docstring)."""
-    missing = [m for m in ("fastapi", "uvicorn") if importlib.util.find_spec(m) is None]
-    if missing:
-        raise ValueError(f"ringattn serve needs {' and '.join(missing)}: pip install "
-                         f"'ringattn[serve]' (or bash scripts/setup.sh)")  # fmt: skip
+    require("serve", "ringattn serve")
     if cfg.hf is None:
         raise ValueError("ringattn serve needs --hf DIR (a local Hugging Face model directory)")
     check_at_least("nproc", cfg.nproc, 1)

@@ -22,8 +22,8 @@ import torch
 
 import ringattn
 from ringattn.comm import all_gather_ints, all_reduce, resolve_group
+from ringattn.inference.hf.kv_attention import KVState, attach, restore
 from ringattn.inference.turns import Turn, choose_mode
-from ringattn.integrations.hf.kv_attention import KVState, attach, restore
 from ringattn.layout import get_layout
 from ringattn.packing import place
 

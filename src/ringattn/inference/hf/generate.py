@@ -36,11 +36,11 @@ from collections.abc import Callable
 import torch
 
 from ringattn.comm import all_gather_ints, backend_device, resolve_group
+from ringattn.inference.hf.batching import Request, check_call, eos_ids, fresh_seeds
+from ringattn.inference.hf.engine import KVEngine
 from ringattn.inference.sampling import next_token
 from ringattn.inference.session import TurnStats
 from ringattn.integrations.hf import vision
-from ringattn.integrations.hf.batching import Request, check_call, eos_ids, fresh_seeds
-from ringattn.integrations.hf.engine import KVEngine
 from ringattn.validate import validated
 
 # decoded tokens reserved up front per sequence; beyond, the buffers double as they fill (a
