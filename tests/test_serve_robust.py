@@ -43,7 +43,7 @@ from ringattn.serve.protocol import Request
 from ringattn.serve.schema import CompletionBody, admit
 from ringattn.serve.text import TextStream
 from ringattn.serve.worker import Sink, eos_ids, limits, run_isolated
-from serve_model import InProcess, save_chat_model, tokenizer
+from serve_model import CORPUS, InProcess, save_chat_model, tokenizer
 
 HELLO = [{"role": "user", "content": "hello world"}]
 
@@ -330,10 +330,26 @@ class _Counting:
         return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
-def test_text_stream_is_incremental_and_equals_the_whole_decode():
-    tok = tokenizer()
+def _sentencepiece():
+    """A SentencePiece-style tokenizer (Metaspace, byte fallback, the first space stripped)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+                                     decoders.Fuse(), decoders.Strip(" ", 1, 0)])  # fmt: skip
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"])
+    tok.train_from_iterator([*CORPUS, "é ü € 日本"], trainer)
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>",
+                                                bos_token="<s>", eos_token="</s>")  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["byte-level", "sentencepiece"])
+def test_text_stream_is_incremental_and_equals_the_whole_decode(kind):
+    tok = tokenizer() if kind == "byte-level" else _sentencepiece()
     rng = random.Random(0)
-    byte = [tok.convert_tokens_to_ids(c) for c in ("Ã", "©", "â", "Ĥ", "¬")]  # UTF-8 pieces
+    pieces = ("Ã", "©", "â", "Ĥ", "¬") if kind == "byte-level" else ("<s>", "</s>", "\u2581")
+    byte = [tok.convert_tokens_to_ids(c) for c in pieces]  # UTF-8 pieces; specials, a space
     for trial in range(20):
         ids = [rng.choice(byte) if rng.random() < 0.3 else rng.randrange(len(tok))
                for _ in range(300)]  # fmt: skip

@@ -10,9 +10,11 @@ is what the window decodes to beyond its already-read part:
 
 A tokenizer's text depends on earlier tokens only within such a window (the leading space
 SentencePiece drops at a window's start is dropped from both decodes alike), so the pieces add
-up to the decode of the whole continuation. While the window's text ends with U+FFFD (a
-multi-byte character not complete yet) nothing is emitted; `pending` holds that text and
-`flush` gives it at the end.
+up to the decode of the whole continuation. The window moves only past tokens that gave text: a
+read part of special tokens alone would decode to "" and let a decoder that strips the text's
+first space (SentencePiece's) strip a space the whole decode keeps. While the window's text ends
+with U+FFFD (a multi-byte character not complete yet) nothing is emitted; `pending` holds that
+text and `flush` gives it at the end.
 """
 
 from __future__ import annotations
@@ -36,11 +38,13 @@ class Detokenizer:
         self.ids.append(token)
         window = self._decode(self.ids[self.prefix :])
         read = self._decode(self.ids[self.prefix : self.read])
+        new = window[len(read) :]
         if window.endswith("\ufffd"):  # wait for the rest of the character
-            self.pending = window[len(read) :]
+            self.pending = new
             return ""
-        self.prefix, self.read, self.pending = self.read, len(self.ids), ""
-        return window[len(read) :]
+        if new:  # the window moves on only past text: its read part must never decode to ""
+            self.prefix, self.read, self.pending = self.read, len(self.ids), ""
+        return new
 
     def flush(self) -> str:
         piece, self.pending = self.pending, ""
