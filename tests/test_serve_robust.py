@@ -319,6 +319,14 @@ def test_greedy_tokens_and_verdicts_are_rank_0s_on_every_rank(pools):
     assert pools(2).run("workers_generate:first_tokens", tie, True) == [[[], [0]]] * 2
 
 
+def test_a_failed_batch_is_rerun_in_step_on_two_ranks(pools):
+    prompts = ["the quick brown", "hello world, how"]
+    alone, failed = (pools(2).run("workers_serve:isolated", prompts, at) for at in (None, 4))
+    assert alone[0] == alone[1] and failed[0][:2] == failed[1][:2]  # the ranks agree
+    assert failed[0][:2] == alone[0][:2] and failed[0][2] > alone[0][2]  # rerun, same texts
+    assert all(alone[0][0]) and set(alone[0][1]) <= {"stop", "length"}
+
+
 class _Counting:
     """A tokenizer whose decode counts the ids it is given."""
 
