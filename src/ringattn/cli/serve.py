@@ -108,8 +108,8 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
                    help="requests that may wait for the ranks; beyond, 503 with Retry-After "
                    "(0: no limit)")  # fmt: skip
     p.add_argument("--max-body-mb", type=float, default=d.max_body_mb, metavar="MB",
-                   help="the largest request body (413 beyond; default: 32 bytes per context "
-                   "token, at least 1 MiB)")  # fmt: skip
+                   help="the largest request body in MiB, 413 beyond (None: 32 bytes per "
+                   "context token, at least 1 MiB)")  # fmt: skip
     p.add_argument("--dtype", choices=tuple(DTYPES), default=d.dtype,
                    help="the weights' dtype (auto: the checkpoint's)")  # fmt: skip
     p.set_defaults(run=_run_from_args)
