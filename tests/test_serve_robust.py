@@ -40,9 +40,8 @@ from ringattn.serve.app import build_app, serve_in_thread
 from ringattn.serve.config import bind
 from ringattn.serve.metrics import Metrics
 from ringattn.serve.protocol import Request
-from ringattn.serve.schema import CompletionBody, admit
 from ringattn.serve.text import TextStream
-from ringattn.serve.worker import Sink, eos_ids, limits, run_isolated
+from ringattn.serve.worker import Sink, eos_ids, run_isolated
 from serve_model import CORPUS, InProcess, save_chat_model, tokenizer
 
 HELLO = [{"role": "user", "content": "hello world"}]
@@ -372,25 +371,24 @@ def test_text_stream_is_incremental_and_equals_the_whole_decode(kind):
             assert "".join(pieces) == whole[: whole.find("zz")]
 
 
-def test_completions_tokenize_with_the_bos_token():
+def test_completions_tokenize_with_the_bos_token(tmp_path):
     from tokenizers import processors
 
-    tok = tokenizer()
-    bos = tok.convert_tokens_to_ids("<|im_start|>")
+    model, tok = save_chat_model(tmp_path / "bos")
+    bos = tok.convert_tokens_to_ids("<|im_start|>")  # a BOS, as Llama's and Gemma's add
     tok._tokenizer.post_processor = processors.TemplateProcessing(
         single="<|im_start|> $A", special_tokens=[("<|im_start|>", bos)]
     )
-    lim = limits(_Config(len(tok)), tok)
-    request = admit(CompletionBody(prompt="hello world", max_tokens=4), tok, lim)
-    assert request.ids[0] == bos and request.ids[1:] == tok("hello world")["input_ids"][1:]
-
-
-class _Config:
-    """A model's stand-in for serve.worker.limits."""
-
-    def __init__(self, vocab: int):
-        self.config = transformers.LlamaConfig(vocab_size=vocab, max_position_embeddings=64)
-        self.generation_config = None
+    tok.save_pretrained(tmp_path / "bos")
+    server = InProcess(tmp_path / "bos")
+    try:
+        client = openai.OpenAI(base_url=server.url, api_key="-", max_retries=0, timeout=60)
+        reply = client.completions.create(model="tiny", prompt="hello world", max_tokens=6)
+    finally:
+        server.close()
+    ids = tok("hello world")["input_ids"]
+    assert ids[0] == bos and reply.usage.prompt_tokens == len(ids)
+    assert reply.choices[0].text == greedy(model, tok, ids, 6)
 
 
 class _Slow:
