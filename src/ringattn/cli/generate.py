@@ -20,6 +20,7 @@ from ringattn.inference.generate import (
     resolve_checkpoint,
 )
 from ringattn.inference.partials import MERGES
+from ringattn.integrations.hf.source import DTYPES
 from ringattn.layout import LAYOUTS
 from ringattn.runtime import checkpoint as ckpt
 from ringattn.runtime.launch import launch, running_under_torchrun
@@ -84,8 +85,10 @@ def add_generate_command(sub: argparse._SubParsersAction) -> None:
         "offload_kv",
         "tp",
         "chat",
+        "dtype",
     )
-    add_flags(p, d, names, choices={"layout": tuple(LAYOUTS), "merge": MERGES})
+    add_flags(p, d, names, choices={"layout": tuple(LAYOUTS), "merge": MERGES,
+                                    "dtype": tuple(DTYPES)})  # fmt: skip
     p.set_defaults(run=_run_from_args)
 
 

@@ -16,6 +16,7 @@ import signal
 import sys
 from dataclasses import fields
 
+from ringattn.integrations.hf.source import DTYPES
 from ringattn.layout import LAYOUTS
 from ringattn.runtime.launch import LaunchError, launch, running_under_torchrun
 from ringattn.serve.config import ServeConfig, check
@@ -103,6 +104,14 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
         "--max-batch", type=int, default=d.max_batch,
         help="requests waiting together run as one ragged batch of up to this many",
     )  # fmt: skip
+    p.add_argument("--max-queue", type=int, default=d.max_queue,
+                   help="requests that may wait for the ranks; beyond, 503 with Retry-After "
+                   "(0: no limit)")  # fmt: skip
+    p.add_argument("--max-body-mb", type=float, default=d.max_body_mb, metavar="MB",
+                   help="the largest request body in MiB, 413 beyond (None: 32 bytes per "
+                   "context token, at least 1 MiB)")  # fmt: skip
+    p.add_argument("--dtype", choices=tuple(DTYPES), default=d.dtype,
+                   help="the weights' dtype (auto: the checkpoint's)")  # fmt: skip
     p.set_defaults(run=_run_from_args)
 
 

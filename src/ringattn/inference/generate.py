@@ -96,6 +96,8 @@ class GenerateConfig:
     chat: bool = False
     """--hf: wrap the prompt as one user message with the tokenizer's chat template (and its
     generation prompt)"""
+    dtype: str = "auto"
+    """--hf: the weights' dtype (auto: the checkpoint's, float32 for a random init)"""
     prompt_ids: list[int] | None = None
     """The prompt's tokens, resolved from the flags before launch (`prompt`); not a flag."""
     answer: int | None = None

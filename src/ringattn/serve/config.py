@@ -12,7 +12,7 @@ import os
 import socket
 from dataclasses import dataclass
 
-from ringattn.integrations.hf.source import load_config, model_source
+from ringattn.integrations.hf.source import DTYPES, load_config, model_source
 from ringattn.integrations.hf.tensor_parallel import check_tensor_parallel
 from ringattn.layout import LAYOUTS
 from ringattn.runtime.extras import require
@@ -43,6 +43,12 @@ class ServeConfig:
     """Seed of the random init when the directory has no weights."""
     max_batch: int = 8
     """Requests waiting together run as one ragged batch of at most this many."""
+    max_queue: int = 256
+    """Admitted requests that may wait for the ranks; beyond, 503 with Retry-After (0: no limit)."""
+    max_body_mb: float | None = None
+    """The largest request body in MiB (413 beyond; default: 32 bytes per context token, >= 1)."""
+    dtype: str = "auto"
+    """The weights' dtype: "auto" keeps the checkpoint's (float32 for a random init)."""
 
 
 def model_name(cfg: ServeConfig) -> str:
@@ -72,6 +78,10 @@ def check(cfg: ServeConfig) -> None:
     check_at_least("nproc", cfg.nproc, 1)
     check_at_least("tp", cfg.tp, 1)
     check_at_least("max-batch", cfg.max_batch, 1)
+    check_at_least("max-queue", cfg.max_queue, 0)
+    check_choice("dtype", cfg.dtype, DTYPES)
+    if cfg.max_body_mb is not None and not cfg.max_body_mb > 0:
+        raise ValueError(f"--max-body-mb must be > 0, got {cfg.max_body_mb}")
     if cfg.nproc % cfg.tp:
         raise ValueError(f"--tp {cfg.tp} must divide --nproc {cfg.nproc} (cp = nproc / tp)")
     check_choice("layout", cfg.layout, LAYOUTS)
