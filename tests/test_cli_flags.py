@@ -11,6 +11,7 @@ import pytest
 from ringattn.cli.flags import add_flags, field_docs, from_args
 from ringattn.cli.main import build_parser
 from ringattn.inference.generate import GenerateConfig
+from ringattn.serve.config import ServeConfig
 from ringattn.train.config import TrainConfig
 from ringattn.train.demo import demo_config
 
@@ -29,6 +30,17 @@ def _subparser(name: str) -> argparse.ArgumentParser:
 def test_no_flags_give_the_config_defaults(command, cls, defaults):
     args = _subparser(command).parse_args([])
     assert from_args(cls, args) == defaults
+
+
+def test_serve_flags_are_its_config(monkeypatch):
+    monkeypatch.delenv("RINGATTN_API_KEY", raising=False)
+    args = _subparser("serve").parse_args(["--hf", "model", "--max-queue", "3"])
+    assert from_args(ServeConfig, args) == ServeConfig(hf="model", max_queue=3)
+    monkeypatch.setenv("RINGATTN_API_KEY", "secret")  # the key's default: the environment
+    args = _subparser("serve").parse_args(["--hf", "model"])
+    assert from_args(ServeConfig, args).api_key == "secret"
+    with pytest.raises(SystemExit):  # --hf is required
+        _subparser("serve").parse_args([])
 
 
 def test_every_train_field_is_a_flag_with_its_docstring_as_help():

@@ -57,14 +57,15 @@ def add_flags(
     spelled: Mapping[str, str] | None = None,
     negatable: Iterable[str] = (),
     hidden: Iterable[str] = (),
+    required: Iterable[str] = (),
 ) -> None:
     """One flag per field of `names` on `parser` (module docstring). `hidden` flags work but are
-    left out of --help (testing switches)."""
+    left out of --help (testing switches); `required` ones must be given."""
     cls = type(defaults)
     types = {f.name: f.type for f in fields(cls)}
     docs = field_docs(cls)
     choices, metavars, spelled = choices or {}, metavars or {}, spelled or {}
-    negatable, hidden = set(negatable), set(hidden)
+    negatable, hidden, required = set(negatable), set(hidden), set(required)
     for name in names:
         if name not in types:
             raise ValueError(f"{cls.__name__} has no field {name!r} to make a flag of")
@@ -73,6 +74,8 @@ def add_flags(
         flag = spelled.get(name, "--" + name.replace("_", "-"))
         kwargs: dict = {"dest": name, "default": getattr(defaults, name)}
         kwargs["help"] = argparse.SUPPRESS if name in hidden else docs[name]
+        if name in required:
+            kwargs["required"] = True
         annotation = types[name] if isinstance(types[name], str) else types[name].__name__
         annotation = annotation.removesuffix(" | None")
         if annotation == "bool":

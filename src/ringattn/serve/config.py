@@ -24,31 +24,35 @@ __all__ = ["ServeConfig", "bind", "check", "model_name"]
 @dataclass
 class ServeConfig:
     hf: str | None = None
-    """A local Hugging Face model directory: config.json, tokenizer, weights (or none: random)."""
+    """a local Hugging Face model directory with its tokenizer (a bare config.json: random init
+    from --seed)"""
     nproc: int = 1
-    """Ranks; every rank takes part in each request's prefill and decode."""
+    """ranks the KV cache is sharded over"""
     tp: int = 1
-    """Tensor-parallel degree (cp = nproc / tp)."""
+    """tensor-parallel degree: heads and MLP split over tp by the model's own tp plan, each
+    prompt over cp = nproc / tp"""
     host: str = "127.0.0.1"
-    """Interface to listen on (loopback unless asked)."""
+    """interface to listen on (loopback by default)"""
     port: int = 8000
-    """TCP port (0: any free port, printed at start)."""
+    """TCP port (0: any free port)"""
     model_name: str | None = None
-    """The model's id in the API (default: the directory's name)."""
+    """the model id in the API (default: the directory's name)"""
     api_key: str | None = None
-    """When set, every request needs `Authorization: Bearer KEY`."""
+    """require 'Authorization: Bearer KEY' on every request (default: $RINGATTN_API_KEY, which
+    other users cannot see in ps)"""
     layout: str = "zigzag"
-    """How each prompt is sharded over the ranks."""
+    """how each prompt is sharded"""
     seed: int = 0
-    """Seed of the random init when the directory has no weights."""
+    """seed of a random init (no weights)"""
     max_batch: int = 8
-    """Requests waiting together run as one ragged batch of at most this many."""
+    """requests waiting together run as one ragged batch of up to this many"""
     max_queue: int = 256
-    """Admitted requests that may wait for the ranks; beyond, 503 with Retry-After (0: no limit)."""
+    """requests that may wait for the ranks; beyond, 503 with Retry-After (0: no limit)"""
     max_body_mb: float | None = None
-    """The largest request body in MiB (413 beyond; default: 32 bytes per context token, >= 1)."""
+    """the largest request body in MiB, 413 beyond (None: 32 bytes per context token, at least 1
+    MiB)"""
     dtype: str = "auto"
-    """The weights' dtype: "auto" keeps the checkpoint's (float32 for a random init)."""
+    """the weights' dtype (auto: the checkpoint's)"""
 
 
 def model_name(cfg: ServeConfig) -> str:
