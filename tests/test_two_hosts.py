@@ -147,9 +147,17 @@ def test_link_cut_is_named_on_both_hosts_and_the_newest_checkpoint_resumes(hosts
         _wait_for_step(hosts, log, 4, procs)
         hosts.link(up=False)
         cut = time.monotonic()
-        results = hosts.finish(procs, 120)
+        # the ranks end themselves; the cut-off host's torchrun agent keeps trying its own
+        # rendezvous for minutes (torch's timeouts, not ours): once the ranks are gone, it goes
+        agents = {p.pid for p in procs}
+        while set(hosts.pids()) - agents and time.monotonic() - cut < stall + 60:
+            time.sleep(0.5)
+        ranks_left = set(hosts.pids()) - agents
+        ended_s = time.monotonic() - cut
+        results = hosts.finish(procs, 5)
     finally:
         hosts.link(up=True)
+    assert not ranks_left and ended_s < stall + 30, (ranks_left, ended_s)
     text = "\n".join(o for _, o in results)
     silent = re.findall(r"\[rank (\d)\] rank (\d) \(pid \d+ on node (\d), host [^)]*\) stopped "
                         r"responding: no heartbeat for (\d+) s[^\n]*node \d holds ranks ([\d, ]+);",
@@ -165,9 +173,9 @@ def test_link_cut_is_named_on_both_hosts_and_the_newest_checkpoint_resumes(hosts
         assert int(seconds) <= stall + 3 and len(mates.split(",")) == 2
     for _, seconds, ranks, _ in lost:
         assert int(seconds) <= stall + 3 and len(ranks.split(",")) == 2
-    assert time.monotonic() - cut < 110
     newest = ckpt.latest(os.path.join(out, "checkpoints"))
-    assert newest is not None and int(newest.rsplit("-", 1)[1]) >= 4
+    # step 4 is logged before it is checkpointed: the newest is 3 or 4, written by the two hosts
+    assert newest is not None and int(newest.rsplit("-", 1)[1]) >= 3
     results = hosts.torchrun(flags, timeout=400)
     for host, (code, output) in enumerate(results):
         assert code == 0, f"rerun, host {host}: exit code {code}\n{output[-4000:]}"
@@ -186,12 +194,18 @@ def test_a_frozen_rank_is_named_on_both_hosts_and_killed_only_by_its_own(hosts, 
              "stop", "--stall-timeout", "4"]  # fmt: skip
     results = hosts.torchrun(flags, timeout=300)
     text = "\n".join(o for _, o in results)
-    lines = re.findall(r"\[rank (\d)\] rank 3 \(pid \d+ on node \d, host [^)]*\) stopped "
-                       r"responding[^\n]*", text)  # fmt: skip
-    assert lines, text[-4000:]
-    for watcher, line in zip(re.findall(r"\[rank (\d)\] rank 3 \(", text), lines):
-        if watcher == "0":  # the other host
-            assert "killed" not in line and "holds ranks 2, 3" in line, line
+    found = {
+        m.group(1): m.group(0)
+        for m in re.finditer(
+            r"\[rank (\d)\] rank 3 \(pid \d+ on node \d, host [^)]*\) stopped responding[^\n]*",
+            text,
+        )
+    }
+    assert found, text[-4000:]
+    if "0" in found:  # the other host: named with its node and ranks, never signalled
+        assert "killed" not in found["0"] and "holds ranks 2, 3" in found["0"], found
+    if "2" in found:  # its own host
+        assert "it was killed to end the job" in found["2"], found
     assert time.monotonic() - start < 280
 
 

@@ -223,12 +223,18 @@ class _PeerBeat:
                 self.check()
                 self.contact = time.monotonic()
             except (RuntimeError, OSError, ValueError):
-                # the store does not answer: a cut link, or torchrun's agent ended the job (which
-                # then ends this rank too); silent for stall_s, this rank ends itself
-                silent = time.monotonic() - self.contact
-                if not self.done and silent >= self.stall_s:
-                    self.lost_store(silent)
+                pass  # the store does not answer: watch_store decides
             time.sleep(BEAT_S)
+
+    def watch_store(self) -> None:
+        """Its own thread: a store operation on a cut link can block in recv for much longer
+        than the store's timeout, so the beat thread cannot be the one to notice. The store
+        silent for stall_s (a cut link, or torchrun's agent ended the job) ends this rank."""
+        while not self.done:
+            time.sleep(BEAT_S)
+            silent = time.monotonic() - self.contact
+            if not self.done and silent >= self.stall_s:
+                self.lost_store(silent)
 
     def finish(self) -> None:
         self.done = True
@@ -257,6 +263,7 @@ def start_peer_beating(rank: int, world_size: int, stall_s: float) -> None:
     _PEER.beat()
     atexit.register(_PEER.finish)
     threading.Thread(target=_PEER.run, name="ringattn-peer-heartbeat", daemon=True).start()
+    threading.Thread(target=_PEER.watch_store, name="ringattn-store-watch", daemon=True).start()
 
 
 def report_peer_progress(**progress: object) -> None:

@@ -193,16 +193,22 @@ class TwoHosts:
             results.append((proc.returncode, out or ""))
         return results
 
-    def kill_all(self) -> None:
-        """SIGKILL every process in the two namespaces (all started here, ranks included)."""
+    def pids(self) -> list[int]:
+        """Every process in the two namespaces (agents and ranks)."""
+        found = []
         for name in self._made:
             listed = subprocess.run(["ip", "netns", "pids", name], capture_output=True,
                                     text=True, check=False)  # fmt: skip
-            for pid in listed.stdout.split():
-                try:
-                    os.kill(int(pid), signal.SIGKILL)
-                except (ProcessLookupError, ValueError):
-                    pass
+            found += [int(pid) for pid in listed.stdout.split() if pid.isdigit()]
+        return found
+
+    def kill_all(self) -> None:
+        """SIGKILL every process in the two namespaces (all started here, ranks included)."""
+        for pid in self.pids():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         for proc in self.procs:
             if proc.poll() is None:
                 proc.kill()
