@@ -240,3 +240,73 @@ def test_a_verdict_never_signals_another_hosts_pid(monkeypatch):
     with pytest.raises(SystemExit):
         beat.verdict(1, {**record, "host_id": beat.host_id}, 5.0)
     assert kills == [(4242, signal.SIGKILL)]
+
+
+_ASK = """
+import json, sys, time, urllib.request
+url, body = sys.argv[1], sys.argv[2].encode()
+deadline = time.monotonic() + 240
+while True:
+    try:
+        request = urllib.request.Request(url + "/chat/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+        print(json.load(urllib.request.urlopen(request, timeout=120))["choices"][0]["message"]
+              ["content"])
+        break
+    except OSError:
+        if time.monotonic() > deadline:
+            raise
+        time.sleep(0.5)
+"""
+
+
+def _host_of_rank(hosts, rank: int, timeout: float = 240) -> int:
+    """Which host (0 or 1) runs global rank `rank` (its RANK in the environment)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for pid in hosts.pids():
+            try:
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    env = f.read().split(b"\0")
+            except OSError:
+                continue
+            if f"RANK={rank}".encode() in env:
+                where = subprocess.run(["ip", "netns", "identify", str(pid)],
+                                       capture_output=True, text=True, check=False)  # fmt: skip
+                return hosts.names.index(where.stdout.strip())
+        time.sleep(0.5)
+    raise AssertionError(f"no rank {rank} on either host after {timeout} s")
+
+
+def test_serve_over_two_hosts_answers_as_one_process(hosts, tmp_path):
+    """`ringattn serve` under torchrun over both hosts (rank 0 listens on its host's loopback):
+    a request answers what transformers' greedy generate gives on one process."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    from serve_model import save_chat_model
+
+    directory = tmp_path / "tiny"
+    model, tok = save_chat_model(directory)
+    prompt = "ring attention passes keys"
+    ids = tok.apply_chat_template([{"role": "user", "content": prompt}],
+                                  add_generation_prompt=True, return_dict=False)  # fmt: skip
+    out = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=10,
+                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)  # fmt: skip
+    want = tok.decode(out[0, len(ids) :], skip_special_tokens=True)
+    assert transformers is not None and want
+    serve = ["-m", "ringattn", "serve", "--hf", str(directory), "--host", "127.0.0.1", "--port",
+             "8321", "--model-name", "tiny"]  # fmt: skip
+    procs = hosts.start_torchrun(serve)
+    try:
+        host = _host_of_rank(hosts, 0)
+        body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": prompt}],
+                           "max_tokens": 10, "temperature": 0})  # fmt: skip
+        ask = hosts.popen(host, [sys.executable, "-c", _ASK, "http://127.0.0.1:8321/v1", body],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+        answer, _ = ask.communicate(timeout=300)
+    finally:
+        hosts.kill_all()
+        outputs = hosts.finish(procs, 30)
+    assert ask.returncode == 0, answer + "\n".join(o for _, o in outputs)[-4000:]
+    assert answer.removesuffix("\n") == want
