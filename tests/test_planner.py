@@ -14,6 +14,7 @@ import pytest
 
 from ringattn.cli.main import main
 from ringattn.planner import calibrate as calib_mod
+from ringattn.planner.command import train_command
 from ringattn.planner.cost import PlanSpec, step_time
 from ringattn.planner.hardware import get_hardware
 from ringattn.planner.models import get_model
@@ -252,5 +253,9 @@ def test_cpu_hosts_joined_by_a_shared_link():
     assert hybrid["exposed_cp_comm_s"] < ring["exposed_cp_comm_s"]
     assert hybrid["step_time_s"] < ring["step_time_s"]
     assert step(one_machine, "ring")["step_time_s"] < ring["step_time_s"]
+    spec = PlanSpec(model, slow, 2048, 1, 1, 4, 1, 1, "hybrid", "zigzag", "fp32", ulysses=2)
+    assert train_command(spec)[0].startswith("torchrun --nnodes=2 --nproc-per-node=2 -m ringattn")
+    one = PlanSpec(model, one_machine, 2048, 1, 1, 4, 1, 1, "ring", "zigzag", "fp32")
+    assert train_command(one)[0].startswith("ringattn train --nproc 4 ")
     with pytest.raises(ValueError, match="apply to GPU presets"):
         get_hardware("cpu", calibration=calibration, tflops=10)
