@@ -168,7 +168,9 @@ def test_link_cut_is_named_on_both_hosts_and_the_newest_checkpoint_resumes(hosts
     assert f"exits with code {EXIT_FROZEN_PEER}" in text
     assert "it was killed" not in text  # no rank signals a pid of the other host
     watchers = {int(r) for r, *_ in silent} | {int(r) for r, *_ in lost}
-    assert watchers == {0, 1, 2, 3}, text[-5000:]  # every surviving rank stopped by itself
+    # each host's ranks name what they lost (ranks 0-1 share a host, 2-3 the other); a second
+    # rank of a host may be ended by its agent's teardown first, once the first one exits 70
+    assert watchers & {0, 1} and watchers & {2, 3}, text[-5000:]
     for _, _, _, seconds, mates in silent:
         assert int(seconds) <= stall + 3 and len(mates.split(",")) == 2
     for _, seconds, ranks, _ in lost:
