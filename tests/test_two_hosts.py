@@ -10,7 +10,8 @@ shaped veth, `torchrun --nnodes 2` with 2 ranks on each, gloo on the veth.
   resumes over the two hosts to the same losses;
 - a frozen rank is named on both hosts and killed only by its own host (host_identity).
 
-One namespace pair serves the whole module. Needs root, `ip` and `tc`: skipped otherwise.
+One namespace pair serves the whole module. Needs root, `ip` and `tc` and the right to make
+network namespaces: the tests that use them skip otherwise, with the reason.
 """
 
 from __future__ import annotations
@@ -32,8 +33,6 @@ from ringattn.runtime.outcome import EXIT_FROZEN_PEER, EXIT_PREEMPTED
 from ringattn.testing.hosts import TwoHosts, unavailable
 from ringattn.train.progress import read_log
 
-pytestmark = pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
-
 TESTS = os.path.dirname(os.path.abspath(__file__))
 TINY = {"model": "tiny", "dim": 32, "seq_len": 64, "keys": 3, "copies": 2, "warmup": 1,
         "lr": 1e-2, "quiet": True, "steps": 3, "checkpoint_every": 0}  # fmt: skip
@@ -42,10 +41,26 @@ FLAGS = ["-m", "ringattn", "train", "--model", "tiny", "--dim", "32", "--seq-len
          "--cp", "4"]  # fmt: skip
 
 
+# what a machine without the capabilities says (a container without CAP_SYS_ADMIN / NET_ADMIN)
+_NOT_ALLOWED = ("Operation not permitted", "Permission denied", "not supported")
+
+
 @pytest.fixture(scope="module")
 def hosts():
-    with TwoHosts(rate="1gbit") as two:
+    why = unavailable()
+    if why:
+        pytest.skip(f"two hosts need root, ip and tc: {why}")
+    two = TwoHosts(rate="1gbit")
+    try:
+        two.__enter__()
+    except RuntimeError as err:
+        if any(text in str(err) for text in _NOT_ALLOWED):
+            pytest.skip(f"network namespaces are not allowed here: {err}")
+        raise
+    try:
         yield two
+    finally:
+        two.close()
 
 
 def _losses_by_step(path: str) -> list[float]:
