@@ -34,6 +34,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 
@@ -96,7 +97,8 @@ class TwoHosts:
 
     def __enter__(self) -> Self:
         atexit.register(self.close)
-        if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
+        main = threading.current_thread() is threading.main_thread()
+        if main and signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
             self._previous_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
         try:
             for name in self.names:
