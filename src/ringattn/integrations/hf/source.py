@@ -19,7 +19,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["ModelSource", "load_config", "load_model", "load_tokenizer", "model_source"]
+# --dtype's choices; "auto" keeps the checkpoint's dtype (transformers reads it from config.json)
+DTYPES = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16,
+          "float16": torch.float16}  # fmt: skip
+
+__all__ = ["DTYPES", "ModelSource", "load_config", "load_model", "load_tokenizer", "model_source"]
 
 _WEIGHTS = ("*.safetensors", "pytorch_model*.bin", "*.safetensors.index.json")
 _TOKENIZER = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -93,8 +97,10 @@ def load_config(source: ModelSource):
     return config
 
 
-def load_model(source: ModelSource, pretrained: bool | None = None) -> nn.Module:
-    """The plain transformers model of `source` in float32, in training mode, on the CPU."""
+def load_model(source: ModelSource, pretrained: bool | None = None,
+               dtype: str = "float32") -> nn.Module:  # fmt: skip
+    """The plain transformers model of `source`, in training mode, on the CPU, in `dtype` (a
+    DTYPES name; "auto": the checkpoint's, float32 for a random init)."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging
 
@@ -102,10 +108,11 @@ def load_model(source: ModelSource, pretrained: bool | None = None) -> nn.Module
     pretrained = source.pretrained if pretrained is None else pretrained
     if pretrained:
         model = AutoModelForCausalLM.from_pretrained(
-            source.directory, dtype=torch.float32, local_files_only=True
+            source.directory, dtype=DTYPES[dtype], local_files_only=True
         )
     else:  # the global RNG was seeded with --seed: the same weights on every rank
-        model = AutoModelForCausalLM.from_config(load_config(source), dtype=torch.float32)
+        chosen = torch.float32 if dtype == "auto" else DTYPES[dtype]
+        model = AutoModelForCausalLM.from_config(load_config(source), dtype=chosen)
     return model.train()  # from_pretrained returns the model in eval mode
 
 
