@@ -161,7 +161,18 @@ def _params(trainer) -> dict[str, torch.Tensor]:
 
 
 def run(rank: int, world_size: int, case: dict, out_dir: str) -> dict:
-    """Train `case` (see _trainer), optionally resume or save; rank 0 also returns the weights."""
+    """Train `case` (see _trainer), optionally resume or save; rank 0 also returns the weights.
+    The environment is restored afterwards: a pool's next task (another test file) must not see
+    torchrun's variables (accelerate's state, built once per process, keeps what it read)."""
+    saved = dict(os.environ)
+    try:
+        return _run(rank, world_size, case, out_dir)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def _run(rank: int, world_size: int, case: dict, out_dir: str) -> dict:
     _env(rank, world_size)
     trainer = _trainer(case, out_dir)
     trainer.train(resume_from_checkpoint=case.get("resume"))
