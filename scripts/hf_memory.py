@@ -83,7 +83,11 @@ def write(path: str, argv: list[str] | None, steps: int, rows: list[dict]) -> No
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cases", nargs="+", default=["128256x8192x2"], help="VOCABxTOKENSxCP")
-    p.add_argument("--chunks", default="0,1024", help="--loss-chunk values (0 = whole logits)")
+    p.add_argument(
+        "--chunks",
+        default="0,-1",
+        help="--loss-chunk values (0 = whole logits, -1 = the default rule)",
+    )
     p.add_argument("--steps", type=int, default=1, help="training steps measured")
     p.add_argument("--json", default="results/hf_memory_cpu.json", help="where the results go")
     args = p.parse_args(argv)

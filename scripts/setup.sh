@@ -61,6 +61,15 @@ echo "[setup] installing ringattn (editable) with dev, plot, hf and serve extras
     "($TRANSFORMERS_PIN ${SERVE_PINS[*]}; $OPENAI_PIN for tests)"
 pip_install -e ".[dev,plot,hf,serve]" "$TRANSFORMERS_PIN" "${SERVE_PINS[@]}" "$OPENAI_PIN"
 
+# Tests only: TRL's SFTTrainer and PEFT's LoRA, pinned, for the Trainer integration's equivalence
+# tests (tests/test_hf_trainer*.py: ringattn.hf.with_context_parallel); not dependencies of ringattn.
+TRAINER_TEST_PINS=("trl==1.16.0" "peft==0.21.2")
+if ! "$PY" -c "import trl, peft" >/dev/null 2>&1; then
+    echo "[setup] installing ${TRAINER_TEST_PINS[*]} (tests of ringattn.hf.Trainer)"
+    pip_install "${TRAINER_TEST_PINS[@]}" "$TRANSFORMERS_PIN" \
+        || echo "[setup] ${TRAINER_TEST_PINS[*]} did not install; the Trainer tests will skip"
+fi
+
 # Optional: TensorBoard, for `ringattn train --tensorboard` (torch.utils.tensorboard writes the
 # event files; tests/test_cluster.py reads them back with tensorboard's EventAccumulator).
 TENSORBOARD_PIN="tensorboard==2.21.0"

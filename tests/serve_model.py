@@ -21,6 +21,7 @@ import torch
 from ringattn.comm import resolve_group
 from ringattn.serve.app import build_app, serve_in_thread
 from ringattn.serve.config import bind
+from ringattn.serve.metrics import Metrics
 from ringattn.serve.worker import limits, rank_loop
 
 CHATML = (
@@ -174,9 +175,10 @@ class CountingQueue(queue.Queue):
 class InProcess:
     """The HTTP layer and one rank's loop in this process (threads): `url`, `jobs`, `close()`.
 
-    The same build_app / rank_loop as `ringattn serve --nproc 1`, without a process start."""
+    The same build_app / rank_loop as `ringattn serve --nproc 1`, without a process start;
+    `app`: build_app's keywords (max_queue), and max_body_bytes for its limits."""
 
-    def __init__(self, directory, api_key: str | None = None, name: str = "tiny"):
+    def __init__(self, directory, api_key: str | None = None, name: str = "tiny", **app):
         import transformers
 
         model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
@@ -185,10 +187,13 @@ class InProcess:
         self.jobs = CountingQueue()
         sock = bind("127.0.0.1", 0)
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
-        app = build_app(name, tok, limits(self.model), self.jobs, api_key)
-        self.server, http = serve_in_thread(app, sock)
+        self.metrics = Metrics(self.jobs.qsize)
+        self.limits = limits(self.model, tok, app.pop("max_body_bytes", None))
+        built = build_app(name, tok, self.limits, self.jobs, api_key, metrics=self.metrics, **app)
+        self.server, http = serve_in_thread(built, sock)
         args = (self.model, tok, resolve_group(None), "zigzag", self.jobs, http)
-        self.loop = threading.Thread(target=rank_loop, args=args, daemon=True)
+        kwargs = {"metrics": self.metrics}
+        self.loop = threading.Thread(target=rank_loop, args=args, kwargs=kwargs, daemon=True)
         self.loop.start()
 
     def close(self) -> None:

@@ -1,9 +1,10 @@
 """The house rules, checked on the source: the layers of docs/architecture.md hold.
 
 - no import cycle between ringattn's modules, counting imports inside functions too;
-- no ringattn module is imported inside a function: a lazy import is for optional dependencies
-  only (transformers, triton, ...: the ringattn modules that use them import them lazily
-  themselves), never a way to dodge a cycle;
+- a ringattn module is imported inside a function only if importing it imports an optional
+  dependency (the serve worker's FastAPI app): lazy imports are for optional extras, never a way
+  to dodge a cycle; `import ringattn` and the CLI import no optional package at module level;
+- integrations/ never imports inference/, serve/, train/ or cli/;
 - the core (the top-level modules, kernels/, strategies/) never imports an application package;
 - `inference/`, `planner/` and `models/` never import `train/`; `models/` imports no application
   but `runtime/`;
@@ -123,28 +124,104 @@ def test_no_module_over_400_lines():
     assert not long, long
 
 
-def _function_imports(tree: ast.AST) -> list[tuple[int, str]]:
-    """(line, module) of every import statement inside a function body."""
-    found = []
-    for func in ast.walk(tree):
-        if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            continue
-        for node in ast.walk(func):
-            if isinstance(node, ast.ImportFrom) and node.module:
-                found.append((node.lineno, node.module))
-            elif isinstance(node, ast.Import):
-                found.extend((node.lineno, a.name) for a in node.names)
-    return found
+# pyproject.toml's [project] dependencies: everything else outside the standard library is an
+# optional extra (transformers, fastapi, pydantic, matplotlib, tensorboard, pyarrow, triton...)
+REQUIRED = ("torch", "numpy", "typing_extensions")
 
 
-def test_no_ringattn_import_inside_a_function():
+def _split_imports(tree: ast.AST) -> tuple[list[tuple[int, str]], list[tuple[int, str]]]:
+    """(line, module) of every import statement: those that run when the module is imported
+    (module level, class bodies, try/if blocks) and those inside a function body."""
+    top: list[tuple[int, str]] = []
+    lazy: list[tuple[int, str]] = []
+
+    def names(node: ast.AST) -> list[tuple[int, str]]:
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found = [(node.lineno, node.module)]
+            # `from ringattn.serve import worker` imports the module ringattn.serve.worker
+            found += [(node.lineno, f"{node.module}.{a.name}") for a in node.names]
+            return found
+        if isinstance(node, ast.Import):
+            return [(node.lineno, a.name) for a in node.names]
+        return []
+
+    def walk(node: ast.AST, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            inside = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef))
+            (lazy if inside else top).extend(names(child))
+            walk(child, inside)
+
+    walk(tree, False)
+    return top, lazy
+
+
+def _optional(module: str) -> bool:
+    root = module.split(".")[0]
+    return root not in sys.stdlib_module_names and root not in REQUIRED and root != "ringattn"
+
+
+def _needs_an_extra() -> dict[str, set[str]]:
+    """For each ringattn module, the optional packages that importing it imports: its own
+    module-level imports and those of the ringattn modules it imports at module level."""
+    modules = _modules()
+    own, deps = {}, {}
+    for name, path in modules.items():
+        top, _ = _split_imports(ast.parse(path.read_text()))
+        own[name] = {m.split(".")[0] for _, m in top if _optional(m)}
+        deps[name] = {m for _, m in top if m in modules and m != name}
+        parts = name.split(".")  # importing a.b.c runs a/__init__ and a/b/__init__ first
+        deps[name] |= {".".join(parts[:i]) for i in range(1, len(parts))} & set(modules)
+    closure: dict[str, set[str]] = {}
+
+    def visit(name: str, seen: set[str]) -> set[str]:
+        if name not in closure:
+            seen.add(name)
+            found = set(own[name])
+            for dep in deps[name] - seen:
+                found |= visit(dep, seen)
+            closure[name] = found
+        return closure[name]
+
+    for name in modules:
+        visit(name, set())
+    return closure
+
+
+def test_lazy_imports_are_for_optional_dependencies_only():
+    """A ringattn module is imported inside a function only when importing it needs an optional
+    extra (e.g. the serve worker, whose FastAPI app needs pydantic): never to dodge a cycle."""
+    needs = _needs_an_extra()
+    assert needs["ringattn.serve.schema"] == {"pydantic"}  # the walk sees third-party imports
     lazy = [
         f"{path.relative_to(ROOT)}:{line} imports {module}"
         for path in ROOT.rglob("*.py")
-        for line, module in _function_imports(ast.parse(path.read_text()))
-        if module == "ringattn" or module.startswith("ringattn.")
+        for line, module in _split_imports(ast.parse(path.read_text()))[1]
+        if (module == "ringattn" or module.startswith("ringattn."))
+        and module in needs
+        and not needs[module]
     ]
     assert not lazy, "\n".join(lazy)
+
+
+def test_commands_start_without_optional_extras():
+    """`import ringattn` and the CLI import no optional package at module level: a bare `pip
+    install ringattn` runs every command that needs no extra (tests/test_bare_install.py runs
+    them in a fresh environment); the commands that need one say so (runtime/extras.py)."""
+    needs = _needs_an_extra()
+    for entry in ("ringattn", "ringattn.cli.main", "ringattn.__main__"):
+        assert not needs[entry], f"importing {entry} imports the optional {sorted(needs[entry])}"
+    assert needs["ringattn.hf"] == {"transformers"}  # says which extra, on import
+
+
+def test_integrations_never_import_the_applications():
+    """integrations/ adapts transformers and torch to the core; inference/, serve/, train/ and
+    the CLI build on it, never the reverse (the HF decoding engine lives in inference/hf/)."""
+    modules = _modules()
+    apps = ("ringattn.inference", "ringattn.serve", "ringattn.train", "ringattn.cli")
+    for name, path in modules.items():
+        if name.startswith("ringattn.integrations"):
+            bad = sorted(d for d in _imports(path, modules) if d.startswith(apps))
+            assert not bad, f"{name} imports {bad}"
 
 
 def test_applications_stand_side_by_side():

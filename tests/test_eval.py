@@ -154,5 +154,7 @@ def test_eval_rejects_bad_flags_before_launching(tiny, tmp_path, capfd, monkeypa
     real = importlib.util.find_spec
     hide = lambda name, *a: None if name == "transformers" else real(name, *a)
     monkeypatch.setattr(importlib.util, "find_spec", hide)
-    assert main(base) == 2
+    with pytest.raises(SystemExit) as info:
+        main(base)
+    assert info.value.code == 2
     assert "ringattn eval needs the hf extra: pip install 'ringattn[hf]'" in capfd.readouterr().err

@@ -83,6 +83,17 @@ def test_generate_hf_with_a_tokenizer_streams_decoded_text(tmp_path, capfd):
     assert "prompt tokens by the model's tokenizer (" in err, err
 
 
+def test_generate_hf_loads_the_checkpoint_dtype_or_dtype(tmp_path, capfd):
+    model = _save_llama(tmp_path / "llama", vocab_size=64)
+    model.to(torch.bfloat16).save_pretrained(tmp_path / "llama")
+    for flags, want in (([], "bfloat16"), (["--dtype", "float32"], "float32")):
+        argv = ["generate", "--hf", str(tmp_path / "llama"), "--prompt", "abc",
+                "--max-new-tokens", "2", *flags]  # fmt: skip
+        assert main(argv) == 0
+        err = capfd.readouterr().err
+        assert f"(weights from_pretrained, {want})" in err, err
+
+
 def test_generate_hf_rejects_bad_flags_before_launching(tmp_path, capfd):
     _save_llama(tmp_path / "llama", vocab_size=50)
     good = str(tmp_path / "llama")

@@ -69,18 +69,47 @@ def test_only_the_assistant_turns_and_their_end_of_turn_are_supervised():
     """The supervised tokens spell each assistant reply followed by <|im_end|>, nothing else."""
     tokenizer = _chat_tokenizer()
     messages = _conversation(3, 2)
-    ids, supervised = render(tokenizer, messages)
+    ids, _ = render(tokenizer, messages)
     assert ids == tokenizer(tokenizer.apply_chat_template(messages, tokenize=False))["input_ids"]
+    assert _supervised_pieces(tokenizer, messages) == ["it is 3.<|im_end|>", "it is 4.<|im_end|>"]
+    with pytest.raises(ValueError, match="must be a non-empty list"):
+        render(tokenizer, [{"content": "no role"}])
+
+
+def _supervised_pieces(tokenizer, messages: list[dict]) -> list[str]:
+    """The text of each run of supervised tokens of `messages` under `tokenizer`."""
+    ids, supervised = render(tokenizer, messages)
     pieces, current = [], []
-    for token, keep in zip(ids, supervised):
+    for token, keep in zip([*ids, None], [*supervised, False]):
         if keep:
             current.append(token)
         elif current:
             pieces.append("".join(tokenizer.convert_ids_to_tokens(current)))
             current = []
-    assert pieces == ["it is 3.<|im_end|>", "it is 4.<|im_end|>"]
-    with pytest.raises(ValueError, match="must be a non-empty list"):
-        render(tokenizer, [{"content": "no role"}])
+    return pieces
+
+
+# a default system prompt when the conversation has none: guarded (renders an empty conversation)
+# or not (messages[0] of an empty list fails: the header is then found by probing the first turn)
+_DEFAULT_SYSTEM = "<|im_start|>system\nbe kind.<|im_end|>\n{% endif %}"
+GUARDED = "{% if not messages or messages[0]['role'] != 'system' %}" + _DEFAULT_SYSTEM + CHATML
+UNGUARDED = "{% if messages[0]['role'] != 'system' %}" + _DEFAULT_SYSTEM + CHATML
+
+
+@pytest.mark.parametrize(
+    "template", [CHATML, GUARDED, UNGUARDED], ids=["chatml", "guarded", "unguarded"]
+)
+def test_a_conversation_that_opens_with_the_assistant_supervises_only_its_replies(template):
+    """The first turn's span starts after the template's own header for it (and after a system
+    prompt the template injects), never at character 0."""
+    tokenizer = _chat_tokenizer(template)
+    messages = [{"role": "assistant", "content": "hi."}, {"role": "user", "content": "x"},
+                {"role": "assistant", "content": "ok."}]  # fmt: skip
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    assert text.startswith("<|im_start|>system" if template != CHATML else "<|im_start|>assis")
+    assert _supervised_pieces(tokenizer, messages) == ["hi.<|im_end|>", "ok.<|im_end|>"]
+    # the injected system prompt of a conversation that opens with the user is not trained on
+    assert _supervised_pieces(tokenizer, messages[1:]) == ["ok.<|im_end|>"]
 
 
 def test_chat_training_at_cp2_equals_one_process(pools, chat, tmp_path):

@@ -118,3 +118,36 @@ def test_bf16_keeps_float32_master_weights_and_exports_the_source_dtype(
             assert json.load(f)["dtype"] == str(want).removeprefix("torch.")
         for name, p in model.named_parameters():  # the trained weights, rounded once
             torch.testing.assert_close(p, bf16["params"][f"model.{name}"].to(want), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("vocab, rows", [(256, 262144), (32000, 2048), (128256, 512),
+                                         (152064, 384), (262144, 256), (1 << 22, 64)])  # fmt: skip
+def test_the_default_loss_chunk_keeps_a_chunks_logits_within_256_mib(vocab, rows):
+    """--loss-chunk's default (and ringattn.hf.loss's) is chosen from the vocabulary: the most
+    rows, a multiple of 64, whose float32 logits fit in 256 MiB (at least 64 rows)."""
+    from ringattn.models.loss import LOGITS_BUDGET, resolve_chunk
+    from ringattn.train.config import TrainConfig
+
+    chunk = resolve_chunk(TrainConfig().loss_chunk, vocab)
+    assert chunk == rows and chunk % 64 == 0
+    assert chunk * vocab * 4 <= LOGITS_BUDGET or chunk == 64
+    assert 2 * chunk * vocab * 4 > LOGITS_BUDGET  # not needlessly small
+
+
+def test_hf_loss_default_chunk_follows_the_vocabulary(monkeypatch):
+    """With the budget shrunk to 64 rows of a 97-id vocabulary, ringattn.hf.loss's default chunk
+    gives lm_head at most 64 rows at a time (a fixed default would give it all 200)."""
+    from ringattn.models import loss as models_loss
+
+    monkeypatch.setattr(models_loss, "LOGITS_BUDGET", 64 * 97 * 4 + 100)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(_llama_config(vocab_size=97),
+                                                          dtype=torch.float32)  # fmt: skip
+    batch = _batch(97, seq_len=200)
+    rows = []
+    model.get_output_embeddings().register_forward_hook(
+        lambda m, args, out: rows.append(args[0].numel() // args[0].shape[-1])
+    )
+    got = ringattn.hf.loss(model, batch)
+    torch.testing.assert_close(got, model(**batch).loss, rtol=1e-6, atol=1e-6)
+    assert rows[:-1] == [64, 64, 64, 8] and rows[-1] == 200  # then the reference's whole logits

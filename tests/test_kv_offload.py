@@ -8,9 +8,11 @@ give the plain decoder's logits bit for bit.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from ringattn.inference import CachedDecoder, ShardedKVCache
+from ringattn.inference.hf.engine import KVEngine
 from workers_inference import build_model
 
 
@@ -83,3 +85,50 @@ def test_offloaded_decoder_gives_the_plain_logits_exactly():
         for i, (a, b) in enumerate(zip(*runs, strict=True)):
             assert torch.equal(a, b), (window, i)
         assert len({int(x.argmax()) for x in runs[0]}) > 1  # the tokens vary
+
+
+def test_offloaded_hf_engine_holds_at_most_the_next_layer_and_equals_the_plain_one():
+    """The HF engine keeps one cache per (layer, sequence): a decode step must leave at most one
+    prefetched device copy per sequence (the next token's layer 0), not a copy of every layer,
+    and its logits must equal the plain engine's bit for bit."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=3, num_attention_heads=4,
+                                      num_key_value_heads=2)  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    prompts = [torch.randint(0, 64, (n,), generator=torch.Generator().manual_seed(n))
+               for n in (9, 5)]  # fmt: skip
+    runs = []
+    for offload in (False, True):
+        engine = KVEngine(model, offload=offload)
+        with torch.no_grad():
+            logits = [engine.prefill(prompts)]
+            for _ in range(3):
+                logits.append(engine.decode([0, 1], logits[-1].argmax(-1).tolist()))
+                copies = sum(len(c._copies) for c in engine.state.caches.values())
+                assert copies <= (2 if offload else 0), copies  # one per sequence at most
+        runs.append(logits)
+    for a, b in zip(*runs, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_decoding_appends_and_evicts_without_reading_the_device():
+    """The decode path's cache work (append a token, evict out of the window, read the kept
+    rows) never reads device memory, so it never syncs the host per layer: on the meta device,
+    whose tensors hold no data, any read raises; the host copy of the positions is what counts."""
+    meta = torch.device("meta")
+    cache = ShardedKVCache(2, 0, 1, window=4)
+    k = torch.empty(1, 2, 6, 4, device=meta)
+    positions = torch.arange(6, device=meta)
+    for layer in range(2):
+        cache.store(layer, k, k, positions, host=torch.arange(6, device="cpu"))
+    for position in range(6, 12):
+        for layer in range(2):
+            one = torch.empty(1, 2, 1, 4, device=meta)
+            cache.append_decoded(layer, one, one, position, owner=0)
+            cache.evict(layer, position)
+            kept_k, _, _ = cache.kept(layer)
+            assert kept_k.shape[2] == 5  # the window: position - 4 .. position
+    assert cache.layers[0].host[cache.layers[0].start : cache.layers[0].length].tolist() == [
+        7, 8, 9, 10, 11]  # fmt: skip

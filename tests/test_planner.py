@@ -14,6 +14,8 @@ import pytest
 
 from ringattn.cli.main import main
 from ringattn.planner import calibrate as calib_mod
+from ringattn.planner.command import train_command
+from ringattn.planner.cost import PlanSpec, step_time
 from ringattn.planner.hardware import get_hardware
 from ringattn.planner.models import get_model
 from ringattn.planner.work import allgather_work, group_ring_steps
@@ -226,3 +228,34 @@ def test_calibration_cache_is_reused(tmp_path, monkeypatch, capsys):
         main(["plan", *args[:-1], str(other)])
     assert "not a calibration file" in capsys.readouterr().err
     assert other.read_text() == '{"rows": []}'
+
+
+def test_cpu_hosts_joined_by_a_shared_link():
+    """`--hardware cpu --gpus-per-node 2 --inter-bw B`: hosts of 2 processes joined by one link
+    of B GB/s (scripts/two_hosts_bench.py measures this). A ring crosses it once per direction,
+    hybrid's ring of Ulysses pairs with both ranks of a host at once: on a slow link hybrid
+    moves fewer bytes over fewer hops and wins; on one machine nothing changes."""
+    calibration = _fake_calibration()
+    one_machine = get_hardware("cpu", calibration=calibration)
+    slow = get_hardware("cpu", calibration=calibration, gpus_per_node=2, inter_bw=20e6 / 8 / 1e9)
+    assert slow.link_per_node and not one_machine.link_per_node
+    assert slow.transfer_s(1e6, inter=True) == pytest.approx(5e-5 + 1e6 / 2.5e6)
+    assert slow.transfer_s(1e6, inter=True, load=2) == pytest.approx(5e-5 + 2e6 / 2.5e6)
+    assert slow.transfer_s(1e6, inter=False) == one_machine.transfer_s(1e6, inter=True)
+    model = get_model("tiny")
+
+    def step(hw, strategy, ulysses=1):
+        spec = PlanSpec(model, hw, 2048, 1, 1, 4, 1, 1, strategy, "zigzag", "fp32",
+                        ulysses=ulysses)  # fmt: skip
+        return step_time(spec)
+
+    ring, hybrid = step(slow, "ring"), step(slow, "hybrid", 2)
+    assert hybrid["exposed_cp_comm_s"] < ring["exposed_cp_comm_s"]
+    assert hybrid["step_time_s"] < ring["step_time_s"]
+    assert step(one_machine, "ring")["step_time_s"] < ring["step_time_s"]
+    spec = PlanSpec(model, slow, 2048, 1, 1, 4, 1, 1, "hybrid", "zigzag", "fp32", ulysses=2)
+    assert train_command(spec)[0].startswith("torchrun --nnodes=2 --nproc-per-node=2 -m ringattn")
+    one = PlanSpec(model, one_machine, 2048, 1, 1, 4, 1, 1, "ring", "zigzag", "fp32")
+    assert train_command(one)[0].startswith("ringattn train --nproc 4 ")
+    with pytest.raises(ValueError, match="apply to GPU presets"):
+        get_hardware("cpu", calibration=calibration, tflops=10)

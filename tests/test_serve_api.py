@@ -185,6 +185,9 @@ def test_serve_refuses_bad_flags_before_launching(served, tmp_path, capfd):
         (["--hf", str(directory), "--nproc", "3", "--tp", "2"], "must divide --nproc 3"),
         (["--hf", str(bare)], "no tokenizer files"),
         (["--hf", str(tmp_path / "nowhere")], "no such directory or file"),
+        (["--hf", str(directory), "--max-queue", "-1"], "max-queue"),
+        (["--hf", str(directory), "--max-body-mb", "0"], "--max-body-mb must be > 0"),
+        (["--hf", str(directory), "--dtype", "float64"], "invalid choice: 'float64'"),
     ]:
         with pytest.raises(SystemExit) as info:
             main(["serve", *argv])

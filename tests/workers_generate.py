@@ -6,6 +6,10 @@ import torch
 
 import ringattn.hf
 import workers_hf
+from ringattn.comm import resolve_group
+from ringattn.inference.hf.batching import GREEDY, Request
+from ringattn.inference.hf.generate import NonFiniteLogits, decode_loop
+from ringattn.inference.session import TurnStats
 
 
 def batch(rank: int, world_size: int, arch: str, prompts: list, options: dict) -> list:
@@ -58,3 +62,23 @@ def tensor_parallel(rank: int, world_size: int, arch: str, prompts: list, new: i
     weight = model.base_model.layers[0].self_attn.k_proj.weight  # a DTensor: its local shard
     rows = weight.to_local().shape[0]
     return {"batch": out, "turns": turns, "cache_bytes": stats.cache_bytes, "k_rows": rows}
+
+
+def first_tokens(rank: int, world_size: int, logits: list, cancel: bool = False) -> list:
+    """decode_loop's first step over this rank's own logits (rank r: logits[r]); every rank must
+    keep rank 0's tokens and verdicts (greedy included: a near-tie must not split the ranks)."""
+    mine = torch.tensor(logits[rank], dtype=torch.float32)  # (n, vocab)
+    requests = [Request(torch.zeros(1, dtype=torch.int64), 1, GREEDY) for _ in range(len(mine))]
+    stop = (lambda i: rank == 0 and i == 0) if cancel else None  # only rank 0 says so
+    try:
+        return decode_loop(_NoEngine(), list(range(len(mine))), requests, mine, set(), None,
+                           TurnStats(), 0.0, [resolve_group(None)], stop)  # fmt: skip
+    except NonFiniteLogits as err:
+        return ["non-finite", str(err)]
+
+
+class _NoEngine:
+    """decode_loop's engine when no step follows the first: only a cancel's release is called."""
+
+    def release(self, seq: int) -> None:
+        pass

@@ -189,12 +189,10 @@ def generate_equal(rank, world_size, *, arch, layout, new_tokens=5):
 def train(rank, world_size, options):
     """`ringattn train --hf` in this pool's world: rank 0's logged loss and aux_loss per step, the
     initial and the final full parameters."""
-    from ringattn.train.config import TrainConfig
     from ringattn.train.loop import train as train_run
-    from ringattn.train.run import build_run
-    from workers_train import CPU, full_parameters
+    from workers_train import build, full_parameters
 
-    run = build_run(TrainConfig(**options), CPU)
+    run = build(options)  # optimizer="sgd": weights exact by construction
     start = full_parameters(run.model)
     run = train_run(run)
     params = full_parameters(run.model)

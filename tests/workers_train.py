@@ -12,7 +12,7 @@ import torch.distributed as dist
 from ringattn.train.config import TrainConfig
 from ringattn.train.data import IGNORE, shard_batch
 from ringattn.train.loop import train as train_run
-from ringattn.train.run import build_run
+from ringattn.train.run import Run, build_run
 from ringattn.train.step import forward_backward
 
 CPU = torch.device("cpu")
@@ -27,9 +27,24 @@ def full_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def build(options: dict) -> Run:
+    """build_run(TrainConfig(**options)), where `optimizer="sgd"` in `options` swaps the run's
+    AdamW for plain SGD. Weights after SGD are the initial ones minus lr x the summed gradients,
+    equal across world sizes to the gradients' rounding; Adam divides each element by its own
+    magnitude and turns a near-zero gradient's rounding into an lr-sized step, so Adam-trained
+    weights compared across world sizes depend on the CPU that adds them (issue 31). Tests that
+    compare trained weights across meshes use SGD; losses and resumes keep AdamW."""
+    options = dict(options)
+    optimizer = options.pop("optimizer", "adamw")
+    run = build_run(TrainConfig(**options), CPU)
+    if optimizer == "sgd":
+        run.optimizer = torch.optim.SGD(run.model.parameters(), lr=run.cfg.lr)
+    return run
+
+
 def train(rank: int, world_size: int, options: dict) -> dict:
     """Train with TrainConfig(**options); losses and accuracies of rank 0, final parameters."""
-    run = train_run(build_run(TrainConfig(**options), CPU))
+    run = train_run(build(options))
     params = full_parameters(run.model)
     return {
         "losses": [h["loss"] for h in run.history],

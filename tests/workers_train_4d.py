@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from ringattn.train.config import TrainConfig
 from ringattn.train.loop import train as train_run
-from ringattn.train.run import build_run
+from workers_train import build
 
 CPU = torch.device("cpu")
 
@@ -14,7 +13,7 @@ CPU = torch.device("cpu")
 def sharding(rank: int, world_size: int, options: dict) -> dict:
     """How the run's parameters are laid out on this rank: mesh degrees and coordinates, each
     parameter's local shape and its placements (names of the DTensor placements, or None)."""
-    run = build_run(TrainConfig(**options), CPU)
+    run = build(options)
     mesh = run.mesh
     params = {}
     for name, p in run.model.named_parameters():
@@ -32,7 +31,7 @@ def sharding(rank: int, world_size: int, options: dict) -> dict:
 def train_all_parameters(rank: int, world_size: int, options: dict) -> dict:
     """Train with TrainConfig(**options); rank 0's losses, and from EVERY rank the parameters it
     holds, whole (FSDP and TP shards gathered): under pp each rank holds only its stage's."""
-    run = train_run(build_run(TrainConfig(**options), CPU))
+    run = train_run(build(options))  # optimizer="sgd": weights exact by construction
     params = {}
     for name, p in run.model.named_parameters():
         params[name] = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()

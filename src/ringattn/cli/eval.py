@@ -10,14 +10,13 @@ with status 2 before anything is loaded.
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import sys
 from dataclasses import fields
 
 from ringattn.cli.options import LAYOUTS, int_list
 from ringattn.evals.grid import depth_list
 from ringattn.evals.tasks import TASKS
 from ringattn.evals.worker import EvalConfig, run_eval
+from ringattn.runtime.extras import require
 
 __all__ = ["add_eval_command"]
 
@@ -108,8 +107,6 @@ def add_eval_command(sub: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    if importlib.util.find_spec("transformers") is None:
-        print("ringattn eval needs the hf extra: pip install 'ringattn[hf]'", file=sys.stderr)
-        return 2
+    require("hf", "ringattn eval")  # MissingExtra: one line, exit 2 (cli/main.py)
     names = {f.name for f in fields(EvalConfig)}
     return run_eval(EvalConfig(**{k: v for k, v in vars(args).items() if k in names}))

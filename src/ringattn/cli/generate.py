@@ -10,8 +10,8 @@ module only reads flags, picks the prompt and launches.
 from __future__ import annotations
 
 import argparse
-from dataclasses import fields
 
+from ringattn.cli.flags import add_flags, from_args
 from ringattn.inference.generate import (
     GenerateConfig,
     check_config,
@@ -20,6 +20,7 @@ from ringattn.inference.generate import (
     resolve_checkpoint,
 )
 from ringattn.inference.partials import MERGES
+from ringattn.integrations.hf.source import DTYPES
 from ringattn.layout import LAYOUTS
 from ringattn.runtime import checkpoint as ckpt
 from ringattn.runtime.launch import launch, running_under_torchrun
@@ -66,74 +67,30 @@ def add_generate_command(sub: argparse._SubParsersAction) -> None:
         "--prompt-file, a run trained on the key-value task is asked a fresh sample's last "
         "query, and the right answer is shown.",
     )
-    source = p.add_mutually_exclusive_group()
-    source.add_argument(
-        "--checkpoint",
-        default=d.checkpoint,
-        help="a step-N checkpoint or a directory of them (the newest is used)",
+    source = p.add_mutually_exclusive_group()  # one, name, type, default and help: GenerateConfig
+    add_flags(source, d, ("checkpoint", "hf"), metavars={"hf": "DIR"})
+    names = (
+        "prompt",
+        "prompt_file",
+        "max_new_tokens",
+        "sample",
+        "nproc",
+        "layout",
+        "merge",
+        "temperature",
+        "top_k",
+        "top_p",
+        "seed",
+        "eos_id",
+        "offload_kv",
+        "tp",
+        "chat",
+        "dtype",
     )
-    source.add_argument(
-        "--hf",
-        default=d.hf,
-        metavar="DIR",
-        help="a local Hugging Face model directory (config.json, weights, tokenizer; a bare "
-        "config.json: random init from --seed) decoded with ringattn.hf.generate (greedy, or "
-        "sampled with --temperature/--top-k/--top-p/--seed); without a tokenizer the prompt's "
-        "bytes mod vocab_size are the tokens",
-    )
-    p.add_argument("--prompt", default=d.prompt, help="text to continue (bytes are tokens)")
-    p.add_argument("--prompt-file", default=d.prompt_file, help="a file whose bytes are the prompt")
-    p.add_argument(
-        "--max-new-tokens", type=int, default=d.max_new_tokens, help="tokens to generate"
-    )
-    p.add_argument(
-        "--sample",
-        type=int,
-        default=d.sample,
-        help="which fresh key-value sample to ask (without --prompt)",
-    )
-    p.add_argument("--nproc", type=int, default=d.nproc, help="ranks the KV cache is sharded over")
-    p.add_argument(
-        "--layout",
-        choices=tuple(LAYOUTS),
-        default=d.layout,
-        help="how the prompt is sharded",
-    )
-    p.add_argument(
-        "--merge",
-        choices=MERGES,
-        default=d.merge,
-        help="the one collective per layer that merges the ranks' partial attention per token",
-    )
-    p.add_argument("--temperature", type=float, default=d.temperature, help="0 = greedy")
-    p.add_argument(
-        "--top-k", type=int, default=d.top_k, help="sample among the k likeliest (0: all)"
-    )
-    p.add_argument("--top-p", type=float, default=d.top_p, help="nucleus sampling mass (1: all)")
-    p.add_argument("--seed", type=int, default=d.seed, help="sampling seed, shared by all ranks")
-    p.add_argument("--eos-id", type=int, default=d.eos_id, help="stop after this token id")
-    p.add_argument(
-        "--offload-kv",
-        action="store_true",
-        help="keep each rank's cache shard in host memory (pinned on CUDA) and copy each layer's "
-        "to the device while the previous layer computes",
-    )
-    p.add_argument(
-        "--tp",
-        type=int,
-        default=d.tp,
-        help="--hf: tensor-parallel degree (the model's own tp plan: heads and MLP over tp ranks); "
-        "the --nproc ranks form cp = nproc / tp context-parallel groups of tp",
-    )
-    p.add_argument(
-        "--chat",
-        action="store_true",
-        help="--hf: wrap the prompt as one user message with the tokenizer's chat template "
-        "(and its generation prompt)",
-    )
+    add_flags(p, d, names, choices={"layout": tuple(LAYOUTS), "merge": MERGES,
+                                    "dtype": tuple(DTYPES)})  # fmt: skip
     p.set_defaults(run=_run_from_args)
 
 
 def _run_from_args(args: argparse.Namespace) -> int:
-    flags = {f.name: getattr(args, f.name) for f in fields(GenerateConfig) if hasattr(args, f.name)}
-    return run_generate(GenerateConfig(**flags))
+    return run_generate(from_args(GenerateConfig, args))

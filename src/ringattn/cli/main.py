@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ringattn import __version__
 from ringattn.bench.million import MillionConfig, run_million
 from ringattn.bench.sweep import BenchConfig, run_bench
 from ringattn.cli.correctness import add_check_command
@@ -34,6 +35,7 @@ from ringattn.cli.plan import add_parser as add_plan_command
 from ringattn.cli.serve import add_serve_command
 from ringattn.cli.train import add_demo_command as add_train_demo_command
 from ringattn.cli.train import add_train_command
+from ringattn.runtime.extras import MissingExtra, require
 from ringattn.runtime.launch import LaunchError
 
 
@@ -197,6 +199,8 @@ def _bench_parser(sub) -> None:
 
 
 def _run_bench(args: argparse.Namespace) -> int:
+    if args.plot:
+        require("plot", "ringattn bench --plot")
     common = {"device": args.device, "backend": args.backend, "merge": args.merge,
               "seed": args.seed, "head_dim": args.head_dim, "json_path": args.json}  # fmt: skip
     if args.million:
@@ -218,6 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ringattn", description="Exact context-parallel (ring) attention for PyTorch."
     )
+    parser.add_argument("--version", action="version", version=f"ringattn {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     # each subcommand's parser sets `run`, the function that takes the parsed args
     add_train_demo_command(sub)
@@ -238,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.run(args)
+    except MissingExtra as err:  # an optional extra this command or flag needs: one line
+        parser.exit(2, f"{err}\n")
     except ValueError as err:  # a bad flag value, found before any process started
         parser.exit(2, f"ringattn {args.command}: error: {err}\n")
     except LaunchError as err:  # a rank failed; the message names it and quotes its error

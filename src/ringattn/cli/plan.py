@@ -100,8 +100,11 @@ def add_parser(sub) -> None:
     p.add_argument("--json", action="store_true", help='print one JSON object {"plans": [...]}')
     p.add_argument("--tflops", type=float, default=None, help="override peak bf16 TFLOP/s")
     p.add_argument("--intra-bw", type=float, default=None, help="override NVLink GB/s")
-    p.add_argument("--inter-bw", type=float, default=None, help="override inter-node GB/s per GPU")
-    p.add_argument("--gpus-per-node", type=int, default=None, help="override GPUs per node")
+    p.add_argument("--inter-bw", type=float, default=None, help="override inter-node GB/s per "
+                   "GPU (cpu: hosts of --gpus-per-node processes joined by one link of this many "
+                   "GB/s, which they share)")  # fmt: skip
+    p.add_argument("--gpus-per-node", type=int, default=None,
+                   help="override GPUs per node (cpu: processes per host)")  # fmt: skip
     p.add_argument("--calibrate", action="store_true",
                    help="measure this CPU (kernels by size, gloo, the trainer's step floor) and "
                    "cache it for --hardware cpu (which measures once by itself when the cache "

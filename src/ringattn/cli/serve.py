@@ -14,12 +14,13 @@ import argparse
 import os
 import signal
 import sys
-from dataclasses import fields
+from dataclasses import replace
 
+from ringattn.cli.flags import add_flags, from_args
+from ringattn.integrations.hf.source import DTYPES
 from ringattn.layout import LAYOUTS
 from ringattn.runtime.launch import LaunchError, launch, running_under_torchrun
 from ringattn.serve.config import ServeConfig, check
-from ringattn.serve.worker import serve_worker
 
 API_KEY_ENV = "RINGATTN_API_KEY"
 
@@ -35,7 +36,9 @@ def run_serve(cfg: ServeConfig) -> int:
     (`signal.set_wakeup_fd`), and a failure after SIGTERM or SIGINT counts as a stop."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
-    check(cfg)
+    check(cfg)  # first: the serve extra, whose FastAPI and pydantic the worker imports
+    from ringattn.serve.worker import serve_worker  # optional: needs the serve extra
+
     read_fd, write_fd = os.pipe()
     os.set_blocking(read_fd, False)
     os.set_blocking(write_fd, False)
@@ -80,31 +83,21 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
         "(each answer is the one it gets alone). Needs the "
         "serve extra (pip install 'ringattn[serve]').",
     )
-    p.add_argument("--hf", required=True, metavar="DIR",
-                   help="a local Hugging Face model directory with its tokenizer (a bare "
-                   "config.json: random init from --seed)")  # fmt: skip
-    p.add_argument("--nproc", type=int, default=d.nproc, help="ranks the KV cache is sharded over")
-    p.add_argument("--tp", type=int, default=d.tp,
-                   help="tensor-parallel degree: heads and MLP split over tp by the model's own "
-                   "tp plan, each prompt over cp = nproc / tp")  # fmt: skip
-    p.add_argument("--host", default=d.host, help="interface to listen on (loopback by default)")
-    p.add_argument("--port", type=int, default=d.port, help="TCP port (0: any free port)")
-    p.add_argument("--model-name", default=d.model_name,
-                   help="the model id in the API (default: the directory's name)")  # fmt: skip
-    # from the environment by default: a key on the command line shows in `ps` to every user
-    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV, d.api_key), metavar="KEY",
-                   help="require 'Authorization: Bearer KEY' on every request (default: "
-                   f"${API_KEY_ENV}, which other users cannot see in ps)")  # fmt: skip
-    p.add_argument("--layout", choices=tuple(LAYOUTS), default=d.layout,
-                   help="how each prompt is sharded")  # fmt: skip
-    p.add_argument("--seed", type=int, default=d.seed, help="seed of a random init (no weights)")
-    p.add_argument(
-        "--max-batch", type=int, default=d.max_batch,
-        help="requests waiting together run as one ragged batch of up to this many",
-    )  # fmt: skip
+    # name, type, default and help: ServeConfig's fields. The API key's default comes from the
+    # environment: a key on the command line shows in `ps` to every user
+    d = replace(d, api_key=os.environ.get(API_KEY_ENV, d.api_key))
+    names = ("hf", "nproc", "tp", "host", "port", "model_name", "api_key", "layout", "seed",
+             "max_batch", "max_queue", "max_body_mb", "dtype")  # fmt: skip
+    add_flags(
+        p,
+        d,
+        names,
+        choices={"layout": tuple(LAYOUTS), "dtype": tuple(DTYPES)},
+        metavars={"hf": "DIR", "api_key": "KEY", "max_body_mb": "MB"},
+        required=("hf",),
+    )
     p.set_defaults(run=_run_from_args)
 
 
 def _run_from_args(args: argparse.Namespace) -> int:
-    flags = {f.name: getattr(args, f.name) for f in fields(ServeConfig) if hasattr(args, f.name)}
-    return run_serve(ServeConfig(**flags))
+    return run_serve(from_args(ServeConfig, args))

@@ -2,8 +2,9 @@
 
     for length in lengths, depth in depths:          (every rank, the same order)
       prompt = tasks.build_prompt(codec, task, length, depth, seed, filler, chat)
-      greedy answer: ringattn.hf.generate over `group` (the prompt's prefill context-parallel,
-                     each rank keeping its shard of the KV cache; with `tp_group`, its heads)
+      greedy answer: ringattn.hf.generate (inference/hf/generate.py) over `group` (the
+                     prompt's prefill context-parallel, each rank keeping its shard of the KV
+                     cache; with `tp_group`, its heads)
       score: the expected strings found in the answer (tasks.score)
 
 The prompts are pure functions of their arguments and decoding is greedy, so every rank (and every
@@ -21,9 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
-import ringattn.hf
 from ringattn.evals.haystack import Codec, Filler
 from ringattn.evals.tasks import NEW_TOKENS, build_prompt, score
+from ringattn.inference.hf.generate import generate  # ringattn.hf.generate, without the extra
 
 __all__ = ["Grid", "depth_list", "evaluate"]
 
@@ -98,7 +99,7 @@ def evaluate(
             return single and "\n" in codec.decode(new).strip()
 
         start = time.perf_counter()
-        _, stats = ringattn.hf.generate(
+        _, stats = generate(
             model, torch.tensor([prompt.ids], device=device), grid.new_tokens, group=group,
             layout=layout, on_token=on_token, tp_group=tp_group, return_stats=True,
         )  # fmt: skip

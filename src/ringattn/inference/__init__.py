@@ -6,6 +6,7 @@
     sampling.py   greedy, temperature, top-k, top-p from one seed shared by the group
     decoder.py    the project's Transformer run over the cache: prefill, step, extend
     session.py    a conversation: checks, agreement, the generation loop, timings
+    hf/           the same for transformers models: ringattn.hf.generate and Session
 
 See DESIGN.md §9. An application package: the core never imports it.
 """

@@ -18,10 +18,16 @@ Offload (`ShardedKVCache.offload()`, `ringattn generate --offload-kv`): every la
 in host memory (pinned when the model computes on CUDA), rows first (capacity, B, Hkv, D) so that
 the live rows are one contiguous block. `kept(i)` returns device copies and starts the copy of
 layer i + 1 (i = last: layer 0, the next token's first), on a side CUDA stream, so it moves while
-layer i computes; on CPU the same path makes plain copies. Between the prefetch and its use the
-layer may gain the token being decoded or lose evicted rows; both ends are patched with logical
-row counters (`dropped`, `added`), so the copy equals the host rows exactly. At most two layers'
-shards are on the device at once.
+layer i computes; on CPU the same path makes plain copies. A cache of one layer (the HF path
+keeps one per (layer, sequence)) never prefetches itself: its owner calls `prefetch` on the next
+layer's cache instead. Between the prefetch and its use the layer may gain the token being
+decoded or lose evicted rows; both ends are patched with logical row counters (`dropped`,
+`added`), so the copy equals the host rows exactly. At most two layers' shards are on the device
+at once.
+
+No host sync per layer while decoding: every cache keeps its positions twice, on the device (for
+the attention masks) and on the host (`host`, which eviction searches), and a decoded token's
+position is written with a device fill, never copied from the host.
 """
 
 from __future__ import annotations
@@ -29,12 +35,19 @@ from __future__ import annotations
 import torch
 
 
+def _on_host(positions: torch.Tensor, host: torch.Tensor | None) -> torch.Tensor:
+    """The positions as a CPU int64 tensor: `host` if given, else a copy (a device sync)."""
+    return (positions if host is None else host).to("cpu", torch.int64)
+
+
 class LayerCache:
     """One layer's K/V on one rank: rows [start, length) of preallocated buffers are live."""
 
-    def __init__(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor):
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                 host: torch.Tensor | None = None):  # fmt: skip
         self.k, self.v = k.contiguous(), v.contiguous()  # (B, Hkv, capacity, D)
         self.positions = positions.to(torch.int64).contiguous()  # (capacity,) global positions
+        self.host = _on_host(positions, host).clone()  # (capacity,) the same, for eviction
         self.start, self.length = 0, k.shape[2]
 
     def reserve(self, extra: int) -> None:
@@ -53,15 +66,17 @@ class LayerCache:
         b, h, _, d = self.k.shape
         k = self.k.new_empty(b, h, capacity, d)
         v = self.v.new_empty(b, h, capacity, d)
-        positions = self.positions.new_empty(capacity)
+        positions, host = self.positions.new_empty(capacity), self.host.new_empty(capacity)
         count = self.length - self.start
         k[:, :, :count], v[:, :, :count] = self.k[:, :, live], self.v[:, :, live]
-        positions[:count] = self.positions[live]
-        self.k, self.v, self.positions = k, v, positions
+        positions[:count], host[:count] = self.positions[live], self.host[live]
+        self.k, self.v, self.positions, self.host = k, v, positions, host
         self.start, self.length = 0, count
 
-    def append(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
-        """Add tokens k, v (B, Hkv, n, D) at global `positions` (n,), after every kept one."""
+    def append(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+               host: torch.Tensor | None = None) -> None:  # fmt: skip
+        """Add tokens k, v (B, Hkv, n, D) at global `positions` (n,), after every kept one
+        (`host`: the positions on the CPU, when the caller has them without a device sync)."""
         n = k.shape[2]
         if n == 0:
             return
@@ -69,13 +84,14 @@ class LayerCache:
         rows = slice(self.length, self.length + n)
         self.k[:, :, rows], self.v[:, :, rows] = k, v
         self.positions[rows] = positions
+        self.host[rows] = _on_host(positions, host)
         self.length += n
 
     def evict_before(self, position: int) -> None:
-        """Drop every kept token whose position is below `position` (a prefix, see module doc)."""
-        live = self.positions[self.start : self.length]
-        # the probe on the positions' own device: a CPU scalar against CUDA positions raises
-        self.start += int(torch.searchsorted(live, torch.tensor(position, device=live.device)))
+        """Drop every kept token whose position is below `position` (a prefix, see module doc);
+        searched on the host copy of the positions: no device sync in the decode loop."""
+        live = self.host[self.start : self.length]
+        self.start += int(torch.searchsorted(live, torch.tensor(position, device="cpu")))
         if self.start > (self.k.shape[2] // 2):  # compact: the dead prefix must not grow forever
             self._resize(max(1, self.length - self.start))
 
@@ -108,15 +124,17 @@ class HostLayerCache:
     Live physical rows are [start, length); logical row j (counting every token ever added) is
     physical row start + j - dropped, so a device copy of logical rows [d, a) can be patched."""
 
-    def __init__(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, pin: bool):
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, pin: bool,
+                 host: torch.Tensor | None = None):  # fmt: skip
         self.pin = pin
         b, h, n, d = k.shape
         # host memory on purpose: the offloaded cache lives on the CPU (pinned with CUDA)
         self.k = torch.empty(n, b, h, d, dtype=k.dtype, device="cpu", pin_memory=pin)
         self.v = torch.empty(n, b, h, d, dtype=v.dtype, device="cpu", pin_memory=pin)
         self.positions = torch.empty(n, dtype=torch.int64, device=positions.device)
+        self.host = torch.empty(n, dtype=torch.int64, device="cpu")  # the positions, for eviction
         self.start = self.length = self.dropped = self.added = 0
-        self.append(k, v, positions)
+        self.append(k, v, positions, host)
 
     def reserve(self, extra: int) -> None:
         if self.length + extra > self.k.shape[0]:
@@ -133,12 +151,14 @@ class HostLayerCache:
                         pin_memory=self.pin)  # fmt: skip
         v = torch.empty(capacity, *self.v.shape[1:], dtype=self.v.dtype, device="cpu",
                         pin_memory=self.pin)  # fmt: skip
-        positions = self.positions.new_empty(capacity)
+        positions, host = self.positions.new_empty(capacity), self.host.new_empty(capacity)
         k[:count], v[:count], positions[:count] = self.k[live], self.v[live], self.positions[live]
-        self.k, self.v, self.positions = k, v, positions
+        host[:count] = self.host[live]
+        self.k, self.v, self.positions, self.host = k, v, positions, host
         self.start, self.length = 0, count
 
-    def append(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
+    def append(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+               host: torch.Tensor | None = None) -> None:  # fmt: skip
         """Add k, v (B, Hkv, n, D) (on any device) at global `positions` (n,)."""
         n = k.shape[2]
         if n == 0:
@@ -147,13 +167,14 @@ class HostLayerCache:
         rows = slice(self.length, self.length + n)
         self.k[rows].copy_(k.permute(2, 0, 1, 3))
         self.v[rows].copy_(v.permute(2, 0, 1, 3))
-        self.positions[rows] = positions.to("cpu", torch.int64)
+        self.host[rows] = _on_host(positions, host)
+        self.positions[rows] = positions.to(self.positions.device, torch.int64)
         self.length += n
         self.added += n
 
     def evict_before(self, position: int) -> None:
-        live = self.positions[self.start : self.length]
-        gone = int(torch.searchsorted(live, torch.tensor(position, device=live.device)))
+        live = self.host[self.start : self.length]
+        gone = int(torch.searchsorted(live, torch.tensor(position, device="cpu")))
         self.start += gone
         self.dropped += gone
         if self.start > (self.k.shape[0] // 2):
@@ -230,15 +251,17 @@ class ShardedKVCache:
             raise ValueError("offload() must be called before the cache holds any tokens")
         self.offloaded = True
 
-    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
-        """Add this rank's real tokens of a prefill or follow-up turn (padding rows removed)."""
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+              host: torch.Tensor | None = None) -> None:  # fmt: skip
+        """Add this rank's real tokens of a prefill or follow-up turn (padding rows removed);
+        `host`: the positions on the CPU if the caller has them (else copied: a sync)."""
         if self.layers[layer] is None and self.offloaded:
             self._device, self._positions_device = k.device, positions.device
-            self.layers[layer] = HostLayerCache(k, v, positions, pin=k.device.type == "cuda")
+            self.layers[layer] = HostLayerCache(k, v, positions, k.device.type == "cuda", host)
         elif self.layers[layer] is None:
-            self.layers[layer] = LayerCache(k, v, positions)
+            self.layers[layer] = LayerCache(k, v, positions, host)
         else:
-            self.layers[layer].append(k, v, positions)
+            self.layers[layer].append(k, v, positions, host)
 
     def next_owner(self) -> int:
         """The rank that keeps the next decoded token's K/V (the same answer on every rank)."""
@@ -247,9 +270,12 @@ class ShardedKVCache:
     def append_decoded(
         self, layer: int, k: torch.Tensor, v: torch.Tensor, position: int, owner: int
     ) -> None:
-        """Append one decoded token's k, v (B, Hkv, 1, D) on its owner only."""
+        """Append one decoded token's k, v (B, Hkv, 1, D) on its owner only. The position is a
+        fill on the device and a host tensor: no copy from the host, no sync."""
         if owner == self.rank:
-            self.store(layer, k, v, torch.tensor([position], device=k.device))
+            on_device = torch.full((1,), position, dtype=torch.int64, device=k.device)
+            on_host = torch.full((1,), position, dtype=torch.int64, device="cpu")
+            self.store(layer, k, v, on_device, on_host)
 
     def evict(self, layer: int, next_query: int) -> None:
         """With a window, drop what a query at `next_query` or later can no longer see."""
@@ -276,10 +302,14 @@ class ShardedKVCache:
             self._positions_device, copy=True
         )
         following = (layer + 1) % len(self.layers)
-        if self.layers[following] is not None:
-            self._copies[following] = _Copy(self.layers[following], self._device,
-                                            self._side_stream())  # fmt: skip
+        if following != layer:  # one layer per cache (the HF path): its owner prefetches
+            self.prefetch(following)
         return k, v, positions
+
+    def prefetch(self, layer: int) -> None:
+        """Start the device copy of `layer` (offloaded), unless one is under way."""
+        if self.offloaded and self.layers[layer] is not None and layer not in self._copies:
+            self._copies[layer] = _Copy(self.layers[layer], self._device, self._side_stream())
 
     def _side_stream(self):
         if self._device is None or self._device.type != "cuda":

@@ -40,6 +40,7 @@ from ringattn.inference.session import Session
 from ringattn.layout import LAYOUTS
 from ringattn.models import Transformer, model_config
 from ringattn.runtime import checkpoint as ckpt
+from ringattn.runtime.extras import require
 from ringattn.runtime.flags import check_at_least, check_choice
 from ringattn.runtime.launch import init_distributed
 
@@ -56,34 +57,47 @@ class GenerateConfig:
     """What `ringattn generate` runs; each field is the flag of the same name."""
 
     checkpoint: str = "runs/demo/checkpoints"
-    """A checkpoint directory (step-N) or a directory of them (the newest is used)."""
+    """a step-N checkpoint or a directory of them (the newest is used)"""
     hf: str | None = None
-    """A local Hugging Face model directory (or config.json) instead of --checkpoint."""
+    """a local Hugging Face model directory (config.json, weights, tokenizer; a bare config.json:
+    random init from --seed) decoded with ringattn.hf.generate (greedy, or sampled with
+    --temperature/--top-k/--top-p/--seed); without a tokenizer the prompt's bytes mod vocab_size
+    are the tokens"""
     prompt: str | None = None
-    """Text to continue; default: a fresh sample of the key-value task, if the run used it."""
+    """text to continue (bytes are tokens)"""
     prompt_file: str | None = None
-    """A file whose bytes are the prompt (instead of --prompt)."""
+    """a file whose bytes are the prompt"""
     max_new_tokens: int = 1
+    """tokens to generate"""
     sample: int = 0
-    """Which fresh key-value sample to use as the prompt."""
+    """which fresh key-value sample to ask (without --prompt)"""
     nproc: int = 1
-    """Ranks the prompt and the KV cache are sharded over (ignored under torchrun)."""
+    """ranks the KV cache is sharded over"""
     layout: str = "zigzag"
+    """how the prompt is sharded"""
     merge: str = "allgather"
-    """How the ranks' partial attention merges at each decoded token: allgather or allreduce."""
+    """the one collective per layer that merges the ranks' partial attention per token"""
     temperature: float = 0.0
-    """0: greedy."""
+    """0 = greedy"""
     top_k: int = 0
+    """sample among the k likeliest (0: all)"""
     top_p: float = 1.0
+    """nucleus sampling mass (1: all)"""
     seed: int = 0
+    """sampling seed, shared by all ranks"""
     eos_id: int | None = None
-    """Stop after this token id (a byte value)."""
+    """stop after this token id"""
     offload_kv: bool = False
-    """Keep the cache shards in host memory, each layer's copied in while the previous computes."""
+    """keep each rank's cache shard in host memory (pinned on CUDA) and copy each layer's to the
+    device while the previous layer computes"""
     tp: int = 1
-    """--hf: tensor-parallel degree; the --nproc ranks are cp = nproc / tp x tp."""
+    """--hf: tensor-parallel degree (the model's own tp plan: heads and MLP over tp ranks); the
+    --nproc ranks form cp = nproc / tp context-parallel groups of tp"""
     chat: bool = False
-    """--hf: wrap the prompt as a user message with the model's chat template."""
+    """--hf: wrap the prompt as one user message with the tokenizer's chat template (and its
+    generation prompt)"""
+    dtype: str = "auto"
+    """--hf: the weights' dtype (auto: the checkpoint's, float32 for a random init)"""
     prompt_ids: list[int] | None = None
     """The prompt's tokens, resolved from the flags before launch (`prompt`); not a flag."""
     answer: int | None = None
@@ -168,6 +182,7 @@ def check_config(cfg: GenerateConfig) -> None:
     if cfg.hf is None and (cfg.tp != 1 or cfg.chat):
         raise ValueError("--tp and --chat apply to --hf models; drop them with --checkpoint")
     if cfg.hf is not None:
+        require("hf", "ringattn generate --hf")
         check_hf(cfg)
     else:
         resolve_checkpoint(cfg.checkpoint)

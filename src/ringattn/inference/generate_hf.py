@@ -18,9 +18,10 @@
                                                  time to first token, decode tokens/s, each rank's
                                                  cache MB kept and held by its buffers
 
-With a tokenizer the continuation is streamed as text (the decoded prefix grows token by token,
-so multi-byte pieces come out whole); without one the prompt's bytes mod vocab_size are the
-tokens and the new token ids are printed, space-separated, after `generated ids:`.
+With a tokenizer the continuation is streamed as text, decoded incrementally (O(1) per token:
+inference/detokenize.py; multi-byte pieces come out whole); without one the prompt's bytes mod
+vocab_size are the tokens and the new token ids are printed, space-separated, after `generated
+ids:`.
 """
 
 from __future__ import annotations
@@ -31,11 +32,19 @@ import time
 
 import torch
 
-import ringattn.hf
 from ringattn.comm import all_gather_ints, backend_device, resolve_group
+from ringattn.inference.detokenize import Detokenizer
+from ringattn.inference.hf.generate import generate
 from ringattn.inference.sampling import Sampling
-from ringattn.integrations.hf.source import load_config, load_model, load_tokenizer, model_source
+from ringattn.integrations.hf.source import (
+    DTYPES,
+    load_config,
+    load_model,
+    load_tokenizer,
+    model_source,
+)
 from ringattn.integrations.hf.tensor_parallel import check_tensor_parallel, split_cp_tp
+from ringattn.runtime.flags import check_choice
 from ringattn.runtime.launch import init_distributed
 
 __all__ = ["Progress", "check", "hf_worker"]
@@ -97,6 +106,7 @@ def check(cfg) -> None:
         raise ValueError(f"--hf merges with allgather only; drop --merge {cfg.merge}")
     if not isinstance(cfg.tp, int) or cfg.tp < 1 or cfg.nproc % cfg.tp:
         raise ValueError(f"--tp {cfg.tp} must divide --nproc {cfg.nproc} (cp = nproc / tp)")
+    check_choice("dtype", cfg.dtype, DTYPES)
     source = model_source(cfg.hf)
     config = load_config(source)
     check_tensor_parallel(config, cfg.tp)
@@ -133,11 +143,13 @@ def hf_worker(cfg) -> dict:
     source = model_source(cfg.hf)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     torch.manual_seed(cfg.seed)  # from_config: the same random weights on every rank
-    model = load_model(source).eval()  # before the group exists: a plain local load
+    model = load_model(source, dtype=cfg.dtype).eval()  # before the group: a plain local load
     vocab_size = model.config.get_text_config().vocab_size
     device = _device(world_size)
-    model.to(device)  # model and inputs on the rank's device (NCCL needs CUDA tensors)
+    # split first (--tp): each weight reaches the device as this rank's shard, one at a time,
+    # so no GPU holds the whole model; then the rest (embeddings, norms) to the device
     group, tp_group = split_cp_tp(model, cfg.tp, world_size, device)
+    model.to(device)  # model and inputs on the rank's device (NCCL needs CUDA tensors)
     world = resolve_group(None)
     lead = world.rank == 0
     prompt, tokenizer, text = encode(cfg, source, vocab_size)
@@ -147,12 +159,13 @@ def hf_worker(cfg) -> dict:
         how = f"bytes mod vocab_size {vocab_size} (no tokenizer in {source.directory})"
     parallel = f"cp {world_size // cfg.tp} x tp {cfg.tp}" if cfg.tp > 1 else f"{world_size} ranks"
     if lead:
-        print(f"model {type(model).__name__} from {cfg.hf} ({source.describe()}), "
+        dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+        print(f"model {type(model).__name__} from {cfg.hf} ({source.describe()}, {dtype}), "
               f"{len(prompt)} prompt tokens by {how} on {parallel} ({cfg.layout}, {device.type}"
               f"{', --chat' if cfg.chat else ''})", file=sys.stderr, flush=True)  # fmt: skip
         print(text + "|" if tokenizer is not None else "generated ids:", end="", flush=True)
     new: list[int] = []
-    shown = [""]  # the decoded text printed so far
+    text_out = Detokenizer(tokenizer, skip_special_tokens=False) if tokenizer else None  # O(1)
     progress = Progress(lead)
 
     def on_token(token: int) -> None:
@@ -163,13 +176,12 @@ def hf_worker(cfg) -> dict:
         if tokenizer is None:
             print(f" {token}", end="", flush=True)
             return
-        decoded = tokenizer.decode(new)
-        if not decoded.endswith("\ufffd"):  # a multi-byte piece still incomplete: wait for it
-            print(decoded[len(shown[0]) :], end="", flush=True)
-            shown[0] = decoded
+        piece = text_out.push(token)  # "" while a multi-byte character is incomplete
+        if piece:
+            print(piece, end="", flush=True)
 
     start = time.perf_counter()
-    tokens, stats = ringattn.hf.generate(
+    tokens, stats = generate(
         model, torch.tensor([prompt], device=device), cfg.max_new_tokens, group=group,
         layout=cfg.layout, do_sample=cfg.temperature > 0, temperature=cfg.temperature,
         top_k=cfg.top_k, top_p=cfg.top_p, seed=cfg.seed, eos_token_id=cfg.eos_id,
@@ -181,8 +193,8 @@ def hf_worker(cfg) -> dict:
     figures = all_gather_ints([stats.cache_bytes, stats.cache_capacity_bytes], world,
                               backend_device(world, device))  # fmt: skip
     if lead:
-        if tokenizer is not None and len(shown[0]) < len(decoded := tokenizer.decode(new)):
-            print(decoded[len(shown[0]) :], end="")
+        if text_out is not None:
+            print(text_out.flush(), end="")
         print(flush=True)
         kept = ", ".join(f"{row[0] / 2**20:.3f}" for row in figures)
         held = ", ".join(f"{row[1] / 2**20:.3f}" for row in figures)

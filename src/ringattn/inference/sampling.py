@@ -3,10 +3,11 @@
 Every rank holds the same logits (the decode merge gives every rank the same bits) and draws from
 a generator seeded with the same seed, so every rank picks the same token without communicating.
 
-    temperature 0     argmax (greedy)
-    otherwise         softmax(logits / temperature), keep the top_k most likely (0: all), then the
-                      smallest set of most likely tokens whose probability reaches top_p (1: all),
-                      renormalise and draw once with torch.multinomial
+    temperature < GREEDY_BELOW (0 included)   argmax (greedy)
+    otherwise         softmax((logits - max) / temperature) in float64 (the max subtracted first:
+                      no temperature overflows it, 1e-310 included), keep the top_k most likely
+                      (0: all), then the smallest set of most likely tokens whose probability
+                      reaches top_p (1: all), renormalise and draw once with torch.multinomial
 """
 
 from __future__ import annotations
@@ -16,13 +17,16 @@ from dataclasses import dataclass
 
 import torch
 
+GREEDY_BELOW = 1e-5  # a temperature under this decodes greedily (the draw is an argmax anyway)
+SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed takes
+
 
 @dataclass(frozen=True)
 class Sampling:
     """How to pick each token; the defaults are greedy decoding."""
 
     temperature: float = 0.0
-    """0 means greedy (argmax); otherwise logits are divided by it before the softmax."""
+    """0 (or under GREEDY_BELOW) means greedy (argmax); otherwise logits are divided by it."""
     top_k: int = 0
     """Keep only the k most likely tokens; 0 keeps all."""
     top_p: float = 1.0
@@ -42,10 +46,13 @@ class Sampling:
             raise ValueError(f"top_p must be in (0, 1] (1 = no limit), got {self.top_p!r}")
         if not isinstance(self.seed, int):
             raise TypeError(f"seed must be an int, got {self.seed!r}")
+        if not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]:
+            raise ValueError(f"seed must be in [-2**63, 2**64) (a torch.Generator seed), got "
+                             f"{self.seed}")  # fmt: skip
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
     def generator(self, device: torch.device | str = "cpu") -> torch.Generator:
         """A generator seeded with `seed` on `device` (the logits' device: multinomial needs
@@ -54,10 +61,11 @@ class Sampling:
 
 
 def next_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator) -> int:
-    """The next token from logits (vocab,) float32."""
+    """The next token from logits (vocab,) float32 (finite: the caller checks)."""
     if sampling.greedy:
         return int(logits.argmax())
-    logits = logits.double() / sampling.temperature
+    logits = logits.double()
+    logits = (logits - logits.max()) / sampling.temperature  # <= 0, the max 0: exp never overflows
     if sampling.top_k and sampling.top_k < logits.numel():
         kth = torch.topk(logits, sampling.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, -math.inf)

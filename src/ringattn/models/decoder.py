@@ -31,7 +31,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ringattn import attention
 from ringattn.models.config import ModelConfig
-from ringattn.models.loss import chunked_cross_entropy
+from ringattn.models.loss import auto_chunk, chunked_cross_entropy
 from ringattn.models.norm import RMSNorm
 from ringattn.models.rope import apply_rope, rope_angles
 
@@ -116,7 +116,8 @@ class Transformer(nn.Module):
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         # memory levers, set from outside like the context-parallel options
         self.checkpoint_blocks = False  # recompute each block in backward instead of saving it
-        self.loss_chunk = 4096  # tokens per chunk of the output projection + loss; 0 = one chunk
+        # tokens per chunk of the output projection + loss (0 = one chunk): loss.py's rule
+        self.loss_chunk = auto_chunk(cfg.vocab_size)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:

@@ -1,6 +1,6 @@
 """The `ringattn train` command line that runs a plan, and what in the plan it cannot run.
 
-    cpu:   ringattn train --nproc N ...
+    cpu:   ringattn train --nproc N ...        (one machine; cpu hosts of G processes: torchrun)
     GPUs:  torchrun --nnodes=K --nproc-per-node=G -m ringattn train ...   (K nodes of G GPUs;
                                                    add torchrun's rendezvous flags for K > 1)
 
@@ -40,7 +40,7 @@ def _model_flags(spec: PlanSpec) -> list[str]:
 def train_command(spec: PlanSpec) -> tuple[str, str | None]:
     """(the command line, a note on what of the plan it does not run or None)."""
     hw, notes = spec.hw, []
-    if hw.is_cpu:
+    if hw.is_cpu and spec.gpus <= hw.gpus_per_node:  # one machine (cpu hosts: torchrun below)
         launch = ["ringattn", "train", "--nproc", str(spec.gpus)]
     else:
         per_node = min(spec.gpus, hw.gpus_per_node)

@@ -133,7 +133,8 @@ def _attention(spec: PlanSpec, backward: bool) -> tuple[float, float, float]:
         steps = group_ring_steps(spec.layout, w, u)
         rings = len(steps)
         hop = kv_bytes + (kv32 if backward else 0)  # backward: K/V and a dK/dV partial per hop
-        hop_s = hw.transfer_s(hop, cp_inter) if rings > 1 else 0.0
+        # every rank of a group sends its hop at once: U of a node's ranks cross its link
+        hop_s = hw.transfer_s(hop, cp_inter, load=u) if rings > 1 else 0.0
         total = exposed = 0.0
         for i, work in enumerate(steps):
             c = compute(work, hq / u, n)
@@ -142,7 +143,7 @@ def _attention(spec: PlanSpec, backward: bool) -> tuple[float, float, float]:
                 exposed += max(0.0, hop_s - c)
         sent = hop * (rings - 1)
         if backward and rings > 1:  # the last dK/dV partial returns to its owner after the loop
-            exposed += hw.transfer_s(kv32, cp_inter)
+            exposed += hw.transfer_s(kv32, cp_inter, load=u)
             sent += kv32
         if u > 1:  # the all-to-alls inside each group, nothing to hide them behind
             a2a = (u - 1) / u * (2 * q_bytes + kv_bytes + (0 if backward else lse))
@@ -168,7 +169,9 @@ def _attention(spec: PlanSpec, backward: bool) -> tuple[float, float, float]:
     else:
         sent = (w - 1) / w * (2 * q_bytes + (0 if backward else lse))
         sent += (2 if backward else 1) * (w - 1) * kv_bytes
-    return c, hw.transfer_s(sent, cp_inter, messages=2 * (w - 1)), sent
+    g = min(w, hw.gpus_per_node // spec.tp) if cp_inter else w
+    load = g * (w - g) / (w - 1)  # of a node's g ranks, the share of each one's bytes that leave
+    return c, hw.transfer_s(sent, cp_inter, messages=2 * (w - 1), load=load), sent
 
 
 def attention_layer_s(spec: PlanSpec, backward: bool) -> float:

@@ -16,6 +16,12 @@ fp32 is what `ringattn train --dtype float32` runs: torch leaves TF32 off, so it
 the plain fp32 peak; `tf32` prices torch.backends.cuda.matmul.allow_tf32 = True. On `cpu` the
 rates are tables measured on this machine (calibrate.py) and interpolated in log space, and more
 processes than cores share them at the measured oversubscription cost (oversubscribe.py).
+
+`cpu` with --gpus-per-node G and --inter-bw B is a cluster of such machines, G processes each,
+joined by one link of B GB/s per direction (testing/hosts.py makes one on this machine). Unlike
+a GPU node's NIC per GPU, that link is the node's: transfers that cross it at once share it, so a
+transfer is priced at B / load, `load` being how many of the node's processes send across at
+once (a ring: 1 per node; hybrid's ring of groups: U; an all-to-all: G x (W - G) / (W - 1)).
 """
 
 from __future__ import annotations
@@ -56,6 +62,8 @@ class Hardware:
     """Plain fp32 (non-tensor-core) peak."""
     intra_latency_s: float = 10e-6
     inter_latency_s: float = 20e-6
+    link_per_node: bool = False
+    """cpu with --inter-bw: inter_bw_gbs is the node's one link, shared by its processes."""
     matmul_eff: float = 0.70
     """One 8192^3 bf16 GEMM reaches 0.80 of peak on an H200 (DESIGN.md §6); a training step's
     mix of shapes under power-limited clocks sustains less: 0.70 is taken (also for tf32, fp32)."""
@@ -133,13 +141,17 @@ class Hardware:
             return nbytes / (max(self._rate("elementwise_gbs", threads)) * 1e9)
         return nbytes / (self.mem_bw_gbs * 1e9 * 0.8)
 
-    def transfer_s(self, nbytes: float, inter: bool, messages: int = 1) -> float:
-        """Seconds to move `nbytes` (per device) in `messages` dependent messages."""
+    def transfer_s(self, nbytes: float, inter: bool, messages: int = 1, load: float = 1.0) -> float:
+        """Seconds to move `nbytes` (per device) in `messages` dependent messages; `load`: how
+        many of a node's devices cross its link at once (counts only for a per-node link)."""
         if nbytes <= 0:
             return 0.0
         if self.is_cpu:
             gloo = self.calibration["gloo"]
-            return messages * gloo["latency_s"] + nbytes / (gloo["bandwidth_gbs"] * 1e9)
+            bw = gloo["bandwidth_gbs"]
+            if inter and self.inter_bw_gbs > 0:
+                bw = min(bw, self.inter_bw_gbs / max(1.0, load))
+            return messages * gloo["latency_s"] + nbytes / (bw * 1e9)
         bw, lat = (self.inter_bw_gbs, self.inter_latency_s) if inter else (
             self.intra_bw_gbs, self.intra_latency_s)  # fmt: skip
         return messages * lat + nbytes / (bw * 1e9)
@@ -212,8 +224,13 @@ def get_hardware(
                         ("--gpus-per-node", gpus_per_node)):  # fmt: skip
         if value is not None and value <= 0:
             raise ValueError(f"{flag} must be > 0, got {value}")
-    if hw.is_cpu and (tflops or intra_bw or inter_bw):
-        raise ValueError("--tflops/--intra-bw/--inter-bw apply to GPU presets; cpu is measured")
+    if hw.is_cpu and (tflops or intra_bw):
+        raise ValueError(
+            "--tflops/--intra-bw apply to GPU presets; cpu is measured (its "
+            "--inter-bw is the link between hosts of --gpus-per-node processes)"
+        )
+    if hw.is_cpu and inter_bw:
+        hw = replace(hw, link_per_node=True)
     changes = {"bf16_tflops": tflops, "intra_bw_gbs": intra_bw, "inter_bw_gbs": inter_bw,
                "gpus_per_node": gpus_per_node}  # fmt: skip
     if tflops:  # the other peaks keep their ratio to bf16

@@ -1,23 +1,43 @@
-"""Atomic training checkpoints with `torch.distributed.checkpoint` (DCP).
+"""Atomic, durable training checkpoints with `torch.distributed.checkpoint` (DCP).
 
     <dir>/step-00000200/        a complete checkpoint: what `latest` returns
         .metadata, __0_0.distcp ...   model and optimizer (sharded: each rank writes its part)
         train_state.json             step, data position, config (rank 0)
+        order.json                   {"written": n}: this checkpoint was the n-th written here
         rng/rank0.pt ...             each rank's RNG state
     <dir>/.tmp-step-00000300/   being written; never read, removed by the next save
+    <dir>/.replaced-step-N/     the old step-N while a new step-N replaces it (`publish`)
 
-Every rank writes into the temporary directory; after a barrier (every rank's files are on disk),
-rank 0 renames it to `step-N`. A rename within one file system is atomic, so a crash at any moment
-leaves either the previous set of complete checkpoints or the new one, never a half-written
-`step-N`. Only the last `keep` complete checkpoints are kept. On several nodes, `dir` must be on a
-file system every node sees (DCP's own requirement).
+Every rank writes into the temporary directory and fsyncs its files (DCP's writer does so for the
+shards, `write_synced` for the RNG state); after every rank reported success, rank 0 fsyncs the
+directory and renames it to `step-N` (`publish`), then fsyncs `<dir>`. So a crash or a power
+loss at any moment leaves the previous complete checkpoints, or those and the new one, never a
+`step-N` with missing or truncated files (a rename is atomic, but says nothing of the renamed
+files' data: only the fsyncs before it do). On several nodes, `dir` must be on a file system
+every node sees (DCP's own requirement).
 
-A write that fails (disk full, permission, a directory turned read-only) is a decision of every
-rank: each rank catches its own error, the ranks share them (one small all-gather per phase: the
-directory, then the files), and every rank raises the same `CheckpointError` naming the failed
-ranks; rank 0 removes the temporary directory. Nothing is renamed, so the previous complete
-checkpoint stays the newest, and old checkpoints are pruned only after a new one is committed.
-Weights that are not finite are never written (`NonFiniteWeights`, checked on every rank first).
+Durable publishing, shared with the token cache (train/hf/corpus.py) and --export: files written
+and fsync'ed into TMP/ (`write_synced`, `fsync_tree`), TMP/ fsync'ed, [an existing FINAL renamed
+to `.replaced-FINAL`], TMP renamed to FINAL (the commit point), the parent fsync'ed, [the old one
+deleted]. A crash between the two renames leaves the old version aside and nothing at FINAL:
+`recover` (the next writer) renames it back, and `complete_checkpoints` counts it meanwhile.
+`publish_into` is for a directory the user names (an export), which may hold other files: renamed
+whole only when it is new or empty, else file by file (each file atomic).
+
+"Newest" means last written, not highest step: `latest` and the pruning order checkpoints by
+`order.json` (a checkpoint written before it existed counts as older than any with it, by step
+among themselves). After a commit, rank 0 deletes the oldest-written complete checkpoints beyond
+`keep`: never the one just written, whatever its step.
+
+Any failure inside a save (disk full, permission, a read-only directory, `torch.save`'s
+RuntimeError, a bug) is a decision of every rank: each rank catches its own error, the ranks share
+them (one small all-gather per phase: the directory, the files, the commit), and every rank
+raises the same `CheckpointError` naming the failed ranks and their errors; rank 0 removes the
+temporary directory. The previous complete checkpoint stays the newest. Weights that are not
+finite are never written (`NonFiniteWeights`, checked on every rank first).
+
+`fault(point)`, where given, is called on every rank at each named point of a save (FAULT_POINTS;
+the commit's points on rank 0 only): the fault-injection tests kill the job or fill the disk there.
 
 The model and optimizer state come from `get_state_dict` (FSDP2 parameters are DTensors, so each
 rank saves and loads only its shard, and a run may resume on a different number of ranks). The
@@ -30,11 +50,21 @@ import json
 import os
 import re
 import shutil
+import sys
+from collections.abc import Callable
+from typing import IO
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["CheckpointError", "NonFiniteWeights", "latest", "load", "save"]
+__all__ = ["FAULT_POINTS", "CheckpointError", "NonFiniteWeights", "fsync_path", "fsync_tree",
+           "latest", "load", "publish", "publish_into", "save", "write_synced"]  # fmt: skip
+
+ASIDE_PREFIX = ".replaced-"
+
+FAULT_POINTS = ("start", "directory", "model", "rng", "state", "shared", "aside", "committed",
+                "synced", "pruned", "end")  # fmt: skip
+"""Where `save` calls `fault`, in order ("aside" only when the step is saved again)."""
 
 
 class CheckpointError(RuntimeError):
@@ -46,33 +76,52 @@ class NonFiniteWeights(CheckpointError):
 
 
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
+_ASIDE_DIR = re.compile(rf"^{re.escape(ASIDE_PREFIX)}step-(\d{{8}})$")
+ORDER_FILE = "order.json"
+_NON_FINITE = "non-finite values in"
 
 
 def _step_dir(root: str, step: int) -> str:
     return os.path.join(root, f"step-{step:08d}")
 
 
+def _written(path: str) -> int:
+    """The write order of a checkpoint: -1 for one written before order.json existed."""
+    try:
+        with open(os.path.join(path, ORDER_FILE)) as f:
+            return int(json.load(f)["written"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return -1
+
+
 def complete_checkpoints(root: str) -> list[tuple[int, str]]:
-    """(step, path) of every complete checkpoint under `root`, oldest first."""
+    """(step, path) of every complete checkpoint under `root`, in write order (newest last).
+
+    A `.replaced-step-N` whose `step-N` is missing (a crash between a replacement's two renames)
+    is the complete checkpoint of step N."""
     if not os.path.isdir(root):
         return []
+    names = os.listdir(root)
     found = [(int(m.group(1)), os.path.join(root, name))
-             for name in os.listdir(root) if (m := _STEP_DIR.match(name))]  # fmt: skip
-    return sorted(found)
+             for name in names if (m := _STEP_DIR.match(name))]  # fmt: skip
+    found += [(int(m.group(1)), os.path.join(root, name)) for name in names
+              if (m := _ASIDE_DIR.match(name)) and f"step-{m.group(1)}" not in names]  # fmt: skip
+    return sorted(found, key=lambda sp: (_written(sp[1]), sp[0]))
+
+
+def step_of(path: str) -> int:
+    """The step of a checkpoint directory (`step-N` or `.replaced-step-N`)."""
+    return int(os.path.basename(os.path.normpath(path)).rsplit("-", 1)[1])
 
 
 def latest(root: str | None) -> str | None:
-    """Path of the newest complete checkpoint under `root`, or None."""
+    """Path of the newest (last written) complete checkpoint under `root`, or None."""
     found = complete_checkpoints(root) if root else []
     return found[-1][1] if found else None
 
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def _no_fault(point: str) -> None:
+    del point
 
 
 def save(
@@ -82,55 +131,100 @@ def save(
     optimizer: torch.optim.Optimizer,
     state: dict,
     keep: int = 2,
+    fault: Callable[[str], None] | None = None,
 ) -> str:
     """Write the checkpoint of `step` (collective: every rank calls it); return its path.
 
-    `state` is JSON-serialisable training state (step, config...) written by rank 0.
-    """
+    `state` is JSON-serialisable training state (step, config...) written by rank 0. `fault`:
+    see the module docstring (testing)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
+    fault = fault or _no_fault
     rank = dist.get_rank() if dist.is_initialized() else 0
     final = _step_dir(root, step)
     tmp = os.path.join(root, f".tmp-step-{step:08d}")
-    model_state, optim_state = get_state_dict(model, optimizer)
-    bad = [name for name, value in model_state.items() if not _finite(value)]
-    failed = _share(f"non-finite values in {', '.join(bad[:3])}" if bad else None)
-    if failed:
+    try:
+        model_state, optim_state = get_state_dict(model, optimizer)
+        bad = [name for name, value in model_state.items() if not _finite(value)]
+        error = f"{_NON_FINITE} {', '.join(bad[:3])}" if bad else None
+    except Exception as err:  # noqa: BLE001 - shared like any other failure
+        error = _describe(err)
+    failed = _share(error)
+    if any(e.startswith(_NON_FINITE) for e in failed.values()):
         raise NonFiniteWeights(f"checkpoint of step {step} not written: {_ranks(failed)}; the "
                                f"newest complete checkpoint is {latest(root)}")  # fmt: skip
+    _raise_if_failed(failed, step, root, tmp, rank)
+    fault("start")
     error = None
     if rank == 0:
         try:
-            for name in os.listdir(root) if os.path.isdir(root) else []:
-                if name.startswith(".tmp-step-"):  # left by a crash: never complete, never read
-                    shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+            _clean(root)
             os.makedirs(os.path.join(tmp, "rng"))
-        except OSError as err:
+        except Exception as err:  # noqa: BLE001 - every failure is shared, whatever it is
             error = _describe(err)
     _raise_if_failed(_share(error), step, root, tmp, rank)  # a barrier: the directory is there
+    fault("directory")
     try:
-        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp)
-        torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank{rank}.pt"))
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp)  # fsyncs
+        fault("model")
+        rng = _rng_state()
+        write_synced(os.path.join(tmp, "rng", f"rank{rank}.pt"), lambda f: torch.save(rng, f))
+        fault("rng")
         if rank == 0:
-            with open(os.path.join(tmp, "train_state.json"), "w") as f:
-                json.dump(state, f, indent=2)
-                f.flush()
-                os.fsync(f.fileno())
+            order = max([_written(p) for _, p in complete_checkpoints(root)], default=-1) + 1
+            _write_json(os.path.join(tmp, "train_state.json"), state)
+            _write_json(os.path.join(tmp, ORDER_FILE), {"written": order, "step": step})
+            fault("state")
         error = None
-    except (OSError, CheckpointException) as err:
+    except (Exception, CheckpointException) as err:  # noqa: BLE001 - torch.save: RuntimeError
+        # on a full disk; DCP's CheckpointException is a BaseException
         error = _describe(err)
     _raise_if_failed(_share(error), step, root, tmp, rank)  # every rank's files are written
+    fault("shared")
     if rank == 0:
-        if os.path.exists(final):  # the same step saved again (a rerun): replace it
-            shutil.rmtree(final)
-        os.rename(tmp, final)  # the commit point
-        _fsync_dir(root)
-        for _, old in complete_checkpoints(root)[:-keep] if keep > 0 else []:
-            shutil.rmtree(old, ignore_errors=True)
-    _barrier()
+        try:
+            fsync_path(os.path.join(tmp, "rng"))  # the files' names: every rank's are there now
+            fsync_path(tmp)
+            publish(tmp, final, fault)
+            error = None
+        except Exception as err:  # noqa: BLE001
+            error = _describe(err)
+        if error is None:
+            _prune(root, keep)
+            fault("pruned")
+    _raise_if_failed(_share(error), step, root, tmp, rank)  # committed (or not) on every rank
+    fault("end")
     return final
+
+
+def _write_json(path: str, value: dict) -> None:
+    write_synced(path, lambda f: json.dump(value, f, indent=2), mode="w")
+
+
+def _clean(root: str) -> None:
+    """Rank 0, before a save: what a crash left is finished (`recover`) or removed."""
+    for name in os.listdir(root) if os.path.isdir(root) else []:
+        if name.startswith((".tmp-step-", ".pruned-step-")):  # never complete, never read
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        elif m := _ASIDE_DIR.match(name):
+            recover(os.path.join(root, f"step-{m.group(1)}"))
+
+
+def _prune(root: str, keep: int) -> None:
+    """Delete the oldest-written complete checkpoints beyond `keep` (the newest one never). Best
+    effort: the new checkpoint is committed, so a failure here only leaves an old one behind."""
+    if keep <= 0:
+        return
+    for step, old in complete_checkpoints(root)[:-keep]:
+        doomed = os.path.join(root, f".pruned-step-{step:08d}")
+        try:
+            os.rename(old, doomed)  # a half-deleted checkpoint never keeps a complete one's name
+        except OSError as err:
+            print(f"[checkpoint] could not prune {old}: {err}", file=sys.stderr, flush=True)
+            continue
+        shutil.rmtree(doomed, ignore_errors=True)
 
 
 def _finite(value: object) -> bool:
@@ -218,6 +312,83 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
+def fsync_path(path: str) -> None:
+    """fsync a file, or a directory (the names created, renamed or removed in it)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_synced(path: str, write: Callable[[IO], None], mode: str = "wb") -> None:
+    """Create `path` with `write(f)`, then flush and fsync it."""
+    with open(path, mode) as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def fsync_tree(root: str) -> None:
+    """fsync every file under `root` (written by another library), then every folder, deepest
+    first."""
+    for folder, _, names in os.walk(root, topdown=False):
+        for name in names:
+            fsync_path(os.path.join(folder, name))
+        fsync_path(folder)
+
+
+def _aside_of(final: str) -> str:
+    parent, name = os.path.split(os.path.normpath(final))
+    return os.path.join(parent, ASIDE_PREFIX + name)
+
+
+def recover(final: str) -> None:
+    """An aside version whose `final` is missing goes back; one whose `final` exists goes."""
+    aside = _aside_of(final)
+    if not os.path.isdir(aside):
+        return
+    if os.path.exists(final):
+        shutil.rmtree(aside, ignore_errors=True)
+    else:
+        os.rename(aside, final)
+        fsync_path(os.path.dirname(aside) or ".")
+
+
+def publish(tmp: str, final: str, fault: Callable[[str], None] | None = None) -> None:
+    """Rename the finished, fsync'ed directory `tmp` to `final`, an existing `final` renamed aside
+    first and deleted only after the commit (see the module docstring)."""
+    fault = fault or _no_fault
+    aside = _aside_of(final)
+    recover(final)
+    if os.path.exists(final):
+        os.rename(final, aside)
+        fault("aside")
+    try:
+        os.rename(tmp, final)  # the commit point
+    except BaseException:
+        if os.path.isdir(aside) and not os.path.exists(final):
+            os.rename(aside, final)
+        raise
+    fault("committed")
+    fsync_path(os.path.dirname(os.path.normpath(final)) or ".")
+    fault("synced")
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def publish_into(tmp: str, final: str) -> None:
+    """Publish the finished directory `tmp` (fsync'ed here) as `final`: renamed whole when `final`
+    is new or empty, else file by file into it (a user's other files stay); `tmp` is consumed."""
+    fsync_tree(tmp)
+    if not os.path.isdir(final) or not os.listdir(final):
+        if os.path.isdir(final):
+            os.rmdir(final)
+        publish(tmp, final)
+        return
+    for folder, _, names in os.walk(tmp):
+        target = os.path.join(final, os.path.relpath(folder, tmp))
+        os.makedirs(target, exist_ok=True)
+        for name in names:
+            os.replace(os.path.join(folder, name), os.path.join(target, name))
+        fsync_path(target)
+    shutil.rmtree(tmp, ignore_errors=True)

@@ -15,7 +15,7 @@ event file beside the old ones; TensorBoard joins them by step.
 
 from __future__ import annotations
 
-import importlib.util
+from ringattn.runtime.extras import require
 
 __all__ = ["TensorBoard", "check_tensorboard"]
 
@@ -23,12 +23,8 @@ _SKIP = ("step", "event")
 
 
 def check_tensorboard() -> None:
-    """ValueError with the fix when the optional `tensorboard` package is missing."""
-    if importlib.util.find_spec("tensorboard") is None:
-        raise ValueError(
-            "--tensorboard needs the tensorboard package: pip install 'ringattn[tensorboard]' "
-            "(or bash scripts/setup.sh), or drop --tensorboard (the JSON log has the same fields)"
-        )
+    """MissingExtra (a ValueError) with the fix when the optional `tensorboard` is missing."""
+    require("tensorboard", "ringattn train --tensorboard")
 
 
 class TensorBoard:

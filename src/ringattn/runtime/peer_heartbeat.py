@@ -6,13 +6,22 @@ nodes no shared directory. But every rank can reach torchrun's TCPStore (MASTER_
 the store the agent hosts and the process group was built on), so the ranks watch each other:
 
     rank r, thread "ringattn-peer-heartbeat", every BEAT_S:
-      store[hb/r] = {count, step, phase, pid, host}          its own beat (count always grows)
+      store[hb/r] = {count, step, phase, pid, host, node,    its own beat (count always grows)
+                     host_id}
       read hb/(r-1) and hb/(r+1)                              its two ring neighbours
       a neighbour's value unchanged for stall_s (measured on r's own clock, so clock skew
       between nodes does not matter) and not "done":
-        -> print "rank s (pid P on H) stopped responding: no heartbeat for 10 s, last at step 60
-           (train step)"; SIGKILL it when it runs on this host; exit EXIT_FROZEN_PEER (70)
+        -> print "rank s (pid P on node 1, host H) stopped responding: no heartbeat for 10 s,
+           last at step 60 (train step); node 1 holds ranks 2, 3"; SIGKILL it when it runs on
+           this host; exit EXIT_FROZEN_PEER (70)
+      the store itself silent for stall_s (the link to its node is down):
+        -> print "lost contact with the store at A:P for 10 s: ranks 0, 1 (node 0) are
+           unreachable"; exit EXIT_FROZEN_PEER (70)
       torchrun's agent then sees ranks exit and ends the job.
+
+"This host" is `host_identity()`: the boot id and the network and pid namespaces, not the
+hostname. Two containers, or two network namespaces standing in for two hosts (testing/hosts.py),
+share a hostname; a pid is only ours to signal when all three match.
 
 Each rank reads two keys per beat, so the store's load grows with W, not W^2; every rank is watched
 by two peers, so one frozen rank is named even if one of its neighbours is slow. The beat thread
@@ -46,12 +55,36 @@ from ringattn.inflight import snapshot
 from ringattn.runtime.mismatch import MIN_S, MismatchWatch
 from ringattn.runtime.outcome import EXIT_FROZEN_PEER, EXIT_MISMATCH
 
-__all__ = ["start_peer_beating"]
+__all__ = ["host_identity", "start_peer_beating"]
 
 BEAT_S = 1.0
 _PREFIX = "ringattn/heartbeat/"
 # one per restart of torchrun's worker group: a restarted group must not read the last one's
 _MISMATCH_KEY = f"ringattn/mismatch/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+
+def host_identity() -> str:
+    """What tells this host apart from every other: the kernel's boot id (another machine, or
+    the same one rebooted) and this process's network and pid namespaces (another container, or
+    another namespace of testing/hosts.py), after the hostname for people to read."""
+    parts = [socket.gethostname()]
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            parts.append(f.read().strip())
+    except OSError:
+        pass
+    for kind in ("net", "pid"):
+        try:
+            parts.append(os.readlink(f"/proc/self/ns/{kind}"))
+        except OSError:
+            pass
+    return "/".join(parts)
+
+
+def _where(record: dict) -> str:
+    """ "node 1, host vm" (node: torchrun's node rank, GROUP_RANK), or the hostname alone."""
+    node = record.get("node")
+    return (f"node {node}, host " if node is not None else "") + str(record.get("host"))
 
 
 class _PeerBeat:
@@ -64,16 +97,24 @@ class _PeerBeat:
         self.neighbours = sorted({(rank - 1) % world_size, (rank + 1) % world_size} - {rank})
         self.seen: dict[int, tuple[bytes, float]] = {}  # rank -> (last value, when it changed)
         self.mismatch = MismatchWatch()
+        self.host_id = host_identity()
+        node = os.environ.get("GROUP_RANK")
+        self.node = int(node) if node is not None and node.isdigit() else None
+        self.peers: dict[int, dict] = {}  # rank -> its last beat read (where it runs)
+        self.contact = time.monotonic()  # the last store operation that succeeded
 
     def beat(self, done: bool = False) -> None:
         with self.lock:
             self.count += 1
             record = {"count": self.count, "pid": os.getpid(), "host": socket.gethostname(),
-                      "done": done, **self.progress, "attention": snapshot()}  # fmt: skip
+                      "node": self.node, "host_id": self.host_id, "done": done,
+                      **self.progress, "attention": snapshot()}  # fmt: skip
         self.store.set(f"{_PREFIX}{self.rank}", json.dumps(record))
 
     def check(self) -> None:
         self.check_calls()
+        if len(self.peers) < self.world_size and self.count % 3 == 0:
+            self.read_peers(range(self.world_size))  # where each rank runs (W reads, until known)
         now = time.monotonic()
         keys = [f"{_PREFIX}{r}" for r in self.neighbours]
         present = [r for r, key in zip(self.neighbours, keys) if self.store.check([key])]
@@ -87,20 +128,53 @@ class _PeerBeat:
             if not record.get("done") and now - last[1] >= self.stall_s:
                 self.verdict(r, record, now - last[1])
 
+    def read_peers(self, ranks: range | list[int]) -> None:
+        for r in ranks:
+            key = f"{_PREFIX}{r}"
+            if self.store.check([key]):
+                self.peers[r] = json.loads(self.store.get(key))
+
+    def same_host(self, record: dict) -> bool:
+        return record.get("host_id") == self.host_id
+
     def verdict(self, rank: int, record: dict, silent: float) -> None:
-        where = ", ".join(f"{k} {v}" for k, v in record.items()
-                          if k not in ("count", "pid", "host", "done", "attention"))  # fmt: skip
-        killed = ""
-        if record.get("host") == socket.gethostname():
+        hidden = ("count", "pid", "host", "node", "host_id", "done", "attention")
+        where = ", ".join(f"{k} {v}" for k, v in record.items() if k not in hidden)
+        tail = ""
+        if self.same_host(record):  # never a pid of another host, whatever its hostname
             try:
                 os.kill(record["pid"], signal.SIGKILL)
-                killed = "; it was killed to end the job"
+                tail = "; it was killed to end the job"
             except (ProcessLookupError, PermissionError):
                 pass
-        text = (f"[rank {self.rank}] rank {rank} (pid {record.get('pid')} on "
-                f"{record.get('host')}) stopped responding: no heartbeat for {silent:.0f} s"
-                + (f", last at {where}" if where else "") + killed
-                + f"; rank {self.rank} exits with code {EXIT_FROZEN_PEER}\n")  # fmt: skip
+        else:
+            try:
+                self.read_peers(range(self.world_size))
+            except (RuntimeError, OSError, ValueError):
+                pass
+            mates = sorted(r for r, p in self.peers.items()
+                           if p.get("host_id") == record.get("host_id"))  # fmt: skip
+            if record.get("node") is not None and mates:
+                tail = f"; node {record['node']} holds ranks {', '.join(map(str, mates))}"
+        self.exit(f"rank {rank} (pid {record.get('pid')} on {_where(record)}) stopped "
+                  f"responding: no heartbeat for {silent:.0f} s"
+                  + (f", last at {where}" if where else "") + tail)  # fmt: skip
+
+    def lost_store(self, silent: float) -> None:
+        """The store has not answered for stall_s: the link to its host is down (or its agent
+        ended the job). Name the ranks of the other hosts, as last seen."""
+        others = {}
+        for r, p in sorted(self.peers.items()):
+            if not self.same_host(p):
+                others.setdefault(_where(p), []).append(str(r))
+        lost = "; ".join(f"ranks {', '.join(rs)} ({where})" for where, rs in others.items())
+        address = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+        self.exit(f"lost contact with the job's store at {address} for {silent:.0f} s"
+                  + (f": unreachable {lost}" if lost else ""))  # fmt: skip
+
+    def exit(self, message: str) -> None:
+        code = EXIT_FROZEN_PEER
+        text = f"[rank {self.rank}] {message}; rank {self.rank} exits with code {code}\n"
         try:
             os.write(sys.stderr.fileno(), text.encode())
         finally:
@@ -147,9 +221,20 @@ class _PeerBeat:
             try:
                 self.beat()
                 self.check()
+                self.contact = time.monotonic()
             except (RuntimeError, OSError, ValueError):
-                return  # the store is gone: torchrun's agent has ended the job
+                pass  # the store does not answer: watch_store decides
             time.sleep(BEAT_S)
+
+    def watch_store(self) -> None:
+        """Its own thread: a store operation on a cut link can block in recv for much longer
+        than the store's timeout, so the beat thread cannot be the one to notice. The store
+        silent for stall_s (a cut link, or torchrun's agent ended the job) ends this rank."""
+        while not self.done:
+            time.sleep(BEAT_S)
+            silent = time.monotonic() - self.contact
+            if not self.done and silent >= self.stall_s:
+                self.lost_store(silent)
 
     def finish(self) -> None:
         self.done = True
@@ -170,12 +255,15 @@ def start_peer_beating(rank: int, world_size: int, stall_s: float) -> None:
     global _PEER
     if _PEER is not None or world_size < 2 or "MASTER_ADDR" not in os.environ:
         return
+    # a store operation that takes stall_s is a lost link, not a slow store (it answers in ms)
+    timeout = datetime.timedelta(seconds=max(2.0, stall_s))
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                          is_master=False, timeout=datetime.timedelta(seconds=30))  # fmt: skip
+                          is_master=False, timeout=timeout)  # fmt: skip
     _PEER = _PeerBeat(store, rank, world_size, stall_s)
     _PEER.beat()
     atexit.register(_PEER.finish)
     threading.Thread(target=_PEER.run, name="ringattn-peer-heartbeat", daemon=True).start()
+    threading.Thread(target=_PEER.watch_store, name="ringattn-store-watch", daemon=True).start()
 
 
 def report_peer_progress(**progress: object) -> None:

@@ -5,12 +5,19 @@
                                 server-sent events, `data: {chat.completion.chunk}` then
                                 `data: [DONE]` (a usage chunk first with stream_options)
     POST /v1/completions        prompt (text or token ids) -> one choice, streamed the same way
+    GET  /health                200 {"status": "ok", ...} while the server runs
+    GET  /metrics               Prometheus text (metrics.py)
+    GET  /openapi.json          the endpoints, their bodies and their error responses
 
-Each body is parsed and admitted (schema.py) here, in the HTTP thread; a refusal is an HTTP
-error with the API's JSON body and nothing reaches the ranks. An admitted request becomes a
-`Job` in `jobs`, a queue the worker (main thread) takes from in order; its events come back on
-the job's asyncio queue. With `api_key`, every route needs `Authorization: Bearer <key>` (401
-otherwise, compared in constant time).
+A body over `limits.max_body_bytes` is refused unread (413). The rest is parsed and admitted
+(schema.py) on one admission thread, off the event loop: a long prompt's template and tokenizer
+never hold up another request or `GET /health`. A refusal is an HTTP error with the API's JSON
+body and nothing reaches the ranks; beyond `max_queue` waiting requests the answer is 503 with
+Retry-After. An admitted request becomes a `Job` in `jobs`, a queue the worker (main thread)
+takes from in order; its events come back on the job's asyncio queue. A client that goes away
+(a closed stream, a dropped connection) sets the job's `cancelled`: the worker drops it or ends
+its sequence at the next step. With `api_key`, every /v1 route needs `Authorization: Bearer
+<key>` (401 otherwise, compared in constant time); /health, /metrics and /openapi.json do not.
 
 FastAPI and uvicorn are the optional `serve` extra, so they are imported inside the functions
 that use them (and this module has no `from __future__ import annotations`: FastAPI reads the
@@ -25,24 +32,35 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 
+from ringattn.serve.metrics import Metrics
+from ringattn.serve.openapi import install_openapi, post_route, responses
 from ringattn.serve.protocol import Job
 from ringattn.serve.schema import APIError, ChatBody, CompletionBody, Limits, admit, parse
+
+RETRY_AFTER_S = 1  # Retry-After of a 503 (the queue is full)
+DRAIN_BYTES = 64 << 20  # a refused body is read and dropped up to this, then the line is cut
 
 __all__ = ["build_app", "serve_in_thread"]
 
 
 def build_app(model_name: str, tokenizer, limits: Limits, jobs: queue.Queue,
-              api_key: str | None = None):  # fmt: skip
+              api_key: str | None = None, *, metrics: Metrics | None = None,
+              max_queue: int | None = None):  # fmt: skip
     """The FastAPI app; admitted jobs go to `jobs` (see the module docstring)."""
     from fastapi import FastAPI, Request
+    from fastapi.responses import PlainTextResponse
 
-    app = FastAPI(title="ringattn serve", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="ringattn serve", docs_url=None, redoc_url=None)
+    install_openapi(app, (ChatBody, CompletionBody))
     created = int(time.time())
+    metrics = metrics if metrics is not None else Metrics(jobs.qsize)
+    admission = ThreadPoolExecutor(1, thread_name_prefix="ringattn-admit")  # one tokenizer user
 
     @app.middleware("http")
     async def _auth(request: Request, call_next):
-        if api_key is not None:
+        if api_key is not None and request.url.path.startswith("/v1"):
             given = request.headers.get("authorization", "")
             if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
                 return _error(APIError("Incorrect or missing API key: send the header "
@@ -60,42 +78,86 @@ def build_app(model_name: str, tokenizer, limits: Limits, jobs: queue.Queue,
         return _error(APIError(f"method {request.method} not allowed on {request.url.path}",
                                status=405))  # fmt: skip
 
-    @app.get("/v1/models")
+    @app.get("/health", summary="200 while the server runs")
+    async def health() -> dict:
+        return {"status": "ok", "running": metrics.running, "waiting": jobs.qsize()}
+
+    @app.get("/metrics", response_class=PlainTextResponse, summary="Prometheus text format")
+    async def prometheus():
+        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models", responses=responses(401))
     async def models() -> dict:
         return {"object": "list", "data": [_model_card(model_name, created)]}
 
-    @app.get("/v1/models/{name}")
+    @app.get("/v1/models/{name}", responses=responses(401, 404))
     async def model(name: str):
         if name != model_name:
             return _error(_unknown_model(name))
         return _model_card(model_name, created)
 
+    def _admit(raw: bytes, body_type: type):
+        body = parse(raw, body_type)
+        if body.model is not None and body.model != model_name:
+            raise _unknown_model(body.model)
+        return body, admit(body, tokenizer, limits)
+
     async def _submit(request: Request, body_type: type):
         try:
-            body = parse(await request.body(), body_type)
-            if body.model is not None and body.model != model_name:
-                raise _unknown_model(body.model)
-            job = Job(admit(body, tokenizer, limits), asyncio.get_running_loop())
+            raw = await _read_body(request, limits.max_body_bytes)
+            loop = asyncio.get_running_loop()
+            body, admitted = await loop.run_in_executor(admission, _admit, raw, body_type)
+            if max_queue is not None and jobs.qsize() >= max_queue:
+                raise APIError(f"the server has {jobs.qsize()} requests waiting (--max-queue "
+                               f"{max_queue}); retry shortly", code="server_busy", status=503,
+                               kind="server_error")  # fmt: skip
+            job = Job(admitted, loop)
         except APIError as err:
+            metrics.ended("rejected" if err.status == 503 else "invalid")
             return None, _error(err)
         jobs.put(job)
         return (body, job), None
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", **post_route(ChatBody))
     async def chat(request: Request):
         admitted, refused = await _submit(request, ChatBody)
         if refused is not None:
             return refused
-        return await _respond(*admitted, "chat.completion", "chatcmpl", model_name)
+        return await _respond(*admitted, "chat.completion", "chatcmpl", model_name, request)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", **post_route(CompletionBody))
     async def completions(request: Request):
         admitted, refused = await _submit(request, CompletionBody)
         if refused is not None:
             return refused
-        return await _respond(*admitted, "text_completion", "cmpl", model_name)
+        return await _respond(*admitted, "text_completion", "cmpl", model_name, request)
 
     return app
+
+
+async def _read_body(request, limit: int) -> bytes:
+    """The body, or APIError 413 once its Content-Length or its bytes pass `limit`: nothing
+    more is kept or parsed. The rest is read and dropped (up to DRAIN_BYTES) so that the client,
+    still sending, reads the 413 rather than a reset connection."""
+    declared = request.headers.get("content-length", "")
+    size = int(declared) if declared.isdigit() else 0
+    chunks, seen = [], 0
+    async for chunk in request.stream():
+        seen += len(chunk)
+        if max(size, seen) > limit:
+            if seen > DRAIN_BYTES:
+                break
+            continue
+        chunks.append(chunk)
+    if max(size, seen) > limit:
+        raise _too_large(max(size, seen), limit)
+    return b"".join(chunks)
+
+
+def _too_large(size: int, limit: int) -> APIError:
+    return APIError(f"the request body has {size} bytes (or more); this server takes up to "
+                    f"{limit} (a longer prompt cannot fit the model's context)",
+                    code="request_too_large", status=413)  # fmt: skip
 
 
 def _model_card(name: str, created: int) -> dict:
@@ -110,7 +172,14 @@ def _unknown_model(name: str) -> APIError:
 def _error(err: APIError):
     from fastapi.responses import JSONResponse
 
-    return JSONResponse(err.body(), status_code=err.status)
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if err.status == 503 else None
+    return JSONResponse(err.body(), status_code=err.status, headers=headers)
+
+
+def _event_error(event: tuple) -> APIError:
+    _, message, status = event
+    return APIError(message, status=status, code=None if status < 500 else "server_error",
+                    kind="invalid_request_error" if status < 500 else "server_error")  # fmt: skip
 
 
 def _choice(kind: str, text: str | None, finish: str | None, first: bool = False) -> dict:
@@ -125,7 +194,7 @@ def _choice(kind: str, text: str | None, finish: str | None, first: bool = False
     return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
 
 
-async def _respond(body, job: Job, kind: str, prefix: str, model_name: str):
+async def _respond(body, job: Job, kind: str, prefix: str, model_name: str, request):
     head = {"id": f"{prefix}-{uuid.uuid4().hex}", "created": int(time.time()),
             "model": model_name}  # fmt: skip
     if body.stream:
@@ -134,19 +203,38 @@ async def _respond(body, job: Job, kind: str, prefix: str, model_name: str):
         usage = body.stream_options is not None and body.stream_options.include_usage
         return StreamingResponse(_events(job, kind, head, usage), media_type="text/event-stream")
     pieces = []
-    while True:
-        event = await job.events.get()
-        if event[0] == "text":
-            pieces.append(event[1])
-        elif event[0] == "error":
-            return _error(APIError(event[1]))
-        else:
-            _, finish, usage = event
-            choice = _choice(kind, "".join(pieces), finish)
-            return {**head, "object": kind, "choices": [choice], "usage": usage}
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        while True:
+            event = asyncio.ensure_future(job.events.get())
+            await asyncio.wait({event, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not event.done():
+                event.cancel()
+                job.cancelled = True  # dropped while waiting, else ended at the next step
+                return _error(APIError("the client closed the request", status=499))
+            event = event.result()
+            if event[0] == "text":
+                pieces.append(event[1])
+            elif event[0] == "error":
+                return _error(_event_error(event))
+            else:
+                _, finish, usage = event
+                choice = _choice(kind, "".join(pieces), finish)
+                return {**head, "object": kind, "choices": [choice], "usage": usage}
+    finally:
+        gone.cancel()
+
+
+async def _disconnected(request) -> None:
+    """Returns when the client has gone (the body is read: the server's next ASGI message for
+    this request is its disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _events(job: Job, kind: str, head: dict, with_usage: bool) -> AsyncIterator[str]:
+    """The server-sent events of one stream; a stream closed before its end (the client gone)
+    cancels the job."""
     chunk_kind = "chat.completion.chunk" if kind == "chat.completion" else kind
     delta_kind = "chat.delta" if kind == "chat.completion" else kind
 
@@ -154,23 +242,30 @@ async def _events(job: Job, kind: str, head: dict, with_usage: bool) -> AsyncIte
         chunk = {**head, "object": chunk_kind, "choices": choices, **extra}
         return f"data: {json.dumps(chunk)}\n\n"
 
-    if kind == "chat.completion":
-        yield sse([_choice(delta_kind, None, None, first=True)])
-    while True:
-        event = await job.events.get()
-        if event[0] == "text":
-            if event[1]:
-                yield sse([_choice(delta_kind, event[1], None)])
-        elif event[0] == "error":
-            yield f"data: {json.dumps(APIError(event[1]).body())}\n\n"
-            return
-        else:
-            _, finish, usage = event
-            yield sse([_choice(delta_kind, None, finish)])
-            if with_usage:
-                yield sse([], usage=usage)
-            yield "data: [DONE]\n\n"
-            return
+    ended = False
+    try:
+        if kind == "chat.completion":
+            yield sse([_choice(delta_kind, None, None, first=True)])
+        while True:
+            event = await job.events.get()
+            if event[0] == "text":
+                if event[1]:
+                    yield sse([_choice(delta_kind, event[1], None)])
+            elif event[0] == "error":
+                ended = True
+                yield f"data: {json.dumps(_event_error(event).body())}\n\n"
+                return
+            else:
+                ended = True
+                _, finish, usage = event
+                yield sse([_choice(delta_kind, None, finish)])
+                if with_usage:
+                    yield sse([], usage=usage)
+                yield "data: [DONE]\n\n"
+                return
+    finally:
+        if not ended:
+            job.cancelled = True
 
 
 def serve_in_thread(app, sock) -> tuple[object, threading.Thread]:

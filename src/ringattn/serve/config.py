@@ -8,14 +8,14 @@ check(cfg)  the model directory has a config and a tokenizer (the server speaks 
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import socket
 from dataclasses import dataclass
 
-from ringattn.integrations.hf.source import load_config, model_source
+from ringattn.integrations.hf.source import DTYPES, load_config, model_source
 from ringattn.integrations.hf.tensor_parallel import check_tensor_parallel
 from ringattn.layout import LAYOUTS
+from ringattn.runtime.extras import require
 from ringattn.runtime.flags import check_at_least, check_choice
 
 __all__ = ["ServeConfig", "bind", "check", "model_name"]
@@ -24,25 +24,35 @@ __all__ = ["ServeConfig", "bind", "check", "model_name"]
 @dataclass
 class ServeConfig:
     hf: str | None = None
-    """A local Hugging Face model directory: config.json, tokenizer, weights (or none: random)."""
+    """a local Hugging Face model directory with its tokenizer (a bare config.json: random init
+    from --seed)"""
     nproc: int = 1
-    """Ranks; every rank takes part in each request's prefill and decode."""
+    """ranks the KV cache is sharded over"""
     tp: int = 1
-    """Tensor-parallel degree (cp = nproc / tp)."""
+    """tensor-parallel degree: heads and MLP split over tp by the model's own tp plan, each
+    prompt over cp = nproc / tp"""
     host: str = "127.0.0.1"
-    """Interface to listen on (loopback unless asked)."""
+    """interface to listen on (loopback by default)"""
     port: int = 8000
-    """TCP port (0: any free port, printed at start)."""
+    """TCP port (0: any free port)"""
     model_name: str | None = None
-    """The model's id in the API (default: the directory's name)."""
+    """the model id in the API (default: the directory's name)"""
     api_key: str | None = None
-    """When set, every request needs `Authorization: Bearer KEY`."""
+    """require 'Authorization: Bearer KEY' on every request (default: $RINGATTN_API_KEY, which
+    other users cannot see in ps)"""
     layout: str = "zigzag"
-    """How each prompt is sharded over the ranks."""
+    """how each prompt is sharded"""
     seed: int = 0
-    """Seed of the random init when the directory has no weights."""
+    """seed of a random init (no weights)"""
     max_batch: int = 8
-    """Requests waiting together run as one ragged batch of at most this many."""
+    """requests waiting together run as one ragged batch of up to this many"""
+    max_queue: int = 256
+    """requests that may wait for the ranks; beyond, 503 with Retry-After (0: no limit)"""
+    max_body_mb: float | None = None
+    """the largest request body in MiB, 413 beyond (None: 32 bytes per context token, at least 1
+    MiB)"""
+    dtype: str = "auto"
+    """the weights' dtype (auto: the checkpoint's)"""
 
 
 def model_name(cfg: ServeConfig) -> str:
@@ -66,15 +76,16 @@ def bind(host: str, port: int) -> socket.socket:
 
 def check(cfg: ServeConfig) -> None:
     """Every flag mistake as a ValueError, before any process starts (see the docstring)."""
-    missing = [m for m in ("fastapi", "uvicorn") if importlib.util.find_spec(m) is None]
-    if missing:
-        raise ValueError(f"ringattn serve needs {' and '.join(missing)}: pip install "
-                         f"'ringattn[serve]' (or bash scripts/setup.sh)")  # fmt: skip
+    require("serve", "ringattn serve")
     if cfg.hf is None:
         raise ValueError("ringattn serve needs --hf DIR (a local Hugging Face model directory)")
     check_at_least("nproc", cfg.nproc, 1)
     check_at_least("tp", cfg.tp, 1)
     check_at_least("max-batch", cfg.max_batch, 1)
+    check_at_least("max-queue", cfg.max_queue, 0)
+    check_choice("dtype", cfg.dtype, DTYPES)
+    if cfg.max_body_mb is not None and not cfg.max_body_mb > 0:
+        raise ValueError(f"--max-body-mb must be > 0, got {cfg.max_body_mb}")
     if cfg.nproc % cfg.tp:
         raise ValueError(f"--tp {cfg.tp} must divide --nproc {cfg.nproc} (cp = nproc / tp)")
     check_choice("layout", cfg.layout, LAYOUTS)

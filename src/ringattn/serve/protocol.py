@@ -10,12 +10,16 @@ Job       rank 0 only: a request plus the asyncio queue of its events, filled fr
           worker thread with `loop.call_soon_threadsafe`:
               ("text", piece)                        streamed text
               ("done", finish_reason, usage dict)    the end ("stop" or "length")
-              ("error", message)                     the ranks refused the request
+              ("error", message, status)             the request failed: 400 (the ranks
+                                                     refused it) or 500 (a server-side failure)
+          and `cancelled`, set by the HTTP thread when the client has gone: the worker drops the
+          job if it still waits, else ends its sequence on every rank at the next step.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import asdict, dataclass, field
 
 from ringattn.comm import GroupInfo, broadcast_json
@@ -57,7 +61,12 @@ class Job:
     def __init__(self, request: Request, loop: asyncio.AbstractEventLoop):
         self.request, self.loop = request, loop
         self.events: asyncio.Queue = asyncio.Queue()
+        self.arrived = time.monotonic()  # admission: time to first token counts from here
+        self.cancelled = False  # set by the HTTP thread, read by the worker (a plain flag)
 
     def emit(self, *event: object) -> None:
         """Called from the worker thread: hand one event to the HTTP thread's loop."""
-        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:  # the loop has closed (the server is stopping): nobody listens
+            pass

@@ -2,15 +2,22 @@
 
     body (JSON bytes) --pydantic, strict types--> ChatBody / CompletionBody
       --admit--> checks the API would refuse (empty messages, unknown roles, n != 1, too many
-                 stop strings), the chat template (tokenizer.apply_chat_template), the context
-                 limit (prompt + max_tokens <= the model's max_position_embeddings)
+                 or too long stop strings), a prompt too long in characters to fit however it
+                 tokenizes (refused before the template and the tokenizer run), the chat
+                 template (tokenizer.apply_chat_template), the context limit (prompt +
+                 max_tokens <= the model's max_position_embeddings)
       --> Request (token ids, max_new_tokens, temperature, top_p, seed, stop)
 
-Every refusal is an `APIError` (HTTP 400 with the API's error body: message, type, param, code),
-raised on rank 0 before anything is sent to the other ranks. Sampling defaults: an omitted
-`temperature`/`top_p` takes the model's generation_config when it samples (do_sample), else
-greedy, as vLLM does; `temperature: 0` is greedy. A sampled request without a `seed` gets one
-drawn here, so every rank draws the same tokens.
+Every field is bounded: max_tokens by the context, temperature [0, 2], top_p (0, 1], seed
+[0, 2^63), stop (up to MAX_STOP strings of up to MAX_STOP_CHARS), the prompt (its characters,
+then its tokens); the body's bytes are bounded before it is parsed (app.py: 413). Every refusal
+is an `APIError` (HTTP 400 with the API's error body: message, type, param, code), raised on
+rank 0 before anything is sent to the other ranks. Completions tokenize text with the
+tokenizer's special tokens (a BOS where the model has one), as the model was trained.
+
+Sampling defaults: an omitted `temperature`/`top_p` takes the model's generation_config when it
+samples (do_sample), else greedy, as vLLM does; `temperature: 0` is greedy. A sampled request
+without a `seed` gets one drawn here, so every rank draws the same tokens.
 """
 
 from __future__ import annotations
@@ -27,6 +34,8 @@ __all__ = ["APIError", "ChatBody", "CompletionBody", "Limits", "admit", "parse"]
 
 ROLES = ("system", "developer", "user", "assistant")
 MAX_STOP = 4
+MAX_STOP_CHARS = 256  # a stop string holds back as many characters of the stream
+SEED_LIMIT = 2**63
 
 
 class APIError(Exception):
@@ -67,7 +76,7 @@ class _Common(_Strict):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, lt=SEED_LIMIT)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -93,6 +102,8 @@ class Limits:
     sampling: bool  # ringattn.hf.generate samples (do_sample=...); else greedy only
     default_temperature: float = 0.0  # from generation_config when it samples
     default_top_p: float = 1.0
+    max_prompt_chars: int | None = None  # more characters cannot fit the context (None: no bound)
+    max_body_bytes: int = 16 << 20  # a bigger body is refused unread (413)
 
 
 def parse(raw: bytes, body_type: type[_Common]) -> _Common:
@@ -119,16 +130,34 @@ def _text(message: Message, index: int) -> str:
     return message.content
 
 
-def chat_ids(body: ChatBody, tokenizer) -> list[int]:
+def _check_chars(chars: int, limits: Limits, where: str) -> None:
+    """Refuse a prompt whose text cannot fit the context however it tokenizes (no token covers
+    more characters than the vocabulary's longest), before the template and tokenizer run."""
+    if limits.max_prompt_chars is not None and chars > limits.max_prompt_chars:
+        raise APIError(
+            f"This model's maximum context length is {limits.context} tokens, which holds at "
+            f"most {limits.max_prompt_chars} characters of text; the {where} has {chars}. "
+            f"Please reduce the length of the {where}.",
+            param=where, code="context_length_exceeded",
+        )  # fmt: skip
+
+
+def chat_ids(body: ChatBody, tokenizer, limits: Limits | None = None) -> list[int]:
     """The messages through the tokenizer's chat template, ending with the assistant's turn."""
     if not body.messages:
         raise APIError("messages must hold at least one message", param="messages")
+    if limits is not None and len(body.messages) > limits.context:  # each takes a token at least
+        raise APIError(f"{len(body.messages)} messages cannot fit the context of "
+                       f"{limits.context} tokens", param="messages",
+                       code="context_length_exceeded")  # fmt: skip
     messages = []
     for i, m in enumerate(body.messages):
         if m.role not in ROLES:
             raise APIError(f"messages[{i}].role {m.role!r} is not one of {', '.join(ROLES)}",
                            param=f"messages.{i}.role")  # fmt: skip
         messages.append({"role": m.role, "content": _text(m, i)})
+    if limits is not None:
+        _check_chars(sum(len(m["content"]) for m in messages), limits, "messages")
     if getattr(tokenizer, "chat_template", None) is None:
         raise APIError("the model's tokenizer has no chat template; use /v1/completions")
     from jinja2 import TemplateError  # transformers' chat templates are Jinja
@@ -143,14 +172,19 @@ def chat_ids(body: ChatBody, tokenizer) -> list[int]:
     return [int(t) for t in ids]
 
 
-def completion_ids(body: CompletionBody, tokenizer, vocab_size: int) -> list[int]:
-    prompt = body.prompt
+def completion_ids(body: CompletionBody, tokenizer, limits: Limits) -> list[int]:
+    """The prompt's token ids: text through the tokenizer with its special tokens (BOS), or
+    the ids as given."""
+    prompt, vocab_size = body.prompt, limits.vocab_size
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
         if len(prompt) != 1:
             raise APIError(f"one prompt per request, got {len(prompt)}", param="prompt")
         prompt = prompt[0]
     if isinstance(prompt, str):
-        ids = list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+        if not prompt:
+            raise APIError("the prompt is empty (no tokens)", param="prompt")
+        _check_chars(len(prompt), limits, "prompt")
+        ids = list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
     else:
         ids = list(prompt)
         bad = [t for t in ids if not 0 <= t < vocab_size]
@@ -170,14 +204,15 @@ def admit(body: _Common, tokenizer, limits: Limits) -> Request:
     if isinstance(body, CompletionBody) and body.echo:
         raise APIError("echo is not supported", param="echo")
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    if len(stop) > MAX_STOP or any(not s for s in stop):
-        raise APIError(f"stop takes up to {MAX_STOP} non-empty strings, got {stop!r}",
-                       param="stop")  # fmt: skip
+    if len(stop) > MAX_STOP or any(not 0 < len(s) <= MAX_STOP_CHARS for s in stop):
+        raise APIError(f"stop takes up to {MAX_STOP} non-empty strings of up to "
+                       f"{MAX_STOP_CHARS} characters, got {stop!r:.300}", param="stop")  # fmt: skip
     if isinstance(body, ChatBody):
-        ids, where, asked = chat_ids(body, tokenizer), "messages", body.max_completion_tokens
+        ids, where = chat_ids(body, tokenizer, limits), "messages"
+        asked = body.max_completion_tokens
         asked = body.max_tokens if asked is None else asked
     else:
-        ids, where, asked = completion_ids(body, tokenizer, limits.vocab_size), "prompt", None
+        ids, where, asked = completion_ids(body, tokenizer, limits), "prompt", None
         asked = 16 if body.max_tokens is None else body.max_tokens  # the API's default
     room = limits.context - len(ids)
     if room < 1 or (asked is not None and asked > room):

@@ -1,15 +1,18 @@
 """Token ids to streamed text, with stop strings, the same on every rank.
 
-Each new token re-decodes the whole continuation (`skip_special_tokens`, so an end-of-turn token
-adds no text) and emits what is new, except:
-  - a trailing U+FFFD: a multi-byte character still incomplete, wait for the next token;
-  - the last (longest stop string - 1) characters: they may be the start of a stop string.
+Decoding is incremental (inference/detokenize.py: O(1) per token, the pieces add up to the
+decode of the whole continuation), with `skip_special_tokens`, so an end-of-turn token adds no
+text. Nothing is shown while:
+  - the text ends with U+FFFD: a multi-byte character still incomplete;
+  - it is among the last (longest stop string - 1) characters: they may start a stop string.
 When a stop string appears the text ends just before it, and generation stops. Every rank runs
 this on the same tokens with the same tokenizer, so every rank stops at the same token without
 any extra communication. At the end, `flush` shows the rest, an incomplete character included.
 """
 
 from __future__ import annotations
+
+from ringattn.inference.detokenize import Detokenizer
 
 __all__ = ["TextStream"]
 
@@ -20,35 +23,49 @@ class TextStream:
     def __init__(self, tokenizer, stop: list[str]):
         self.tokenizer, self.stop = tokenizer, [s for s in stop if s]
         self.hold = max((len(s) for s in self.stop), default=1) - 1
-        self.ids: list[int] = []
-        self.text = ""  # the latest decode (cut before a stop string once stopped)
-        self.shown = 0  # characters of `text` already returned
+        self.decoder = Detokenizer(tokenizer)
+        self.pieces: list[str] = []  # the text shown so far
+        self.buffer = ""  # decoded, not shown yet: the last `hold` characters at most
         self.stopped = False
 
-    def _cut(self, text: str) -> None:
-        start = max(0, self.shown - self.hold)
-        hits = [i for i in (text.find(s, start) for s in self.stop) if i >= 0]
+    @property
+    def text(self) -> str:
+        """The text so far (cut before a stop string once stopped)."""
+        return "".join(self.pieces) + self.buffer
+
+    @property
+    def ids(self) -> list[int]:
+        return self.decoder.ids
+
+    def _add(self, new: str) -> None:
+        """Append `new`; a stop string can only end in it and start in the buffer (everything
+        before was shown because no stop string could start there), so the buffer is all the
+        text searched."""
+        buffer = self.buffer + new
+        hits = [i for i in (buffer.find(s) for s in self.stop) if i >= 0]
         if hits:
-            text, self.stopped = text[: min(hits)], True
-        self.text = text
+            buffer, self.stopped = buffer[: min(hits)], True
+        self.buffer = buffer
+
+    def _show(self, upto: int) -> str:
+        piece, self.buffer = self.buffer[:upto], self.buffer[upto:]
+        if piece:
+            self.pieces.append(piece)
+        return piece
 
     def push(self, token: int) -> str:
         """Add one token; the newly showable text (maybe ""). Sets `stopped` at a stop string."""
-        self.ids.append(token)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if text.endswith("\ufffd"):
-            self.text = text
+        new = self.decoder.push(token)
+        if not new:
             return ""
-        self._cut(text)
+        self._add(new)
         if self.stopped:
             return self.flush()
-        upto = max(self.shown, len(self.text) - self.hold)
-        piece, self.shown = self.text[self.shown : upto], upto
-        return piece
+        return self._show(max(0, len(self.buffer) - self.hold))
 
     def flush(self) -> str:
         """The rest of the text (at the end of generation)."""
-        if not self.stopped:
-            self._cut(self.text)
-        piece, self.shown = self.text[self.shown :], len(self.text)
-        return piece
+        pending = self.decoder.flush()
+        if not self.stopped and pending:
+            self._add(pending)
+        return self._show(len(self.buffer))

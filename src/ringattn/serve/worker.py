@@ -15,6 +15,11 @@
 A batch runs to its end before the next starts (no continuous batching): a request that arrives
 meanwhile waits for it. Each answer is the one its request gets alone, batched or not.
 
+Nothing a request does ends the server: a batch that raises is rerun one request at a time and
+the failing request alone gets the error (400 when generate refused it, 500 for a server-side
+failure: an OOM, NaN logits; run_isolated). A cancelled job (its client gone) is dropped while
+it waits, or ends at the next step on every rank (rank 0's verdict rides with its tokens).
+
 The idle broadcast keeps the waiting ranks inside the process-group timeout while no request
 comes, and lets a Ctrl-C land within a second. A rank that dies ends the launch: the launcher
 names it (runtime/launch.py) and tears the others down. In launched ranks Ctrl-C (SIGINT) has
@@ -28,6 +33,9 @@ import os
 import queue
 import signal
 import sys
+import time
+import traceback
+from collections.abc import Callable
 
 import torch
 
@@ -39,15 +47,18 @@ from ringattn.runtime.heartbeat import report_progress
 from ringattn.runtime.launch import init_distributed
 from ringattn.serve.app import build_app, serve_in_thread
 from ringattn.serve.config import ServeConfig, bind, model_name
+from ringattn.serve.metrics import Metrics
 from ringattn.serve.protocol import IDLE_S, Job, Request, exchange
 from ringattn.serve.schema import Limits
 from ringattn.serve.text import TextStream
 
-__all__ = ["MAX_BATCH", "SAMPLING", "eos_ids", "limits", "rank_loop", "run_batch", "serve_worker"]
+__all__ = ["MAX_BATCH", "SAMPLING", "Sink", "eos_ids", "limits", "rank_loop", "run_batch",
+           "run_isolated", "serve_worker"]  # fmt: skip
 
 # ringattn.hf.generate samples when it takes do_sample (issue 22's sampling contract)
 SAMPLING = "do_sample" in inspect.signature(ringattn.hf.generate).parameters
 MAX_BATCH = 8  # requests waiting together run as one ragged batch of at most this many
+BODY_BYTES_PER_TOKEN = 32  # the default body limit: a prompt's JSON rarely takes more per token
 
 
 def eos_ids(model, tokenizer) -> list[int]:
@@ -59,30 +70,99 @@ def eos_ids(model, tokenizer) -> list[int]:
     return sorted({int(t) for t in ids})
 
 
-def limits(model) -> Limits:
+def limits(model, tokenizer=None, max_body_bytes: int | None = None) -> Limits:
+    """What admission checks against: the context, the vocabulary, the sampling defaults, the
+    most characters a prompt can have and still fit (context x the longest token's characters,
+    with `tokenizer`) and the largest body (default BODY_BYTES_PER_TOKEN x context)."""
     text = model.config.get_text_config()
     gen = getattr(model, "generation_config", None)
     sampled = bool(getattr(gen, "do_sample", False))
+    context = int(text.max_position_embeddings)
+    chars = None
+    if tokenizer is not None:
+        longest = max((len(piece) for piece in tokenizer.get_vocab()), default=0)
+        chars = context * max(1, longest)
+    if max_body_bytes is None:
+        max_body_bytes = max(1 << 20, BODY_BYTES_PER_TOKEN * context)
     return Limits(
-        context=int(text.max_position_embeddings), vocab_size=int(text.vocab_size),
-        sampling=SAMPLING,
+        context=context, vocab_size=int(text.vocab_size), sampling=SAMPLING,
         default_temperature=float(gen.temperature or 1.0) if sampled else 0.0,
         default_top_p=float(gen.top_p or 1.0) if sampled else 1.0,
+        max_prompt_chars=chars, max_body_bytes=int(max_body_bytes),
     )  # fmt: skip
 
 
+class Sink:
+    """Where one request's events go on this rank: its Job on rank 0 (elsewhere nowhere).
+
+    Counts the text sent, so that a replay (the request rerun alone after its batch failed)
+    sends only what the client has not seen: the rerun's tokens are the same (each answer is
+    the one the request gets alone), so its first `sent` characters are the same too. On rank 0
+    it also times the tokens and counts the outcome (`metrics`)."""
+
+    def __init__(self, job: Job | None = None, metrics: Metrics | None = None):
+        self.job, self.metrics = job, metrics
+        self.sent = self.skip = 0  # characters sent; characters a replay must not send again
+        self.tokens = self.timed = 0  # tokens seen in this run; tokens timed already
+        self.last: float | None = None  # when the last timed token came
+
+    def replay(self) -> None:
+        """The request runs again from its start: what was sent and timed is not again."""
+        self.skip, self.tokens = self.sent, 0
+
+    def __call__(self, kind: str, *event: object) -> None:
+        if kind == "token":
+            self._timed()
+            return
+        if kind == "text":
+            piece = str(event[0])
+            drop = min(len(piece), self.skip)
+            self.skip, piece = self.skip - drop, piece[drop:]
+            if not piece:
+                return
+            self.sent += len(piece)
+            event = (piece,)
+        if self.metrics is not None and self.job is not None and kind in ("done", "error"):
+            self._ended(kind, *event)
+        if self.job is not None:
+            self.job.emit(kind, *event)
+
+    def _timed(self) -> None:
+        self.tokens += 1
+        if self.tokens <= self.timed:  # a replayed token, timed in the run that failed
+            return
+        now, self.timed = time.monotonic(), self.tokens
+        if self.metrics is not None and self.job is not None:
+            first = now - self.job.arrived if self.last is None else None
+            self.metrics.token(first, None if self.last is None else now - self.last)
+        self.last = now
+
+    def _ended(self, kind: str, *event: object) -> None:
+        latency = time.monotonic() - self.job.arrived
+        if kind == "error":
+            outcome = "invalid" if event[1] < 500 else "failed"
+            self.metrics.ended(outcome, latency_s=latency)
+            return
+        finish, usage = event
+        outcome = "cancelled" if self.job.cancelled else str(finish)
+        self.metrics.ended(outcome, usage["prompt_tokens"], usage["completion_tokens"], latency)
+
+
 def run_batch(model, tokenizer, requests: list[Request], eos: list[int], layout: str,
-              emits: list | None = None, groups: tuple = (None, None)) -> list[str]:  # fmt: skip
+              emits: list | None = None, groups: tuple = (None, None),
+              cancel: Callable[[int], bool] | None = None) -> list[str]:  # fmt: skip
     """Generate `requests` as one ragged batch on this rank (all ranks together); `emits`
     (rank 0: one per request) get the events. Each answer is the one its request gets alone
     (ringattn.hf.generate's ragged-batch contract; each sequence samples from its own seed).
     `groups`: the (cp, tp) process groups with --tp, else (None, None): the default group.
+    `cancel(i)` (rank 0's answer counts) True ends request i at the next step.
 
     Returns each finish reason: "stop" (end of sequence or a stop string) or "length"."""
     texts = [TextStream(tokenizer, r.stop) for r in requests]
     emits = emits or [lambda *event: None] * len(requests)
 
     def on_token(index: int, token: int) -> bool:
+        emits[index]("token")
         piece = texts[index].push(token)
         if piece:
             emits[index]("text", piece)
@@ -98,7 +178,7 @@ def run_batch(model, tokenizer, requests: list[Request], eos: list[int], layout:
     group, tp_group = groups
     ringattn.hf.generate(model, prompts, [r.max_new_tokens for r in requests], group=group,
                          layout=layout, eos_token_id=eos, on_token=on_token, tp_group=tp_group,
-                         **sampling)  # fmt: skip
+                         cancel=cancel, **sampling)  # fmt: skip
     finishes = []
     for text, request, emit in zip(texts, requests, emits):
         ended = text.stopped or bool(text.ids and text.ids[-1] in eos)
@@ -112,30 +192,87 @@ def run_batch(model, tokenizer, requests: list[Request], eos: list[int], layout:
     return finishes
 
 
-def _next_message(jobs: queue.Queue, http, max_batch: int) -> tuple[dict, list[Job]]:
-    """Rank 0: what to broadcast next, and the jobs it runs: every waiting one, up to
-    `max_batch`, in arrival order."""
+def _fail(sink: Sink, err: Exception) -> None:
+    """End one request with its error: 400 when generate refused it (the same ValueError or
+    TypeError on every rank), else 500 (a server-side failure: OOM, non-finite logits)."""
+    if isinstance(err, (ValueError, TypeError)):
+        sink("error", str(err), 400)
+        return
+    if sink.job is not None:  # rank 0 says what failed; the client gets no traceback
+        traceback.print_exception(err, file=sys.stderr)
+    sink("error", f"the server failed while generating this request ({type(err).__name__}); "
+                  f"the server keeps serving, retry or change the request", 500)  # fmt: skip
+
+
+def run_isolated(model, tokenizer, requests: list[Request], eos: list[int], layout: str,
+                 sinks: list[Sink], groups: tuple = (None, None),
+                 cancel: Callable[[int], bool] | None = None) -> list[str]:  # fmt: skip
+    """run_batch, where one request's failure fails that request alone: a batch that raises is
+    run again one request at a time (each replays only what its client has not seen yet), and
+    a request that raises alone gets its error. Every rank takes the same path as long as the
+    failure is the same on every rank (generate's checks, non-finite logits: rank 0's verdict
+    is broadcast); a failure on one rank only (an OOM mid-collective) leaves the others waiting
+    in a collective until the process-group timeout ends the server. Finish reasons, "error"
+    for a failed request."""
     try:
-        batch = [jobs.get(timeout=IDLE_S)]
-    except queue.Empty:
-        return ({"op": "idle"} if http.is_alive() else {"op": "stop"}), []
-    while len(batch) < max_batch:
+        return run_batch(model, tokenizer, requests, eos, layout, sinks, groups, cancel)
+    except Exception as err:  # noqa: BLE001 - a batch's failure is its requests', not the server's
+        _free_device_memory()
+        if len(requests) == 1:
+            _fail(sinks[0], err)
+            return ["error"]
+    finishes = []
+    for i, (request, sink) in enumerate(zip(requests, sinks)):
+        sink.replay()
+        alone = None if cancel is None else (lambda _, i=i: cancel(i))
         try:
+            finishes += run_batch(model, tokenizer, [request], eos, layout, [sink], groups, alone)
+        except Exception as err:  # noqa: BLE001 - this request's failure alone
+            _free_device_memory()
+            _fail(sink, err)
+            finishes.append("error")
+    return finishes
+
+
+def _free_device_memory() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # an OOM's partial buffers go back before the next request
+
+
+def _next_message(jobs: queue.Queue, http, max_batch: int,
+                  metrics: Metrics | None = None) -> tuple[dict, list[Job]]:  # fmt: skip
+    """Rank 0: what to broadcast next, and the jobs it runs: every waiting one, up to
+    `max_batch`, in arrival order; a job whose client has gone is dropped here."""
+    batch: list[Job] = []
+    try:
+        batch.append(jobs.get(timeout=IDLE_S))
+        while len(batch) < max_batch:
             batch.append(jobs.get_nowait())
-        except queue.Empty:
-            break
+    except queue.Empty:
+        pass
+    for job in [job for job in batch if job.cancelled]:
+        batch.remove(job)
+        if metrics is not None:
+            metrics.ended("cancelled", latency_s=time.monotonic() - job.arrived)
+    if not batch:
+        return ({"op": "idle"} if http.is_alive() else {"op": "stop"}), []
     return {"op": "run", "requests": [job.request.to_json() for job in batch]}, batch
 
 
 def rank_loop(model, tokenizer, info: GroupInfo, layout: str, jobs: queue.Queue, http,
-              max_batch: int = MAX_BATCH, groups: tuple = (None, None)) -> int:  # fmt: skip
+              max_batch: int = MAX_BATCH, groups: tuple = (None, None),
+              metrics: Metrics | None = None) -> int:  # fmt: skip
     """Run requests until rank 0 says stop (`http`, its HTTP thread, has ended); the count.
 
     `info` is the whole world (rank 0 broadcasts each message to it); `groups` the (cp, tp)
-    groups that generation runs over with --tp."""
+    groups that generation runs over with --tp; `metrics` (rank 0) what /metrics shows. A
+    request's failure is that request's (run_isolated); only a failed collective (a dead rank)
+    raises out of here and ends the server."""
     eos, served = eos_ids(model, tokenizer), 0
     while True:
-        message, batch = _next_message(jobs, http, max_batch) if info.rank == 0 else (None, [])
+        message, batch = None, []
+        if info.rank == 0:
+            message, batch = _next_message(jobs, http, max_batch, metrics)
         message = exchange(message, info)
         if message["op"] == "stop":
             return served
@@ -143,12 +280,13 @@ def rank_loop(model, tokenizer, info: GroupInfo, layout: str, jobs: queue.Queue,
             continue
         requests = [Request.from_json(r) for r in message["requests"]]
         report_progress(phase="batch", requests=len(requests), served=served)
-        try:
-            emits = [j.emit for j in batch] or None
-            run_batch(model, tokenizer, requests, eos, layout, emits, groups)
-        except ValueError as err:  # refused by generate's checks, the same on every rank
-            for job in batch:
-                job.emit("error", str(err))
+        sinks = [Sink(job, metrics) for job in batch] or [Sink() for _ in requests]
+        cancel = (lambda i, jobs=batch: jobs[i].cancelled) if batch else None
+        if metrics is not None:
+            metrics.running = len(requests)
+        run_isolated(model, tokenizer, requests, eos, layout, sinks, groups, cancel)
+        if metrics is not None:
+            metrics.running = 0
         served += len(requests)
         report_progress(phase="idle", served=served)
 
@@ -160,29 +298,34 @@ def serve_worker(cfg: ServeConfig) -> dict:
         signal.signal(signal.SIGINT, signal.SIG_DFL)
     source = model_source(cfg.hf)
     torch.manual_seed(cfg.seed)  # from_config: the same random weights on every rank
-    model = load_model(source).eval()  # on the CPU, before the group exists
+    model = load_model(source, dtype=cfg.dtype).eval()  # on the CPU, before the group exists
     tokenizer = load_tokenizer(source.tokenizer_dir)
     device = torch.device("cpu")
     if world_size > 1:
         device = init_distributed()  # NCCL (a GPU per rank) or gloo (the CPU)
     elif torch.cuda.is_available():
         device = torch.device("cuda", torch.cuda.current_device())
+    groups = split_cp_tp(model, cfg.tp, world_size, device)  # first: only shards reach a GPU
     model.to(device)  # the group's device: NCCL collectives take CUDA tensors only
-    groups = split_cp_tp(model, cfg.tp, world_size, device)
     info = resolve_group(None)
-    jobs, http = queue.Queue(), None
+    jobs, http, metrics = queue.Queue(), None, None
     if info.rank == 0:
         sock = bind(cfg.host, cfg.port)
         name = model_name(cfg)
-        app = build_app(name, tokenizer, limits(model), jobs, cfg.api_key)
+        metrics = Metrics(jobs.qsize)
+        body = None if cfg.max_body_mb is None else int(cfg.max_body_mb * (1 << 20))
+        app = build_app(name, tokenizer, limits(model, tokenizer, body), jobs, cfg.api_key,
+                        metrics=metrics, max_queue=cfg.max_queue or None)  # fmt: skip
         _, http = serve_in_thread(app, sock)
         host, port = sock.getsockname()[:2]
         key = " (API key required)" if cfg.api_key else ""
         ranks = (
             f"cp {world_size // cfg.tp} x tp {cfg.tp}" if cfg.tp > 1 else f"{world_size} rank(s)"
         )
-        print(f"[serve] {name} ({type(model).__name__}, {source.describe()}) on {ranks}, "
-              f"{cfg.layout}, {device.type}: listening on http://{host}:{port}/v1{key}",
+        dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+        print(f"[serve] {name} ({type(model).__name__}, {source.describe()}, {dtype}) on "
+              f"{ranks}, {cfg.layout}, {device.type}: listening on http://{host}:{port}/v1{key}",
               file=sys.stderr, flush=True)  # fmt: skip
-    served = rank_loop(model, tokenizer, info, cfg.layout, jobs, http, cfg.max_batch, groups)
+    served = rank_loop(model, tokenizer, info, cfg.layout, jobs, http, cfg.max_batch, groups,
+                       metrics)  # fmt: skip
     return {"rank": info.rank, "served": served}

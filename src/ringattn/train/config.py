@@ -1,8 +1,9 @@
 """What a training run is: `TrainConfig` (one field per flag) and the checks made before any
 process starts.
 
-`validate(cfg, world_size, check)` is a pure function of the flags, the number of processes and the
-model recipe's own `check` (recipe.py; the config never imports a recipe): the
+`validate(cfg, world_size, check)` is a function of the flags, the number of processes, the model
+recipe's own `check` (recipe.py; the config never imports a recipe) and, for --no-resume, of
+whether the checkpoint directory already holds checkpoints (`check_fresh_start`): the
 parent calls it before launching (so a bad flag is a ValueError in one process, not W tracebacks),
 and every rank calls it again in `build_run`, before its first collective, so a run started under
 torchrun fails the same way on every rank. It returns the (dp, cp) degrees.
@@ -21,11 +22,12 @@ from dataclasses import dataclass
 
 import ringattn
 from ringattn.models.config import MODEL_SIZES, ModelConfig, model_config
+from ringattn.runtime import checkpoint as ckpt
 from ringattn.runtime.flags import check_at_least, check_choice
 from ringattn.runtime.mesh import degrees
 from ringattn.runtime.metrics import check_tensorboard
 
-__all__ = ["DTYPES", "IDENTITY", "TrainConfig", "validate"]
+__all__ = ["DTYPES", "IDENTITY", "TrainConfig", "check_fresh_start", "validate"]
 
 DTYPES = ("float32", "bfloat16")
 FAIL_SIGNALS = ("kill", "term", "stop", "term-launcher")
@@ -41,111 +43,140 @@ class TrainConfig:
     """What `ringattn train` runs; each field is the flag of the same name (kebab-case)."""
 
     model: str = "small"
-    """Model size preset: tiny, small, base, large (see model.MODEL_SIZES)."""
+    """size preset (tiny: dim 64 x 2 layers ... large: dim 512 x 8 layers)"""
     hf: str = ""
-    """A local Hugging Face model directory or config.json to train instead (train/hf/recipe.py)."""
+    """train this local Hugging Face model directory (config.json, weights, tokenizer) or bare
+    config.json (random init) instead of the decoder; needs --data text:PATH (packed documents)
+    or chat:PATH (conversations)"""
     export: str = ""
-    """--hf: write the final checkpoint's weights here as a save_pretrained directory."""
+    """--hf: after training, write the final checkpoint's model as a save_pretrained directory
+    (AutoModelForCausalLM.from_pretrained(DIR) loads it)"""
     export_dtype: str = ""
+    """--export: the weights' dtype (default: the dtype of the model --hf loaded, its
+    config.json's dtype, else float32)"""
     token_cache: str = ""
-    """--hf: where the memory-mapped token files of --data go (default ~/.cache/ringattn/tokens)."""
+    """--hf: where --data is tokenized to, once, as memory-mapped token files (default:
+    ~/.cache/ringattn/tokens)"""
     rope_scaling: str = ""
-    """--hf: TYPE:FACTOR, the model's own RoPE scaling (linear, dynamic, yarn, llama3), written
-    into the exported config (train/hf/context.py); empty: the model's RoPE as it is."""
+    """--hf: extend the context with the model's own RoPE scaling TYPE:FACTOR (linear, dynamic,
+    yarn, llama3), e.g. yarn:4; written into --export's config.json (train/hf/context.py)"""
     max_position_embeddings: int = 0
-    """--hf: the model's new context length (0: its own, x the --rope-scaling factor)."""
+    """--hf: the model's new context length (0: its own x the --rope-scaling factor)"""
     eval_niah_every: int = 0
-    """--hf: every K steps (and at the last), a small needle grid answered through the sharded
-    KV cache (train/hf/probe.py), logged and sent to TensorBoard; 0: never."""
-    """--export in this dtype (float32, bfloat16, float16); empty: the dtype the model came in."""
+    """--hf: every K steps and at the last, a small needle-in-a-haystack grid (--seq-len / 2 and
+    --seq-len tokens x depths 0, 50, 100 %) through the sharded KV cache, logged (and to
+    TensorBoard); 0: never (train/hf/probe.py)"""
     dim: int = 0
-    """Override the preset's model width (0 = keep)."""
+    """model width; 0 keeps the preset's"""
     layers: int = 0
+    """blocks; 0 keeps the preset's"""
     heads: int = 0
+    """query heads; 0 keeps the preset's"""
     kv_heads: int = 0
+    """key/value heads (GQA); 0 keeps the preset's"""
     seq_len: int = 4096
-    """Tokens per sequence (the global length that CP splits)."""
+    """tokens per sequence (split over the cp ranks)"""
     batch_size: int = 1
-    """Sequences per data-parallel rank per step."""
+    """sequences per data-parallel group per step"""
     nproc: int = 4
-    """Local processes to launch (ignored under torchrun: the world is used)."""
+    """local processes to launch (under torchrun the world is used instead)"""
     dp: int = 1
-    """Data-parallel degree (0 = the processes left over after cp)."""
+    """data-parallel degree: groups reading different sequences (0 = nproc / cp)"""
     cp: int = 0
-    """Context-parallel degree (0 = the processes left over after dp)."""
+    """context-parallel degree: ranks sharing each sequence (0 = nproc / dp)"""
     tp: int = 1
-    """Tensor-parallel degree: ranks splitting each layer's heads and MLP (tensor_parallel.py)."""
+    """tensor-parallel degree: ranks splitting each layer's heads and MLP"""
     pp: int = 1
-    """Pipeline-parallel degree: stages splitting the decoder's blocks."""
+    """pipeline-parallel degree: stages splitting the decoder's blocks"""
     microbatches: int = 1
-    """pp > 1: micro-batches each rank's batch is split into (a divisor of batch_size)."""
+    """pp > 1: micro-batches per step (a divisor of --batch-size)"""
     pp_schedule: str = "gpipe"
-    """pp > 1: gpipe (all forwards, then all backwards) or 1f1b (needs microbatches >= pp)."""
+    """pp > 1: pipeline schedule (1f1b needs --microbatches >= --pp)"""
     strategy: str = "ring"
+    """context-parallel attention strategy"""
     ulysses: int = 0
-    """strategy=hybrid: the all-to-all (Ulysses) degree inside each cp group; ring across."""
+    """hybrid: Ulysses (all-to-all) degree inside each cp group, ring across"""
     layout: str = "zigzag"
+    """which tokens each cp rank holds"""
     steps: int = 200
+    """optimizer steps in total"""
     lr: float = 3e-3
+    """peak learning rate (AdamW)"""
     warmup: int = 20
-    """Steps of linear learning-rate warm-up; then cosine decay to lr/10 at `steps`."""
+    """linear warm-up steps, then cosine decay to lr/10"""
     weight_decay: float = 0.0
+    """AdamW weight decay"""
     grad_clip: float = 1.0
+    """max gradient norm"""
     data: str = "key-value"
-    """`key-value` (the retrieval task) or `text:PATH` (bytes of a file or directory)."""
+    """key-value (the long-range retrieval task) or text:PATH (bytes of a file or of every file
+    in a directory; with --hf: one document per file of a directory, per row's 'text' of its
+    .jsonl/.parquet files, or per blank-line-separated block of a file); with --hf also chat:PATH
+    (a .jsonl of {'messages': [...]} per line, or a directory of .jsonl/.parquet files with a
+    'messages' column: chat SFT, the loss on the assistant's tokens)"""
     keys: int = 12
-    """key-value: keys per sequence (each queried once at the end), at most 12."""
+    """key-value: keys per sequence, each queried once at the end (<= 12)"""
     copies: int = 8
-    """key-value: records of each key in a sequence."""
+    """key-value: records of each key per sequence"""
     noisy: int = 0
-    """key-value: copies of each key with a wrong value (answer = majority)."""
+    """key-value: copies of each key with a wrong value (answer = majority)"""
     seed: int = 0
+    """seed of the weights and the data"""
     out_dir: str = "runs/train"
+    """where the JSON log (and plot) go"""
     checkpoint_dir: str = ""
-    """Where checkpoints go (default: OUT_DIR/checkpoints)."""
+    """checkpoint directory; empty: OUT_DIR/checkpoints"""
     checkpoint_every: int = 50
-    """Save every N steps (and at the end); 0 = only at the end; -1 = never."""
+    """save every N steps and at the end (0 = only at the end, -1 = never)"""
     keep: int = 2
-    """Complete checkpoints to keep."""
+    """complete checkpoints to keep"""
     resume: bool = True
-    """Continue from the newest complete checkpoint in checkpoint_dir, if there is one."""
+    """continue from the newest complete checkpoint in the checkpoint directory, if any
+    (--no-resume: start afresh; refused when that directory already holds checkpoints)"""
     stop_at: int = 0
-    """Stop after this step (checkpointing it) without changing the schedule; 0 = at `steps`."""
+    """stop after this step, checkpointed, keeping the --steps schedule; rerun with a later
+    --stop-at (or none) to continue"""
     log_every: int = 10
-    """Progress line every N steps when stdout is not a terminal."""
+    """progress line every N steps when stdout is not a terminal"""
     activation_checkpointing: bool = False
-    """Recompute each block in backward instead of keeping its activations."""
-    loss_chunk: int = 4096
-    """Tokens per chunk of the output projection + loss (0 = all at once)."""
+    """recompute each block in backward instead of keeping its activations"""
+    loss_chunk: int = -1
+    """tokens per chunk of output projection + loss, recomputed in backward (0 = all at once;
+    -1 = the most tokens whose float32 logits fit in 256 MiB, i.e. 256 MiB / (4 bytes x
+    vocabulary) rounded down to a multiple of 64: 512 at a 128k vocabulary, 2,048 at 32k)"""
     compile: bool = False
-    """torch.compile(model, fullgraph=True) after parallelizing it (attention: ringattn's ops)."""
+    """torch.compile the parallelized model (fullgraph; inductor)"""
     compile_backend: str = "inductor"
-    """torch.compile's backend with `compile`: inductor, or aot_eager (the same graphs, no code
-    generation: for debugging and fast tests)."""
+    """torch.compile backend for --compile (aot_eager: same graphs, no code generation)"""
     dtype: str = "float32"
-    """Compute dtype: float32, or bfloat16 (float32 master weights and gradient reduction)."""
+    """compute dtype (bfloat16: float32 master weights and gradient sums)"""
     timeout_s: float = 600.0
-    """Process-group timeout: a dead peer turns into an error after at most this long."""
+    """seconds before a collective waiting on a dead peer fails"""
     stall_s: float = 10.0
-    """A rank whose heartbeat stops this long is named and the job ends (launcher or torchrun)."""
+    """seconds without a heartbeat after which a frozen rank is named and the job ends (our
+    launcher and torchrun)"""
     memory_warmup: bool = False
-    """Run one throwaway step of a tiny model before measuring memory (keeps code pages out)."""
+    """before measuring memory, run one step of a tiny model, so the baseline already holds the
+    kernels' code"""
     max_bad_steps: int = 3
-    """Stop after this many steps in a row whose loss or gradient norm is non-finite on any rank
-    (each one's update is skipped on every rank)."""
+    """stop after this many steps in a row with a non-finite loss or gradient norm on any rank
+    (their updates are skipped)"""
     grace_s: float = 25.0
-    """After SIGTERM: seconds to finish the step and checkpoint it before exiting at once."""
+    """after SIGTERM: seconds to finish the step and checkpoint it before exiting at once (a
+    second SIGTERM exits at once too)"""
     tensorboard: bool = False
-    """Also write TensorBoard event files under OUT_DIR/tensorboard (needs `tensorboard`)."""
+    """also write TensorBoard event files under OUT_DIR/tensorboard (loss, lr, grad norm,
+    tokens/s, MFU, per-rank peak memory); needs tensorboard"""
     peak_tflops: float = 0.0
-    """Peak TFLOP/s of one device for the MFU estimate (0: the GPU preset or CPU calibration)."""
+    """peak TFLOP/s of one device for the MFU estimate (0: GPU preset or the CPU calibration of
+    `ringattn plan --calibrate`)"""
     fail_at_step: int = -1
     """Testing only: rank `fail_rank` signals itself (`fail_signal`) when it reaches this step."""
     fail_rank: int = 0
     fail_signal: str = "kill"
     """Testing only: kill (SIGKILL), term (SIGTERM), stop (SIGSTOP: frozen), term-launcher."""
     quiet: bool = False
-    """No progress output (the JSON log is still written)."""
+    """no progress line (the log is written)"""
 
     def model_config(self) -> ModelConfig:
         return model_config(
@@ -169,6 +200,21 @@ class TrainConfig:
     def last_step(self) -> int:
         """The step this invocation stops after: `stop_at` when set (and earlier), else `steps`."""
         return min(self.steps, self.stop_at) if self.stop_at > 0 else self.steps
+
+
+def check_fresh_start(cfg: TrainConfig) -> None:
+    """--no-resume into a checkpoint directory that holds checkpoints is refused (when the run
+    would write checkpoints): the new run's would sit beside the old run's, and `latest`, a later
+    resume, --export and `generate` could not tell which run the newest one belongs to."""
+    found = ckpt.complete_checkpoints(cfg.checkpoint_path) if not cfg.resume else []
+    if found and cfg.checkpoint_every >= 0:
+        steps = ", ".join(str(step) for step, _ in found)
+        raise ValueError(
+            f"--no-resume: {cfg.checkpoint_path} holds the checkpoints of an earlier run (steps "
+            f"{steps}; newest {found[-1][1]}), which a new run would mix with its own; use "
+            f"another --checkpoint-dir (or --out-dir), delete that directory, or drop --no-resume "
+            f"to continue from its newest checkpoint"
+        )
 
 
 def validate(
@@ -206,10 +252,12 @@ def validate(
         raise ValueError(f"--fail-rank {cfg.fail_rank} is not a rank of {world_size}")
     check_choice("fail-signal", cfg.fail_signal, FAIL_SIGNALS)
     check_at_least("max-bad-steps", cfg.max_bad_steps, 1)
+    check_at_least("loss-chunk", cfg.loss_chunk, -1)
     if not cfg.grace_s > 0:
         raise ValueError(f"--grace must be > 0 seconds, got {cfg.grace_s}")
     if cfg.tensorboard:
         check_tensorboard()
+    check_fresh_start(cfg)
     if check is not None:  # what only the model can see: its shape, its data (recipe.check)
         check(cfg, cp)
     return dp, cp

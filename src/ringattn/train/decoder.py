@@ -14,6 +14,7 @@ from torch import nn
 
 from ringattn.models.config import ModelConfig
 from ringattn.models.decoder import Transformer
+from ringattn.models.loss import resolve_chunk
 from ringattn.models.parallelize import parallelize
 from ringattn.models.pipeline import SCHEDULES
 from ringattn.models.tensor_parallel import check_tensor_parallel
@@ -32,7 +33,7 @@ def build_decoder(cfg: TrainConfig) -> Transformer:
 
 def decoder_of(mcfg: ModelConfig, cfg: TrainConfig) -> Transformer:
     model = Transformer(mcfg)
-    model.loss_chunk = cfg.loss_chunk
+    model.loss_chunk = resolve_chunk(cfg.loss_chunk, mcfg.vocab_size)
     return model
 
 

@@ -108,7 +108,9 @@ def run_train_demo(cfg: TrainConfig, make_plot: bool = True) -> int:
     if image:
         print(f"[demo] plot:       {image}")
     elif make_plot:
-        print("[demo] plot:       skipped (matplotlib is not installed: pip install matplotlib)")
+        print(
+            "[demo] plot:       skipped (matplotlib is not installed: pip install 'ringattn[plot]')"
+        )
     print(f"[demo] summary:    {os.path.join(cfg.out_dir, 'demo.json')}")
     print(f"[demo] next: ringattn generate --checkpoint {cfg.checkpoint_path}")
     return 0

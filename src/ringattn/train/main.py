@@ -77,7 +77,7 @@ def run_train(cfg: TrainConfig) -> dict:
 def _interrupted(cfg: TrainConfig, err: LaunchInterrupted) -> Stopped:
     """What a launch cut short by a signal reports: where to resume (exit 128 + the signal)."""
     last = ckpt.latest(cfg.checkpoint_path)
-    step = int(os.path.basename(last).split("-")[1]) if last else 0
+    step = ckpt.step_of(last) if last else 0
     where = "no checkpoint was completed; a rerun starts afresh"
     if last:
         where = f"the newest complete checkpoint is {last}; run the same command again to resume"

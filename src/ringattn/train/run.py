@@ -23,6 +23,7 @@ differences listed.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -75,6 +76,8 @@ class Run:
     """The last checkpoint this invocation wrote."""
     stopped: Stopped | None = None
     """Why the run ended before its last step (preempted, diverged, checkpoint failed), or None."""
+    fault: Callable[[str], None] | None = None
+    """Testing only: called at each point of every checkpoint save (checkpoint.FAULT_POINTS)."""
 
     @property
     def rank(self) -> int:
@@ -89,7 +92,13 @@ class Run:
         """Checkpoint the state after `step` steps (collective); the newest `--keep` are kept."""
         state = {"step": step, "config": asdict(self.cfg), "world_size": self.mesh.world_size}
         self.checkpoint = ckpt.save(
-            self.cfg.checkpoint_path, step, self.model, self.optimizer, state, keep=self.cfg.keep
+            self.cfg.checkpoint_path,
+            step,
+            self.model,
+            self.optimizer,
+            state,
+            keep=self.cfg.keep,
+            fault=self.fault,
         )
         return self.checkpoint
 
@@ -169,5 +178,6 @@ def _check_compatible(cfg: TrainConfig, state: dict, path: str) -> None:
     if diff:
         raise ValueError(
             f"the checkpoint {path} is from a different run ({'; '.join(diff)}); use another "
-            f"--checkpoint-dir, --no-resume, or the same flags"
+            f"--checkpoint-dir (or --out-dir) for the new run, or the same flags to continue "
+            f"that one"
         )

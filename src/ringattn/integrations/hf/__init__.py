@@ -16,9 +16,10 @@ transformers' own causal-LM loss gives this rank's share of the single-device lo
 
 Modules: attention.py (the attention and mask functions), batch.py (shard_batch), model.py
 (parallelize), moe.py (the MoE router loss over the whole sequence), vision.py (vision-language
-models: the decoder's sequence cut), generate.py (greedy decoding over a sharded KV cache),
-source.py (loading a local model). transformers is imported here, so this package is imported
-only explicitly (`import ringattn.hf`); `import ringattn` never imports it.
+models: the decoder's sequence cut), loss.py (chunked cross-entropy), tensor_parallel.py (the
+model's own tp plan), source.py (loading a local model). Decoding over a sharded KV cache is
+inference built on this package: ringattn/inference/hf/. This package imports transformers only
+inside the functions that need it and never imports inference/, serve/, train/ or cli/.
 """
 
 from ringattn.integrations.hf.attention import ATTENTION_NAME

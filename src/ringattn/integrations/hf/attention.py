@@ -169,6 +169,11 @@ def ringattn_attention(
     if sliding_window is not None and sliding_window > 0:
         window = (sliding_window - 1, 0 if causal else sliding_window - 1)
     sinks = kwargs.get("s_aux")
+    device_type = query.device.type
+    if torch.is_autocast_enabled(device_type):  # mixed precision (a Trainer's bf16=True): cast
+        # as SDPA does under autocast; RoPE in float32 leaves q, k float32 beside a bf16 v
+        dtype = torch.get_autocast_dtype(device_type)
+        query, key, value = (t.to(dtype) for t in (query, key, value))
 
     def attend(q, k, v, return_lse):
         return ringattn.attention(

@@ -4,7 +4,8 @@
                                   = 2.1 GB, and as much again for log-softmax and its gradient
     here                          base model -> hidden (S_local, dim); then models/loss.py's
                                   chunked_cross_entropy: `chunk` rows of lm_head + cross-entropy
-                                  at a time, each chunk recomputed in backward
+                                  at a time (default: as many as fit 256 MiB of float32
+                                  logits), each chunk recomputed in backward
 
     decoder, head = model.get_decoder(), model.get_output_embeddings()
     hidden = decoder(**inputs).last_hidden_state          # what ForCausalLM.forward does first
@@ -25,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ringattn.models.loss import IGNORE, chunked_cross_entropy
+from ringattn.models.loss import AUTO, IGNORE, chunked_cross_entropy, resolve_chunk
 
 __all__ = ["LogitHead", "logits_loss", "loss", "loss_sum", "output_head"]
 
@@ -87,18 +88,21 @@ def loss_sum(
 
     `inputs` are the model's keyword arguments for this rank's tokens (no labels), `labels`
     (1, S_local) already shifted (-100: unsupervised). `chunk` > 0: rows of logits at a time;
+    AUTO (-1): as many rows as fit models/loss.py's LOGITS_BUDGET at this model's vocabulary;
     0: the model's own forward, whole logits (any model)."""
     labels = labels.flatten()  # (S_local,)
-    if chunk <= 0:
+    if chunk == 0:
         return logits_loss(model(**inputs).logits, labels)
     head = output_head(model)
+    chunk = resolve_chunk(chunk, model.get_output_embeddings().out_features)
     hidden = model.get_decoder()(**inputs).last_hidden_state.flatten(0, 1)  # (S_local, dim)
     return chunked_cross_entropy(hidden, head, labels, chunk)
 
 
-def loss(model: nn.Module, batch: dict, *, chunk: int = 4096) -> torch.Tensor:
+def loss(model: nn.Module, batch: dict, *, chunk: int = AUTO) -> torch.Tensor:
     """`model(**batch).loss` for a `ringattn.hf.shard_batch` batch, the logits `chunk` rows at a
-    time: this rank's loss sum over the batch's `num_items_in_batch` (the global count)."""
+    time (AUTO: the most rows whose float32 logits fit in 256 MiB at this vocabulary; 0: whole):
+    this rank's loss sum over the batch's `num_items_in_batch` (the global count)."""
     if "shift_labels" not in batch or "num_items_in_batch" not in batch:
         raise ValueError(
             "ringattn.hf.loss takes a batch of ringattn.hf.shard_batch with labels (it needs "

@@ -19,7 +19,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["ModelSource", "load_config", "load_model", "load_tokenizer", "model_source"]
+# --dtype's choices; "auto" keeps the checkpoint's dtype (transformers reads it from config.json)
+DTYPES = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16,
+          "float16": torch.float16}  # fmt: skip
+
+__all__ = ["DTYPES", "ModelSource", "load_config", "load_model", "load_tokenizer", "model_source"]
 
 _WEIGHTS = ("*.safetensors", "pytorch_model*.bin", "*.safetensors.index.json")
 _TOKENIZER = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -93,9 +97,11 @@ def load_config(source: ModelSource):
     return config
 
 
-def load_model(source: ModelSource, pretrained: bool | None = None, config=None) -> nn.Module:
-    """The plain transformers model of `source` in float32, in training mode, on the CPU;
-    `config` replaces the directory's (e.g. a longer RoPE: train/hf/context.py)."""
+def load_model(source: ModelSource, pretrained: bool | None = None,
+               dtype: str = "float32", config=None) -> nn.Module:  # fmt: skip
+    """The plain transformers model of `source`, in training mode, on the CPU, in `dtype` (a
+    DTYPES name; "auto": the checkpoint's, float32 for a random init); `config` replaces the
+    directory's (e.g. a longer RoPE: train/hf/context.py)."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging
 
@@ -104,11 +110,12 @@ def load_model(source: ModelSource, pretrained: bool | None = None, config=None)
     if pretrained:
         extra = {} if config is None else {"config": config}
         model = AutoModelForCausalLM.from_pretrained(
-            source.directory, dtype=torch.float32, local_files_only=True, **extra
+            source.directory, dtype=DTYPES[dtype], local_files_only=True, **extra
         )
     else:  # the global RNG was seeded with --seed: the same weights on every rank
+        chosen = torch.float32 if dtype == "auto" else DTYPES[dtype]
         config = load_config(source) if config is None else config
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(config, dtype=chosen)
     return model.train()  # from_pretrained returns the model in eval mode
 
 

@@ -74,7 +74,12 @@ def tensor_parallel(model: torch.nn.Module, tp_mesh) -> torch.nn.Module:
 
 def split_cp_tp(model: torch.nn.Module, tp: int, world_size: int, device: torch.device) -> tuple:
     """(cp group, tp group) after splitting `model` by its own tp plan over a (world / tp, tp)
-    mesh with dims ("cp", "tp"); (None, None) for tp 1 (the default group is the cp group)."""
+    mesh with dims ("cp", "tp"); (None, None) for tp 1 (the default group is the cp group).
+
+    Call it with the model still on the CPU: distribute_tensor moves each planned weight to the
+    mesh's device and keeps this rank's shard, one weight at a time, so no GPU ever holds the
+    whole model; `model.to(device)` afterwards moves the replicated rest. (Host memory still
+    holds the whole model per rank while loading.)"""
     if tp == 1:
         return None, None
     from torch.distributed.device_mesh import init_device_mesh

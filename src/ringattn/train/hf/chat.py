@@ -4,7 +4,9 @@ the assistant's (the only ones supervised).
     messages    [system, user, assistant, user, assistant]
     text        apply_chat_template(messages)           the whole conversation, rendered once
     span i      apply_chat_template(messages[:i], add_generation_prompt=True)  -> where the
-                assistant's turn i starts (after its header);
+                assistant's turn i starts (after its header; for i = 0, the empty
+                conversation's generation prompt: a default system prompt or date the
+                template injects is header too, never supervised);
                 apply_chat_template(messages[:i + 1])   -> where it ends (trailing whitespace
                 dropped, the end-of-turn token kept)
     tokens      tokenizer(text, return_offsets_mapping=True): a token is supervised when it
@@ -59,8 +61,7 @@ def _spans(tokenizer: object, messages: list[dict], text: str, number: int) -> l
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        head = tokenizer.apply_chat_template(messages[:i], tokenize=False,
-                                             add_generation_prompt=True) if i else ""  # fmt: skip
+        head = _header(tokenizer, messages, i, number)
         upto = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
         if not (text.startswith(upto) and upto.startswith(head)):
             raise ValueError(
@@ -70,6 +71,33 @@ def _spans(tokenizer: object, messages: list[dict], text: str, number: int) -> l
             )
         spans.append(range(len(head), len(upto.rstrip())))
     return spans
+
+
+def _header(tokenizer: object, messages: list[dict], i: int, number: int) -> str:
+    """The text before assistant turn i's content: what the template renders for the turns
+    before it with a generation prompt. For a conversation that opens with the assistant that is
+    the empty conversation's generation prompt, which holds whatever the template puts first (a
+    default system prompt, today's date) and the assistant's header; a template that cannot
+    render an empty conversation is probed instead: the common prefix of the first turn
+    rendered with two different contents ends where the content starts."""
+    try:
+        return tokenizer.apply_chat_template(messages[:i], tokenize=False,
+                                             add_generation_prompt=True)  # fmt: skip
+    except Exception:  # jinja's errors vary (messages[0] of an empty list)
+        if i:
+            raise
+    probes = [tokenizer.apply_chat_template([{**messages[0], "content": c}], tokenize=False)
+              for c in ("A", "B")]  # fmt: skip
+    common = 0
+    while common < min(map(len, probes)) and probes[0][common] == probes[1][common]:
+        common += 1
+    if not probes[0][common:].startswith("A"):
+        raise ValueError(
+            f"conversation {number} opens with the assistant, and the chat template renders "
+            f"neither an empty conversation nor that turn's content where it can be found; "
+            f"start the conversation with a system or user message"
+        )
+    return probes[0][:common]
 
 
 def render(tokenizer: object, messages: object, number: int = 0) -> tuple[list[int], list[bool]]:

@@ -5,14 +5,18 @@
                              starts.i64       where each document starts
                              supervised.u8    chat: 1 on the assistant's tokens
                              meta.json        counts, how the text became tokens
-        --> os.replace -> CACHE/KEY/          (atomic: a reader sees all of it or nothing)
+        --> fsync, rename -> CACHE/KEY/       (atomic and durable: runtime/checkpoint.publish)
 
     KEY = sha256(format, kind, the files' paths, sizes and mtimes, the tokenizer's files, vocab)
 
 The first process to need a corpus (the launching parent, in the recipe's check) tokenizes it
 under an exclusive file lock (fcntl.flock on CACHE/KEY.lock): under torchrun, where every rank
 checks, one rank tokenizes and the others wait for the lock and then open the finished files. A
-changed file changes the key, so a stale cache is never read. Ranks open the files with
+changed file changes the key, so a stale cache is never read. Every file is fsync'ed before the
+rename, so a power loss never leaves meta.json over truncated token files; a cache directory
+whose files are not as long as its meta.json says (written before that rule, or damaged) is
+tokenized again, and a tokenization killed mid-write (its KEY.tmpPID) is removed and redone by
+the next process to take the lock: a half-written file is never read. Ranks open the files with
 np.memmap (copy-on-write): a window's tokens are paged in when sampled, so a rank's memory does
 not grow with the corpus (BENCHMARKS.md: 2 MB and 500 MB of text). Tokenization streams too:
 records are encoded in batches of about 8 MiB and appended to the files.
@@ -29,13 +33,14 @@ import hashlib
 import json
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from ringattn.integrations.hf.source import load_tokenizer
+from ringattn.runtime.checkpoint import fsync_tree, publish, write_synced
 from ringattn.train.hf.chat import check_chat_tokenizer, render
 from ringattn.train.hf.sources import files, records
 
@@ -113,7 +118,14 @@ def _encode(kind: str, batch: list, tokenizer: object, vocab_size: int, first: i
                         dtype=np.int32), None) for ids in encoded]  # fmt: skip
 
 
-def _build(kind: str, path: str, tokenizer_dir: str | None, vocab_size: int, out: str) -> None:
+def _build(
+    kind: str,
+    path: str,
+    tokenizer_dir: str | None,
+    vocab_size: int,
+    out: str,
+    fault: Callable[[str], None],
+) -> None:
     tokenizer = load_tokenizer(tokenizer_dir) if tokenizer_dir else None
     if kind == "chat":
         if tokenizer is None:
@@ -138,6 +150,7 @@ def _build(kind: str, path: str, tokenizer_dir: str | None, vocab_size: int, out
                     sup_f.write(supervised.tobytes())
                 lengths.append(len(ids))
                 top = max(top, int(ids.max())) if len(ids) else top
+            fault("batch")
     if not lengths or sum(lengths) == 0:
         raise ValueError(f"--data {kind}:{path} holds no text (every document is empty)")
     if top >= vocab_size:
@@ -147,11 +160,14 @@ def _build(kind: str, path: str, tokenizer_dir: str | None, vocab_size: int, out
             f"vocab_size in config.json"
         )
     lengths = np.asarray(lengths, dtype=np.int64)
-    (np.cumsum(lengths) - lengths).tofile(os.path.join(out, "starts.i64"))
+    starts = (np.cumsum(lengths) - lengths).tobytes()
+    write_synced(os.path.join(out, "starts.i64"), lambda f: f.write(starts))
     meta = {"format": FORMAT, "kind": kind, "data": os.path.abspath(path), "tokens":
             int(lengths.sum()), "documents": len(lengths), "tokenized_by": how}  # fmt: skip
-    with open(os.path.join(out, "meta.json"), "w") as f:
-        json.dump(meta, f)
+    fault("files")
+    write_synced(os.path.join(out, "meta.json"), lambda f: json.dump(meta, f), mode="w")
+    fsync_tree(out)  # tokens.i32 and supervised.u8 were streamed: on disk before the rename
+    fault("synced")
 
 
 def _map(name: str, dtype: type, count: int) -> torch.Tensor:
@@ -172,24 +188,51 @@ def _open(directory: str) -> Corpus:
                   meta["tokenized_by"], supervised, directory)  # fmt: skip
 
 
+def _complete(directory: str) -> bool:
+    """The token files of `directory` are all there, as long as meta.json says."""
+    try:
+        with open(os.path.join(directory, "meta.json")) as f:
+            meta = json.load(f)
+        sizes = {"tokens.i32": 4 * meta["tokens"], "starts.i64": 8 * meta["documents"]}
+        if meta["kind"] == "chat":
+            sizes["supervised.u8"] = meta["tokens"]
+        return all(os.path.getsize(os.path.join(directory, n)) == b for n, b in sizes.items())
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def _no_fault(point: str) -> None:
+    del point
+
+
 def load_corpus(
     path: str, tokenizer_dir: str | None, vocab_size: int, *, kind: str = "text",
-    cache_dir: str = "",
+    cache_dir: str = "", fault: Callable[[str], None] | None = None,
 ) -> Corpus:  # fmt: skip
     """The corpus of `--data kind:path`, tokenized for a model of `vocab_size` ids (once: see the
-    module docstring), memory-mapped from `cache_dir` (default: default_cache())."""
+    module docstring), memory-mapped from `cache_dir` (default: default_cache()). `fault`
+    (testing): called at each point of a tokenization ("batch", "files", "synced", "renamed")."""
     cache = cache_dir or default_cache()
     final = os.path.join(cache, _key(kind, path, tokenizer_dir, vocab_size))
-    if not os.path.isfile(os.path.join(final, "meta.json")):
+    if not _complete(final):
         os.makedirs(cache, exist_ok=True)
         with open(final + ".lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-            if not os.path.isfile(os.path.join(final, "meta.json")):
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes (or the process dies)
+            if not _complete(final):
+                _clear(cache, os.path.basename(final))
                 tmp = f"{final}.tmp{os.getpid()}"
-                shutil.rmtree(tmp, ignore_errors=True)
                 try:
-                    _build(kind, path, tokenizer_dir, vocab_size, tmp)
-                    os.replace(tmp, final)
+                    _build(kind, path, tokenizer_dir, vocab_size, tmp, fault or _no_fault)
+                    publish(tmp, final)  # replaces (then deletes) an incomplete `final`
+                    _open.cache_clear()  # never the mapping of a replaced directory's files
+                    (fault or _no_fault)("renamed")
                 finally:
                     shutil.rmtree(tmp, ignore_errors=True)
     return _open(final)
+
+
+def _clear(cache: str, key: str) -> None:
+    """Under the lock: what a killed tokenization of `key` left (no live writer holds it)."""
+    for name in os.listdir(cache):
+        if name.startswith(f"{key}.tmp"):
+            shutil.rmtree(os.path.join(cache, name), ignore_errors=True)

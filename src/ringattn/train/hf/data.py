@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-import ringattn.hf
+from ringattn.integrations.hf.batch import shard_batch
 from ringattn.models.loss import IGNORE
 from ringattn.train.hf.corpus import Corpus, load_corpus
 
@@ -160,7 +160,7 @@ class DocumentLoader:
     def batch(self, step: int) -> DocumentBatch:
         ids, positions, labels = self.full(step)
         full = {"input_ids": ids, "labels": labels, "position_ids": positions}
-        local = ringattn.hf.shard_batch(full, group=self.group, layout=self.layout)
+        local = shard_batch(full, group=self.group, layout=self.layout)
         labels = local.pop("labels").to(self.device)
         for unused in ("shift_labels", "num_items_in_batch"):  # step.py divides by the global count
             local.pop(unused)

@@ -34,11 +34,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import ringattn.hf
 from ringattn.integrations.hf.loss import logits_loss, loss_sum
+from ringattn.integrations.hf.model import parallelize as hf_parallelize
 from ringattn.integrations.hf.moe import ROUTER_ATTR, aux_share
 from ringattn.integrations.hf.source import load_config, load_model, load_tokenizer, model_source
 from ringattn.models.parallelize import parallelize
+from ringattn.runtime.extras import require
 from ringattn.runtime.flags import check_choice
 from ringattn.runtime.mesh import Mesh
 from ringattn.train.config import TrainConfig
@@ -60,6 +61,7 @@ EXPORT_DTYPES = ("float32", "bfloat16", "float16")
 
 def check(cfg: TrainConfig, cp: int) -> None:
     """Every --hf mistake as a ValueError before any process starts (see the module docstring)."""
+    require("hf", "ringattn train --hf")
     load_config(model_source(cfg.hf))
     extended_config(cfg)  # --rope-scaling, --max-position-embeddings
     split_data(cfg.data)
@@ -140,7 +142,7 @@ def parallelize_hf(model: nn.Module, mesh: Mesh, cfg: TrainConfig) -> nn.Module:
 
     # a MoE router's statistics over the whole global batch: every dp x cp rank's tokens
     world = dist.group.WORLD if dist.is_initialized() else None
-    ringattn.hf.parallelize(model.model, mesh.cp_group, layout=cfg.layout, strategy=cfg.strategy,
+    hf_parallelize(model.model, mesh.cp_group, layout=cfg.layout, strategy=cfg.strategy,
                             router_group=world)  # fmt: skip
     if cfg.activation_checkpointing:
         hf = model.model  # transformers >= 5.x renamed gradient_ to activation_checkpointing_enable

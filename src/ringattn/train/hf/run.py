@@ -13,12 +13,15 @@ trained with float32 master weights and written back in bfloat16), or --export-d
 The export reads the run's final checkpoint in one process: DCP gathers the FSDP2 shards that
 every rank wrote into the full tensors of a plain transformers model (the same load that resumes
 a run on another number of ranks), which `save_pretrained` writes with the tokenizer beside it.
-It needs no memory on the training ranks, and works again on any finished run.
+It needs no memory on the training ranks, and works again on any finished run. The files are
+written beside the export directory, fsync'ed, then renamed into it
+(runtime/checkpoint.publish_into).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import warnings
 
 import torch
@@ -86,9 +89,17 @@ def export(cfg: TrainConfig, checkpoint: str, out_dir: str) -> str:
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(weights, checkpoint_id=checkpoint)
     wrapped.load_state_dict(weights["model"])
-    model.to(dtype).eval().save_pretrained(out_dir)
-    if source.tokenizer_dir:
-        load_tokenizer(source.tokenizer_dir).save_pretrained(out_dir)
+    parent, name = os.path.split(os.path.abspath(out_dir))
+    os.makedirs(parent, exist_ok=True)
+    tmp = os.path.join(parent, f".tmp-export-{name}-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        model.to(dtype).eval().save_pretrained(tmp)
+        if source.tokenizer_dir:
+            load_tokenizer(source.tokenizer_dir).save_pretrained(tmp)
+        ckpt.publish_into(tmp, out_dir)  # fsync'ed, then renamed: never a half-written export
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
 
 

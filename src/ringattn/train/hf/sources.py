@@ -19,6 +19,8 @@ import os
 import re
 from collections.abc import Iterator
 
+from ringattn.runtime.extras import require
+
 __all__ = ["KINDS", "files", "records", "split_data"]
 
 KINDS = ("text", "chat")
@@ -77,12 +79,9 @@ def _jsonl(name: str, column: str) -> Iterator[object]:
 
 
 def _parquet(name: str, column: str) -> Iterator[object]:
-    try:
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise ValueError(
-            f"{name}: reading .parquet needs pyarrow (pip install ringattn[data])"
-        ) from None
+    require("data", f"ringattn train --data with .parquet files ({name})")
+    import pyarrow.parquet as pq  # optional: the data extra
+
     table = pq.ParquetFile(name)
     if column not in table.schema_arrow.names:
         raise ValueError(f"{name}: no '{column}' column (got {table.schema_arrow.names})")

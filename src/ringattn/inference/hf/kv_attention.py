@@ -40,8 +40,10 @@ STATE_ATTR = "ringattn_kv_state"
 class KVState:
     """The caches of one generation (or session) and the phase of the current forward."""
 
-    def __init__(self, info: GroupInfo, group: object, layout: str, offload: bool = False):
+    def __init__(self, info: GroupInfo, group: object, layout: str, offload: bool = False,
+                 n_layers: int = 0):  # fmt: skip
         self.info, self.group, self.layout, self.offload = info, group, layout, offload
+        self.n_layers = n_layers  # offload: the last layer prefetches layer 0
         self.caches: dict[tuple[int, int], ShardedKVCache] = {}  # by (layer, sequence)
         self.kernel = None
         self.on_layer = None  # progress: on_layer(layer index) after each prefill layer
@@ -92,8 +94,14 @@ class KVState:
         return sum(cache.capacity_bytes for cache in self.caches.values())
 
 
-def _kept(cache: ShardedKVCache, like: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def _kept(state: KVState, layer: int, seq: int, cache: ShardedKVCache,
+          like: torch.Tensor) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    """The live k, v, positions of (layer, seq); offloaded, the next layer's copy starts (the
+    last layer's next is layer 0 of the next token), so at most two layers are on the device."""
     kept = cache.kept(0)
+    following = state.caches.get(((layer + 1) % max(1, state.n_layers), seq))
+    if following is not None and following is not cache:
+        following.prefetch(0)
     if kept is None:
         empty = like[:, :, :0]
         return empty, empty, torch.empty(0, dtype=torch.int64, device=like.device)
@@ -122,7 +130,7 @@ def _decode(state: KVState, layer: int, left, query, key, value, scale):
         position = state.decode_positions[j]
         cache.append_decoded(0, key[j : j + 1], value[j : j + 1], position, state.owners[j])
         cache.evict(0, position)
-        kept_k, kept_v, _ = _kept(cache, key[j : j + 1])
+        kept_k, kept_v, _ = _kept(state, layer, seq, cache, key[j : j + 1])
         out, lse = local_partial(state.kernel, query[j : j + 1], kept_k, kept_v, scale)
         outs.append(out)
         lses.append(lse)
@@ -131,7 +139,7 @@ def _decode(state: KVState, layer: int, left, query, key, value, scale):
 
 def _extend(state: KVState, layer: int, left, query, key, value, scale):
     cache = state.cache(layer, 0, left)
-    kept = _kept(cache, key)
+    kept = _kept(state, layer, 0, cache, key)
     lengths = state.turn_lengths[layer]
     positions = None
     if left is not None:  # pass-KV masks the window by each rank's kept positions

@@ -22,8 +22,8 @@ import torch
 
 import ringattn
 from ringattn.comm import all_gather_ints, all_reduce, resolve_group
+from ringattn.inference.hf.kv_attention import KVState, attach, restore
 from ringattn.inference.turns import Turn, choose_mode
-from ringattn.integrations.hf.kv_attention import KVState, attach, restore
 from ringattn.layout import get_layout
 from ringattn.packing import place
 
@@ -35,9 +35,9 @@ class KVEngine:
                  offload: bool = False):  # fmt: skip
         self.model, self.group, self.layout = model, group, layout
         self.info = resolve_group(group)
-        self.state = KVState(self.info, group, layout, offload)
         text = model.config.get_text_config()
         self.n_layers = getattr(text, "num_hidden_layers", 0)
+        self.state = KVState(self.info, group, layout, offload, self.n_layers)
         self.n_heads = text.num_attention_heads
         self.n_kv_heads = getattr(text, "num_key_value_heads", None) or self.n_heads
         self.lengths: list[int] = []  # tokens in each sequence so far
@@ -113,6 +113,10 @@ class KVEngine:
         for (_, seq), cache in self.state.caches.items():
             if seq in seqs:
                 cache.reserve(extra[seqs.index(seq)])
+
+    def release(self, seq: int) -> None:
+        """Free every layer's cache of sequence `seq` (a cancelled request's)."""
+        self.state.drop(seq)
 
     def decode(self, seqs: list[int], tokens: list[int]) -> torch.Tensor:
         """Feed one token to each sequence in `seqs`; logits (L, vocab) of their next tokens."""

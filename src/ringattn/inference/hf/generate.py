@@ -12,15 +12,16 @@ the greedy `model.generate` of that prompt alone, each stopping at its own end-o
 
     prefill   the prompts packed as documents into one context-parallel forward (cu_seqlens);
               each rank keeps its rows' K/V in that sequence's cache (engine.py, kv_attention.py),
-              then reserves its share of max_new_tokens in every layer (no regrowth while decoding)
+              then reserves its share of max_new_tokens (up to RESERVE_AHEAD) in every layer
     decode    each step feeds one token per live sequence as one batch (L, 1); a sequence leaves
               the batch at its end-of-sequence token, its max_new_tokens, or when `on_token`
               returns True (a stop string, a client gone)
 
 Sampling (`do_sample=True`): temperature, top-k, top-p (inference/sampling.py), each sequence from
 its own torch.Generator on the logits' device seeded from `seed` (batching.py: None draws a fresh
-seed on rank 0 and shares it). Every rank holds the same logits; rank 0's draws are still
-broadcast each step, so every rank keeps the same tokens whatever its hardware does.
+seed on rank 0 and shares it). Every rank holds the same logits; rank 0's tokens (greedy or
+drawn) are still broadcast each step, so every rank keeps the same tokens whatever its hardware
+does. Non-finite logits raise NonFiniteLogits on every rank (rank 0's verdict, sent with them).
 
 The model needs no `parallelize` (its attention implementation is switched for each forward and
 restored). With tensor parallelism (`tensor_parallel.py`) pass the cp group as `group` and the tp
@@ -35,14 +36,44 @@ from collections.abc import Callable
 import torch
 
 from ringattn.comm import all_gather_ints, backend_device, resolve_group
+from ringattn.inference.hf.batching import Request, check_call, eos_ids, fresh_seeds
+from ringattn.inference.hf.engine import KVEngine
 from ringattn.inference.sampling import next_token
 from ringattn.inference.session import TurnStats
 from ringattn.integrations.hf import vision
-from ringattn.integrations.hf.batching import Request, check_call, eos_ids, fresh_seeds
-from ringattn.integrations.hf.engine import KVEngine
 from ringattn.validate import validated
 
-__all__ = ["decode_loop", "generate"]
+# decoded tokens reserved up front per sequence; beyond, the buffers double as they fill (a
+# request for the whole remaining context must not hold it all before its first token)
+RESERVE_AHEAD = 4096
+
+__all__ = ["NonFiniteLogits", "decode_loop", "generate"]
+
+
+NONFINITE, CANCELLED = -1, -2  # what rank 0 sends in place of a token
+
+
+class NonFiniteLogits(RuntimeError):
+    """A sequence's logits hold NaN or inf (a server-side failure, the same on every rank)."""
+
+
+def _choose(logits: torch.Tensor, live: list[int], requests: list[Request], generators: list,
+            cancel: Callable[[int], bool] | None) -> list[int]:  # fmt: skip
+    """This rank's next token of each live sequence (row j of logits is live[j]): one host sync
+    for every greedy argmax and the finiteness of every row; NONFINITE or CANCELLED instead."""
+    checks = torch.stack([logits.argmax(-1), torch.isfinite(logits).all(-1).long()])
+    greedy, finite = checks.tolist()  # (2, L): the one host sync of the greedy rows
+    tokens = []
+    for row, i in enumerate(live):
+        if cancel is not None and cancel(i):
+            tokens.append(CANCELLED)
+        elif not finite[row]:
+            tokens.append(NONFINITE)
+        elif requests[i].sampling.greedy:
+            tokens.append(greedy[row])
+        else:
+            tokens.append(next_token(logits[row], requests[i].sampling, generators[i]))
+    return tokens
 
 
 def decode_loop(
@@ -55,28 +86,35 @@ def decode_loop(
     stats: TurnStats,
     start: float,
     groups: list,
+    cancel: Callable[[int], bool] | None = None,
 ) -> list[list[int]]:
-    """New tokens of each request from the first logits (n, vocab), decoding the live ones."""
+    """New tokens of each request from the first logits (n, vocab), decoding the live ones.
+
+    Rank 0's choice of every token is sent to every rank each step (greedy too: an argmax
+    near-tie must not split the ranks), and with it rank 0's verdicts: `cancel(i)` True ends
+    sequence i at once (its caches freed), non-finite logits raise NonFiniteLogits everywhere."""
     device = logits.device
     generators = [torch.Generator(device=device).manual_seed(r.sampling.seed) for r in requests]
-    sampled = any(not r.sampling.greedy for r in requests)
     outs: list[list[int]] = [[] for _ in requests]
     live = [i for i, r in enumerate(requests) if r.max_new_tokens > 0]
-    rows = list(range(len(live)))  # row of each live request in `logits`
     logits = logits[live]
     decode_start = None
     while live:
-        tokens = [next_token(logits[row], requests[i].sampling, generators[i])
-                  for row, i in zip(rows, live)]  # fmt: skip
-        if sampled:  # rank 0's draws on every rank of every group (tp first, then cp)
-            for info in groups:
-                if info.world_size > 1:
-                    tokens = all_gather_ints(tokens, info, backend_device(info, device))[0]
+        tokens = _choose(logits, live, requests, generators, cancel)
+        for info in groups:  # rank 0's tokens on every rank of every group (tp first, then cp)
+            if info.world_size > 1:
+                tokens = all_gather_ints(tokens, info, backend_device(info, device))[0]
+        if NONFINITE in tokens:
+            bad = [i for i, t in zip(live, tokens) if t == NONFINITE]
+            raise NonFiniteLogits(f"the logits of sequence(s) {bad} hold NaN or inf")
         if decode_start is None:
             decode_start = time.perf_counter()
             stats.first_token_s = decode_start - start
         still = []
         for i, token in zip(live, tokens):
+            if token == CANCELLED:
+                engine.release(seqs[i])
+                continue
             outs[i].append(token)
             stop = on_token(i, token) if on_token is not None else None
             if not (stop or token in eos or len(outs[i]) == requests[i].max_new_tokens):
@@ -84,7 +122,7 @@ def decode_loop(
         if not still:
             break
         logits = engine.decode([seqs[i] for i in still], [outs[i][-1] for i in still])
-        live, rows = still, list(range(len(still)))
+        live = still
     if decode_start is not None:
         stats.decode_s = time.perf_counter() - decode_start
     stats.new_tokens = sum(len(out) for out in outs)
@@ -109,6 +147,7 @@ def generate(
     on_prefill: Callable[[int, int], None] | None = None,
     offload_kv: bool = False,
     tp_group: object = None,
+    cancel: Callable[[int], bool] | None = None,
     return_stats: bool = False,
     **multimodal: torch.Tensor,
 ) -> torch.Tensor | list[torch.Tensor] | tuple[object, TurnStats]:
@@ -118,12 +157,13 @@ def generate(
     Greedy unless `do_sample` (then `temperature`, `top_k` (0: all), `top_p` (1: all), `seed`;
     each one value or one per prompt). `on_token(token)` (one prompt) or `on_token(index, token)`
     (a list) is called on every rank as each new token is chosen; returning True ends that
-    sequence. `on_prefill(layers_done, layers)` follows the prefill. `offload_kv` keeps the cache
-    in host memory (inference/cache.py). With `return_stats`, also this rank's `TurnStats` (time
-    to first token, decode time, the K/V bytes kept and the bytes the buffers hold). A
-    vision-language model (Qwen2-VL, LLaVA; one prompt) also takes the processor's image inputs
-    as keywords (`pixel_values`, `image_grid_thw`, ...: vision.MULTIMODAL_KEYS), the same on
-    every rank.
+    sequence. `cancel(index)` (read on rank 0 each step) True ends that sequence on every rank
+    at that step, its caches freed. `on_prefill(layers_done, layers)` follows the prefill.
+    `offload_kv` keeps the cache in host memory (inference/cache.py). With `return_stats`, also
+    this rank's `TurnStats` (time to first token, decode time, the K/V bytes kept and the bytes
+    the buffers hold). A vision-language model (Qwen2-VL, LLaVA; one prompt) also takes the
+    processor's image inputs as keywords (`pixel_values`, `image_grid_thw`, ...:
+    vision.MULTIMODAL_KEYS), the same on every rank.
     """
     info = resolve_group(group)
     tp_info = resolve_group(tp_group) if tp_group is not None else None
@@ -157,13 +197,13 @@ def generate(
     seqs = list(range(len(requests)))
     whole = images if (images or vision.is_multimodal(model)) else None
     logits = engine.prefill([r.prompt for r in requests], progress, whole)
-    engine.reserve(seqs, [max(0, r.max_new_tokens - 1) for r in requests])
+    engine.reserve(seqs, [min(max(0, r.max_new_tokens - 1), RESERVE_AHEAD) for r in requests])
     stats.prefill_s = time.perf_counter() - start
     callback = on_token
     if on_token is not None and not is_list:
         callback = lambda _, token: on_token(token)
     outs = decode_loop(engine, seqs, requests, logits, eos_ids(model, eos_token_id), callback,
-                       stats, start, groups)  # fmt: skip
+                       stats, start, groups, cancel)  # fmt: skip
     stats.cache_bytes = engine.state.nbytes
     stats.cache_capacity_bytes = engine.state.capacity_bytes
     stats.cache_tokens = sum(engine.state.kept_tokens(s) for s in seqs)

@@ -20,11 +20,11 @@ from collections.abc import Callable
 import torch
 
 from ringattn.comm import backend_device, resolve_group
+from ringattn.inference.hf.batching import check_call, eos_ids, fresh_seeds
+from ringattn.inference.hf.engine import KVEngine
+from ringattn.inference.hf.generate import decode_loop
 from ringattn.inference.session import TurnStats
 from ringattn.inference.turns import check_mode
-from ringattn.integrations.hf.batching import check_call, eos_ids, fresh_seeds
-from ringattn.integrations.hf.engine import KVEngine
-from ringattn.integrations.hf.generate import decode_loop
 from ringattn.validate import validated
 
 __all__ = ["Session"]

@@ -1,0 +1,187 @@
+"""Topology measured: step time of each strategy over 2 hosts x 2 ranks at two link rates, beside
+`ringattn plan --hardware cpu --gpus-per-node 2 --inter-bw RATE`'s prediction. Needs root.
+
+    sudo .venv/bin/python scripts/two_hosts_bench.py            # results/two_hosts_cpu.json
+    sudo .venv/bin/python scripts/two_hosts_bench.py --rates 1gbit --steps 4 --calibration C
+
+1. `ringattn plan --calibrate` measures this CPU into a calibration file (or --calibration);
+2. for each link rate, two hosts (ringattn/testing/hosts.py: network namespaces, a veth shaped
+   by tc tbf in both directions) and for each configuration one `torchrun --nnodes 2
+   --nproc-per-node 2 -m ringattn train ...` of a few steps: the median step seconds after
+   the first step (rank 0's log);
+3. `ringattn plan ... --json` with the same degrees, strategy and layout, the cluster given as
+   --gpus-per-node 2 and --inter-bw = the link rate in GB/s: the predicted step seconds.
+
+Errors are (predicted - measured) / measured; the two orders (fastest first) are compared per
+rate. The machine is shared (2 cores, other sessions): the load average is recorded per run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+from ringattn.testing.hosts import TwoHosts, unavailable
+
+# (label, dp, cp, strategy, ulysses)
+CONFIGS = [
+    ("ring", 1, 4, "ring", 0),
+    ("allgather", 1, 4, "allgather", 0),
+    ("ulysses", 1, 4, "ulysses", 0),
+    ("hybrid U2", 1, 4, "hybrid", 2),
+    ("dp2 x cp2 ring", 2, 2, "ring", 0),
+]
+RATES_GBS = {"gbit": 1 / 8, "mbit": 1 / 8000}
+
+
+def rate_gbs(rate: str) -> float:
+    for unit, scale in RATES_GBS.items():
+        if rate.endswith(unit):
+            return float(rate[: -len(unit)]) * scale
+    raise ValueError(f"rate {rate!r}: give NNmbit or NNgbit")
+
+
+def train_flags(cfg: tuple, args: argparse.Namespace, out_dir: str) -> list[str]:
+    _, dp, cp, strategy, ulysses = cfg
+    flags = ["-m", "ringattn", "train", "--model", args.model, "--dp", str(dp), "--cp", str(cp),
+             "--strategy", strategy, "--layout", args.layout, "--seq-len", str(args.seq_len),
+             "--steps", str(args.steps), "--warmup", "1", "--checkpoint-every", "-1",
+             "--no-resume", "--quiet", "--out-dir", out_dir]  # fmt: skip
+    return flags + (["--ulysses", str(ulysses)] if ulysses else [])
+
+
+def measure(hosts: TwoHosts, cfg: tuple, args: argparse.Namespace, out_dir: str) -> dict:
+    flags = train_flags(cfg, args, out_dir)
+    load = os.getloadavg()[0]
+    start = time.perf_counter()
+    results = hosts.torchrun(flags, timeout=900)
+    for host, (code, out) in enumerate(results):
+        if code:
+            raise RuntimeError(f"host {host} exited with {code}:\n{out[-3000:]}")
+    with open(os.path.join(out_dir, "train_log.jsonl")) as f:
+        history = [r for r in map(json.loads, f) if "seconds" in r]
+    seconds = [h["seconds"] for h in history]
+    return {"command": "torchrun --nnodes 2 --nproc-per-node 2 ... " + shlex.join(flags[:-2]),
+            "step_seconds": seconds, "median_step_s": statistics.median(seconds[1:]),
+            "wall_s": time.perf_counter() - start, "load_before": load,
+            "load_after": os.getloadavg()[0]}  # fmt: skip
+
+
+def predict(cfg: tuple, args: argparse.Namespace, inter_gbs: float, calibration: str) -> dict:
+    _, dp, cp, strategy, _ = cfg
+    argv = ["plan", "--model", args.model, "--hardware", "cpu", "--gpus", "4",
+            "--gpus-per-node", "2", "--inter-bw", f"{inter_gbs:g}", "--dp", str(dp), "--cp",
+            str(cp), "--tp", "1", "--pp", "1", "--strategy", strategy, "--layout", args.layout,
+            "--seq-len", str(args.seq_len), "--calibration", calibration, "--json"]  # fmt: skip
+    done = subprocess.run([sys.executable, "-m", "ringattn", *argv], capture_output=True,
+                          text=True, check=True)  # fmt: skip
+    plan = json.loads(done.stdout)["plans"][0]
+    return {"command": "ringattn " + shlex.join(argv), "step_time_s": plan["step_time_s"],
+            "ulysses": plan["ulysses"], "breakdown": plan["breakdown"]}  # fmt: skip
+
+
+def table(rows: list[dict]) -> str:
+    head = (
+        "| link | configuration | measured s/step | predicted s/step | error | "
+        "measured rank | predicted rank |"
+    )
+    lines = [head, "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['rate']} | {r['config']} | {r['measured']['median_step_s']:.3f} | "
+                     f"{r['predicted']['step_time_s']:.3f} | {r['error']:+.0%} | "
+                     f"{r['measured_rank']} | {r['predicted_rank']} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rates", default="1gbit,20mbit", help="link rates, comma-separated")
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--layout", default="zigzag")
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--tries", type=int, default=1, help="runs per configuration (fastest counts)")
+    p.add_argument("--only", default=None, help="comma-separated indices into CONFIGS")
+    p.add_argument("--calibration", default=None, help="reuse this calibration file")
+    p.add_argument("--json", default="results/two_hosts_cpu.json")
+    args = p.parse_args(argv)
+    why = unavailable()
+    if why:
+        print(f"two_hosts_bench: {why}", file=sys.stderr)
+        return 2
+    tmp = tempfile.mkdtemp(prefix="ringattn-two-hosts-")
+    calibration = args.calibration or os.path.join(tmp, "calibration.json")
+    if not args.calibration:
+        print("[two-hosts] calibrating...", flush=True)
+        subprocess.run([sys.executable, "-m", "ringattn", "plan", "--calibrate",
+                        "--calibration", calibration], check=True)  # fmt: skip
+    chosen = [CONFIGS[int(i)] for i in args.only.split(",")] if args.only else CONFIGS
+    rows = []
+    for rate in args.rates.split(","):
+        with TwoHosts(rate=rate) as hosts:
+            # round robin over the configurations, the fastest try of each counts: a neighbour's
+            # load drifts over minutes and only ever slows a run down
+            tries: dict[int, list[dict]] = {i: [] for i in range(len(chosen))}
+            for t in range(args.tries):
+                for i, cfg in enumerate(chosen):
+                    print(f"[two-hosts] {rate} {cfg[0]} (try {t + 1})...", flush=True)
+                    run_dir = os.path.join(tmp, f"{rate}-{i}-{t}")
+                    tries[i].append(measure(hosts, cfg, args, run_dir))
+                    print(f"    {tries[i][-1]['median_step_s']:.3f} s", flush=True)
+            for i, cfg in enumerate(chosen):
+                meas = min(tries[i], key=lambda m: m["median_step_s"])
+                meas["tries_median_step_s"] = [m["median_step_s"] for m in tries[i]]
+                pred = predict(cfg, args, rate_gbs(rate), calibration)
+                err = (pred["step_time_s"] - meas["median_step_s"]) / meas["median_step_s"]
+                rows.append({"rate": rate, "config": cfg[0], "measured": meas, "predicted": pred,
+                             "error": err})  # fmt: skip
+                print(f"    measured {meas['median_step_s']:.3f} s, predicted "
+                      f"{pred['step_time_s']:.3f} s ({err:+.0%})", flush=True)  # fmt: skip
+    for rate in args.rates.split(","):
+        mine = [r for r in rows if r["rate"] == rate]
+        for key, name in (("measured_rank", "median_step_s"), ("predicted_rank", "step_time_s")):
+            part = "measured" if key == "measured_rank" else "predicted"
+            order = sorted(mine, key=lambda r, part=part, name=name: r[part][name])
+            for rank, r in enumerate(order, 1):
+                r[key] = rank
+    with open(calibration) as f:
+        calib = json.load(f)
+    result = {
+        "command": shlex.join(["python", *sys.argv]),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "machine": {"node": platform.node(), "system": platform.platform(),
+                    "processor": platform.processor() or platform.machine(),
+                    "cpus": os.cpu_count(), "python": platform.python_version()},
+        "torch": torch.__version__, "model": args.model, "seq_len": args.seq_len,
+        "layout": args.layout, "steps": args.steps, "tries": args.tries,
+        "hosts": "2 network namespaces x 2 ranks, veth shaped by tc tbf both ways, gloo, "
+        "OMP_NUM_THREADS=1", "rows": rows,
+        "within_25_percent": sum(abs(r["error"]) <= 0.25 for r in rows), "of": len(rows),
+        "same_order": {rate: [r["config"] for r in sorted(
+            (r for r in rows if r["rate"] == rate), key=lambda r: r["measured_rank"])] == [
+            r["config"] for r in sorted((r for r in rows if r["rate"] == rate),
+                                        key=lambda r: r["predicted_rank"])]
+            for rate in args.rates.split(",")},
+        "calibration": calib,
+    }  # fmt: skip
+    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump(result, f, indent=1)
+    print(table(rows))
+    print(f"within 25 %: {result['within_25_percent']} of {result['of']}; same order: "
+          f"{result['same_order']}; wrote {args.json}")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,206 @@
+"""`with_context_parallel(TrainerClass)`: a transformers Trainer (or TRL's SFTTrainer, or any
+subclass) whose ranks form data-parallel groups of `cp` context-parallel ranks.
+
+What a hand-wired Trainer gets wrong, and the documented hook that puts it right here:
+
+    its sampler gives every rank its own      get_train/eval/test_dataloader: the prepared
+    batch; a CP group must share one          loader's shard (accelerate's BatchSamplerShard, as
+                                              the Trainer does for its rebalancing sampler) reads
+                                              by dp rank: dp groups, not ranks
+    the model sees whole sequences            __init__: ringattn.hf.parallelize on the cp group
+                                              (a PeftModel's base model); compute_loss: the
+                                              batch -> one row (batch.py) -> shard_batch
+    num_items_in_batch counts every rank      get_cp_size: the Trainer divides its all-rank
+                                              count by it, giving the global batch's count
+    DDP averages gradients over all W ranks   the Trainer already multiplies a token-normalised
+                                              loss by W (average_tokens_across_devices): each
+                                              rank's loss is its token-loss sum / the global
+                                              count, so the gradients come out summed over cp
+                                              and averaged over dp, under DDP or FSDP alike
+    eval losses are one rank's                prediction_step: the cp group's sum (the batch's
+                                              mean), gathered once per dp group
+    SFTTrainer's MoE router loss is one       router.py: its router logits gathered over the cp
+    rank's                                    group
+
+The logged training loss is the Trainer's own mean over ranks of W x (sum / global count): the
+global token mean. Checkpoints and `save_model` are the Trainer's: DDP keeps the whole model on
+every rank (FSDP's own state-dict settings apply), so rank 0 writes all of it.
+
+Settings that cannot be honoured raise ValueError in the constructor, on every rank (they are
+read from the arguments all ranks share), naming the setting.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ringattn.integrations.hf.batch import shard_batch
+from ringattn.integrations.hf.model import parallelize
+from ringattn.integrations.hf.trainer.batch import one_row
+from ringattn.integrations.hf.trainer.config import ContextParallelConfig, split_world
+from ringattn.integrations.hf.trainer.router import gather_router_logits
+
+__all__ = ["with_context_parallel"]
+
+_CLASSES: dict[type, type] = {}
+
+
+def _refuse(trainer: object, extra_settings: dict) -> None:
+    """ValueError naming the first setting context parallelism cannot honour."""
+    args = trainer.args
+    bad = {
+        "compute_metrics": "it needs whole logits; the CP ranks hold shards (eval reports the "
+        "loss only)",
+        "preprocess_logits_for_metrics": "it needs whole logits; the CP ranks hold shards",
+        "compute_loss_func": "it receives one rank's logits with unshifted labels",
+        "model_init": "the model must exist when the Trainer is built, to be parallelized",
+    }
+    for name, why in bad.items():
+        if extra_settings.get(name) is not None:
+            raise ValueError(f"ringattn.hf Trainer: {name} is not supported: {why}")
+    dispatch = bool(getattr(args.accelerator_config, "dispatch_batches", False))
+    checks = [
+        (not args.average_tokens_across_devices, "average_tokens_across_devices=False",
+         "the loss is normalised by the global count of supervised tokens; set it to True"),
+        (args.label_smoothing_factor != 0, f"label_smoothing_factor={args.label_smoothing_factor}",
+         "label smoothing reads whole logits; set it to 0"),
+        (bool(args.deepspeed), "deepspeed", "use DDP (the default) or FSDP (fsdp=...)"),
+        (args.train_sampling_strategy == "batch_rebalance",
+         "train_sampling_strategy='batch_rebalance'",
+         "its sampler reads by rank, not by data-parallel group"),
+        (dispatch, "accelerator_config.dispatch_batches=True",
+         "rank 0 would dispatch a different batch to every rank"),
+        (getattr(args, "parallelism_config", None) is not None, "parallelism_config",
+         "accelerate's own cp/sp/tp would shard the sequence a second time"),
+        (args.n_gpu > 1, f"n_gpu={args.n_gpu} (nn.DataParallel)",
+         "launch one process per device with torchrun or accelerate launch"),
+    ]  # fmt: skip
+    for failed, setting, fix in checks:
+        if failed:
+            raise ValueError(f"ringattn.hf Trainer: {setting} is not supported: {fix}")
+
+
+def _by_data_parallel_rank(loader: object, dp: int, dp_rank: int) -> object:
+    """Make an accelerate-prepared loader shard its batches over dp groups instead of ranks."""
+    from accelerate.data_loader import BatchSamplerShard, IterableDatasetShard
+
+    for attribute in ("batch_sampler", "sampler", "dataset"):
+        shard = getattr(loader, attribute, None)
+        if isinstance(shard, (BatchSamplerShard, IterableDatasetShard)):
+            shard.num_processes, shard.process_index = dp, dp_rank
+            return loader
+    raise ValueError(
+        f"ringattn.hf Trainer: cannot make the ranks of a CP group share batches with this data "
+        f"loader ({type(loader).__name__} over {type(getattr(loader, 'dataset', None)).__name__}"
+        f"); use a map-style dataset or a torch IterableDataset"
+    )
+
+
+class _ContextParallel:
+    """The overrides; `with_context_parallel` puts this class first in the subclass's MRO."""
+
+    def __init__(self, *args, context_parallel: ContextParallelConfig | None = None, **kwargs):
+        if context_parallel is not None and not isinstance(context_parallel, ContextParallelConfig):
+            raise TypeError(
+                f"context_parallel must be a ringattn.hf.ContextParallelConfig, got "
+                f"{type(context_parallel).__name__}"
+            )
+        extra = {k: kwargs.get(k) for k in ("compute_metrics", "preprocess_logits_for_metrics",
+                                            "compute_loss_func", "model_init")}  # fmt: skip
+        super().__init__(*args, **kwargs)
+        if context_parallel is None:  # one CP group over every rank
+            world = dist.get_world_size() if dist.is_initialized() else 1
+            context_parallel = ContextParallelConfig(cp=world)
+        _refuse(self, extra)
+        self.context_parallel = context_parallel
+        self.cp_split = split_world(context_parallel)
+        model = self.model
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT
+        parallelize(base, self.cp_split.group, context_parallel.layout, context_parallel.strategy,
+                    backend=context_parallel.backend)  # fmt: skip
+        if getattr(self, "aux_loss_enabled", False):  # SFTTrainer's own MoE router loss
+            gather_router_logits(base)
+        if self.cp_split.cp > 1:
+            self.gather_function = self._gather_by_dp_group
+
+    def get_cp_size(self) -> int:
+        """The Trainer divides its all-rank token count and its dp world size by this."""
+        return self.cp_split.cp
+
+    def get_train_dataloader(self):
+        loader = super().get_train_dataloader()
+        return _by_data_parallel_rank(loader, self.cp_split.dp, self.cp_split.dp_rank)
+
+    def get_eval_dataloader(self, eval_dataset=None):
+        loader = super().get_eval_dataloader(eval_dataset)
+        return _by_data_parallel_rank(loader, self.cp_split.dp, self.cp_split.dp_rank)
+
+    def get_test_dataloader(self, test_dataset):
+        loader = super().get_test_dataloader(test_dataset)
+        return _by_data_parallel_rank(loader, self.cp_split.dp, self.cp_split.dp_rank)
+
+    def _shard(self, inputs: dict, count: object) -> dict:
+        row, flags = one_row(inputs)
+        if count is not None and "labels" in row:
+            row["num_items_in_batch"] = count
+        local = shard_batch(row, self.cp_split.group, self.context_parallel.layout)
+        return {**local, **flags}
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """This rank's shard through the Trainer's own loss, over the global supervised-token
+        count (the Trainer then scales it by the world size for DDP's average)."""
+        if num_items_in_batch is None and model.training and "labels" in inputs:
+            raise ValueError(
+                "ringattn.hf Trainer: the Trainer passed no num_items_in_batch; context "
+                "parallelism needs the global count of supervised tokens: the model's forward "
+                "must accept transformers' loss kwargs (**kwargs)"
+            )
+        local = self._shard(inputs, num_items_in_batch)
+        return super().compute_loss(model, local, return_outputs, num_items_in_batch)
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        """The eval loss of the dp group's batch (the same on its cp ranks); no logits."""
+        inputs = self._prepare_inputs(inputs)
+        local = self._shard(inputs, None)
+        with torch.no_grad(), self.compute_loss_context_manager():
+            outputs = model(**local)
+        loss = outputs["loss"] if isinstance(outputs, dict) else None
+        if loss is None:
+            return None, None, None
+        loss = loss.detach().float()
+        if self.cp_split.group is not None and self.cp_split.cp > 1:
+            dist.all_reduce(loss, group=self.cp_split.group)  # shares of the mean -> the mean
+        return loss, None, None
+
+    def _gather_by_dp_group(self, tensors, *args, **kwargs):
+        """The Trainer's gather_for_metrics, once per dp group (its cp ranks hold copies)."""
+        gathered = self.accelerator.gather(tensors)  # (W * n, ...): rank-major
+        split = self.cp_split
+        gathered = gathered.reshape(split.dp, split.cp, -1, *gathered.shape[1:])[:, 0]
+        gathered = gathered.reshape(-1, *gathered.shape[2:])
+        state = self.accelerator.gradient_state
+        if state.end_of_dataloader and state.remainder > 0:
+            gathered = gathered[: state.remainder]  # the last batch's repeated samples
+        return gathered
+
+
+def with_context_parallel(trainer_class: type) -> type:
+    """A subclass of `trainer_class` (transformers.Trainer or a subclass, e.g. TRL's SFTTrainer)
+    whose constructor takes `context_parallel=ContextParallelConfig(cp=..., layout=...,
+    strategy=...)`. The same class comes back for the same argument."""
+    import transformers
+
+    if not (isinstance(trainer_class, type) and issubclass(trainer_class, transformers.Trainer)):
+        raise TypeError(
+            f"with_context_parallel takes transformers.Trainer or a subclass of it, got "
+            f"{trainer_class!r}"
+        )
+    if issubclass(trainer_class, _ContextParallel):
+        return trainer_class
+    if trainer_class not in _CLASSES:
+        name = f"ContextParallel{trainer_class.__name__}"
+        _CLASSES[trainer_class] = type(name, (_ContextParallel, trainer_class), {
+            "__module__": __name__, "__doc__": f"{trainer_class.__name__} with context "
+            f"parallelism (ringattn.hf.with_context_parallel)."})  # fmt: skip
+    return _CLASSES[trainer_class]

@@ -1,0 +1,106 @@
+"""`GET /metrics`: the server's counters in the Prometheus text format (version 0.0.4).
+
+    ringattn_requests_total{outcome}          requests ended: stop, length (finished), cancelled
+                                              (the client left), invalid (4xx), failed (5xx),
+                                              rejected (503: the queue was full)
+    ringattn_prompt_tokens_total              prompt tokens of the requests run
+    ringattn_generation_tokens_total          tokens generated
+    ringattn_time_to_first_token_seconds      histogram, from admission to the first token
+    ringattn_inter_token_latency_seconds      histogram, between a sequence's tokens
+    ringattn_request_latency_seconds          histogram, from admission to the end
+    ringattn_running_sequences                sequences in the batch now running
+    ringattn_waiting_requests                 admitted requests waiting for the ranks
+
+Written by hand (a few lines) rather than with prometheus_client: no dependency, no global
+registry. The worker thread records, the HTTP thread renders; a lock keeps each sample whole.
+There is no paged KV pool and no prefix cache yet (issue 32, items 3 and 4), so there are no
+block or prefix-hit series: a series that is always 0 would mislead.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from collections.abc import Callable
+
+__all__ = ["OUTCOMES", "Histogram", "Metrics"]
+
+OUTCOMES = ("stop", "length", "cancelled", "invalid", "failed", "rejected")
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+LATENCY_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+class Histogram:
+    """Cumulative buckets, a sum and a count (the Prometheus histogram)."""
+
+    def __init__(self, bounds: tuple[float, ...]):
+        self.bounds, self.counts = bounds, [0] * (len(bounds) + 1)  # the last: +Inf only
+        self.sum, self.count = 0.0, 0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+        self.count += 1
+
+    def lines(self, name: str) -> list[str]:
+        out, total = [], 0
+        for bound, n in zip((*self.bounds, float("inf")), self.counts):
+            total += n
+            le = "+Inf" if bound == float("inf") else repr(bound)
+            out.append(f'{name}_bucket{{le="{le}"}} {total}')
+        return [*out, f"{name}_sum {self.sum!r}", f"{name}_count {self.count}"]
+
+
+class Metrics:
+    """Rank 0's counters; `waiting` reports the queue's length when rendered."""
+
+    def __init__(self, waiting: Callable[[], int] = lambda: 0):
+        self.lock = threading.Lock()
+        self.waiting = waiting
+        self.requests = dict.fromkeys(OUTCOMES, 0)
+        self.prompt_tokens = self.generation_tokens = self.running = 0
+        self.ttft = Histogram(TTFT_BUCKETS)
+        self.itl = Histogram(ITL_BUCKETS)
+        self.latency = Histogram(LATENCY_BUCKETS)
+
+    def ended(self, outcome: str, prompt_tokens: int = 0, new_tokens: int = 0,
+              latency_s: float | None = None) -> None:  # fmt: skip
+        assert outcome in OUTCOMES, outcome
+        with self.lock:
+            self.requests[outcome] += 1
+            self.prompt_tokens += prompt_tokens
+            self.generation_tokens += new_tokens
+            if latency_s is not None:
+                self.latency.observe(latency_s)
+
+    def token(self, first_s: float | None = None, gap_s: float | None = None) -> None:
+        """One generated token: its time to first token, or its gap after the previous one."""
+        with self.lock:
+            if first_s is not None:
+                self.ttft.observe(first_s)
+            if gap_s is not None:
+                self.itl.observe(gap_s)
+
+    def render(self) -> str:
+        with self.lock:
+            out = ["# HELP ringattn_requests_total Requests ended, by outcome.",
+                   "# TYPE ringattn_requests_total counter"]  # fmt: skip
+            out += [f'ringattn_requests_total{{outcome="{k}"}} {n}'
+                    for k, n in self.requests.items()]  # fmt: skip
+            for name, value, kind, text in (
+                ("prompt_tokens_total", self.prompt_tokens, "counter", "Prompt tokens run."),
+                ("generation_tokens_total", self.generation_tokens, "counter", "Tokens generated."),
+                ("running_sequences", self.running, "gauge", "Sequences in the running batch."),
+                ("waiting_requests", self.waiting(), "gauge", "Admitted requests waiting."),
+            ):
+                out += [f"# HELP ringattn_{name} {text}", f"# TYPE ringattn_{name} {kind}",
+                        f"ringattn_{name} {value}"]  # fmt: skip
+            for name, hist, text in (
+                ("time_to_first_token_seconds", self.ttft, "Admission to the first token."),
+                ("inter_token_latency_seconds", self.itl, "Time between a sequence's tokens."),
+                ("request_latency_seconds", self.latency, "Admission to the end of a request."),
+            ):
+                out += [f"# HELP ringattn_{name} {text}", f"# TYPE ringattn_{name} histogram"]
+                out += hist.lines(f"ringattn_{name}")
+        return "\n".join(out) + "\n"

@@ -1,0 +1,186 @@
+"""Rank functions for the Trainer integration (ringattn.hf.with_context_parallel; see harness.py).
+
+`run(rank, world_size, case)` trains one case and returns what the tests compare: the logged
+per-step training losses, the eval losses, and (rank 0) the trained parameters (the adapters' only
+under LoRA). The same function is the reference: called in the test process with `cp=0` (no
+ringattn, the plain trainer class) on one process, or on a pool without CP (plain DDP).
+
+Everything is built here, offline and seeded: a character-level ChatML tokenizer whose template
+marks the assistant's turns ({% generation %}, for TRL's assistant_only_loss), tiny chat data, and
+tiny float32 models (Llama with GQA, Mistral with a sliding window, Qwen3-MoE with its router loss).
+"""
+
+from __future__ import annotations
+
+import os
+import string
+
+import torch
+
+CHATML = (
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}<|im_start|>assistant\n"
+    "{% generation %}{{ m['content'] }}<|im_end|>{% endgeneration %}\n{% else %}"
+    "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+CHARS = string.ascii_lowercase + string.digits + " .,?!\n"
+
+
+def tokenizer():
+    """One id per character plus the ChatML tokens, a fast tokenizer (offsets for the masks)."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {t: i for i, t in enumerate(["<pad>", "<|im_start|>", "<|im_end|>", *CHARS])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    out = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<pad>", pad_token="<pad>", eos_token="<|im_end|>",
+        additional_special_tokens=["<|im_start|>"],
+    )  # fmt: skip
+    out.chat_template = CHATML
+    return out
+
+
+def conversations(n: int, offset: int = 0) -> list[dict]:
+    """`n` chats of one or two turns and varied lengths."""
+    rows = []
+    for i in range(offset, offset + n):
+        messages = [{"role": "system", "content": "be brief."}]
+        for t in range(1 + i % 2):
+            answer = f"it is {i + t}." + " ok" * (i % 4)
+            messages += [{"role": "user", "content": f"what is {i} plus {t}?"},
+                         {"role": "assistant", "content": answer}]  # fmt: skip
+        rows.append({"messages": messages})
+    return rows
+
+
+def model(arch: str, vocab: int):
+    """A tiny float32 causal LM from seed 0 (the same weights on every rank and process)."""
+    import transformers as tf
+
+    common = {"vocab_size": vocab, "hidden_size": 32, "intermediate_size": 64,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "max_position_embeddings": 256, "attn_implementation": "eager",
+              "pad_token_id": 0, "eos_token_id": 2, "bos_token_id": None}  # fmt: skip
+    if arch == "llama":
+        config = tf.LlamaConfig(**common)
+    elif arch == "mistral":  # a sliding window shorter than most documents
+        config = tf.MistralConfig(sliding_window=6, **common)
+    elif arch == "qwen3_moe":  # the router load-balancing loss in out.loss
+        config = tf.Qwen3MoeConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                                   head_dim=8, output_router_logits=True,
+                                   router_aux_loss_coef=10.0, **common)  # fmt: skip
+    else:
+        raise ValueError(f"unknown test architecture {arch!r}")
+    torch.manual_seed(0)
+    net = tf.AutoModelForCausalLM.from_config(config).float()
+    if arch == "qwen3_moe":  # peaked routing: the router loss of a shard is not the sequence's
+        with torch.no_grad():
+            for layer in net.model.layers:
+                layer.mlp.gate.weight.mul_(30.0)
+    return net
+
+
+def _tokenized(tok, rows: list[dict]) -> list[dict]:
+    """Plain causal-LM examples (for transformers.Trainer): every token supervised but the
+    system prompt's."""
+    out = []
+    for row in rows:
+        ids = tok.apply_chat_template(row["messages"], tokenize=True, return_dict=True)
+        ids = list(ids["input_ids"])
+        out.append({"input_ids": ids, "labels": [-100] * 8 + ids[8:]})
+    return out
+
+
+def _env(rank: int, world_size: int) -> None:
+    """What accelerate reads to find the (already initialised) process group."""
+    if world_size > 1:
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                          LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT="29500")  # fmt: skip
+
+
+def _trainer(case: dict, out_dir: str):
+    import datasets
+    import transformers
+
+    import ringattn.hf
+
+    datasets.disable_progress_bars()
+    transformers.logging.set_verbosity_error()
+    tok = tokenizer()
+    net = model(case.get("arch", "llama"), len(tok))
+    common = {"output_dir": out_dir, "max_steps": case.get("steps", 5), "learning_rate": 3e-3,
+              "per_device_train_batch_size": case.get("batch", 2), "logging_steps": 1,
+              "report_to": "none", "use_cpu": True, "seed": 0, "save_strategy": "no",
+              "gradient_accumulation_steps": case.get("accumulation", 1), "max_grad_norm": 1.0,
+              "disable_tqdm": True, "lr_scheduler_type": "constant", "bf16": False}  # fmt: skip
+    common.update(case.get("args", {}))
+    kind = case["kind"]
+    if kind == "sft":
+        import trl
+
+        args = trl.SFTConfig(packing=case.get("packing", True), max_length=64,
+                             assistant_only_loss=True, dataset_num_proc=None, **common)  # fmt: skip
+        cls = trl.SFTTrainer
+        kwargs = {"train_dataset": datasets.Dataset.from_list(conversations(24)),
+                  "processing_class": tok}  # fmt: skip
+        if case.get("lora"):
+            import peft
+
+            kwargs["peft_config"] = peft.LoraConfig(
+                r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"]
+            )
+    else:  # transformers.Trainer on tokenized chats
+        args = transformers.TrainingArguments(**common)
+        cls = transformers.Trainer
+        collator = (transformers.DataCollatorWithFlattening() if case.get("flatten", True) else
+                    transformers.DataCollatorForSeq2Seq(tok, padding=True))  # fmt: skip
+        kwargs = {"train_dataset": _tokenized(tok, conversations(24)), "data_collator": collator}
+        if case.get("eval"):
+            kwargs["eval_dataset"] = _tokenized(tok, conversations(6, offset=50))
+    if case["cp"]:
+        cls = ringattn.hf.with_context_parallel(cls)
+        layout, strategy = case.get("layout", "zigzag"), case.get("strategy", "ring")
+        kwargs["context_parallel"] = ringattn.hf.ContextParallelConfig(
+            cp=case["cp"], layout=layout, strategy=strategy
+        )
+    torch.manual_seed(0)  # LoRA's initial A, the same in every process
+    return cls(model=net, args=args, **kwargs)
+
+
+def _history(trainer) -> dict:
+    logs = trainer.state.log_history
+    return {"losses": [r["loss"] for r in logs if "loss" in r],
+            "eval": [r["eval_loss"] for r in logs if "eval_loss" in r]}  # fmt: skip
+
+
+def _params(trainer) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+
+
+def run(rank: int, world_size: int, case: dict, out_dir: str) -> dict:
+    """Train `case` (see _trainer), optionally resume or save; rank 0 also returns the weights.
+    The environment is restored afterwards: a pool's next task (another test file) must not see
+    torchrun's variables (accelerate's state, built once per process, keeps what it read)."""
+    saved = dict(os.environ)
+    try:
+        return _run(rank, world_size, case, out_dir)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def _run(rank: int, world_size: int, case: dict, out_dir: str) -> dict:
+    _env(rank, world_size)
+    trainer = _trainer(case, out_dir)
+    trainer.train(resume_from_checkpoint=case.get("resume"))
+    result = _history(trainer)
+    if case.get("eval"):
+        result["final_eval"] = trainer.evaluate()["eval_loss"]
+    if case.get("save"):
+        trainer.save_model(case["save"])
+    if rank == 0:
+        result["params"] = _params(trainer)
+    return result
