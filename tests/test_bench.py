@@ -115,13 +115,18 @@ def test_bench_tiny_on_cpu(tmp_path, capsys):
     assert plotted or "matplotlib is not installed" in printed
 
 
-def test_bench_without_matplotlib_says_so(tmp_path, capsys, monkeypatch):
-    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
-    code, _ = _bench(tmp_path, "--sizes", "2x16", "--masks", "causal", "--passes", "fwd",
-                     "--plot", str(tmp_path / "none.png"))  # fmt: skip
-    assert code == 0
-    assert "matplotlib is not installed: no plot written" in capsys.readouterr().out
-    assert not (tmp_path / "none.png").exists()
+def test_bench_plot_without_matplotlib_names_the_extra(tmp_path, capsys, monkeypatch):
+    """--plot needs the plot extra: one line naming it, exit 2, before anything is measured."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # find_spec / import -> missing
+    with pytest.raises(SystemExit) as stop:
+        _bench(tmp_path, "--sizes", "2x16", "--masks", "causal", "--passes", "fwd",
+               "--plot", str(tmp_path / "none.png"))  # fmt: skip
+    assert stop.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith(
+        "ringattn bench --plot needs the plot extra: pip install 'ringattn[plot]'"
+    )
+    assert captured.out == "" and not (tmp_path / "none.png").exists()
 
 
 def test_bench_records_a_failed_size_and_goes_on(tmp_path, capsys, monkeypatch):

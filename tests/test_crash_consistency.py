@@ -96,9 +96,10 @@ def test_a_job_killed_anywhere_in_a_save_resumes_from_the_newest_complete_checkp
             committed = fault["point"] in COMMITTED
             assert newest == fault["save"] - (0 if committed else 1), (name, fault, found)
             killed_named += 1
-        else:  # a delay: the kill lands anywhere in or after that save (or after the run)
+        else:  # a delay: the kill lands anywhere in or after that save, in a later save on a
+            # fast machine, or after the run: every save before that one is complete
             assert set(case["killed"]) <= {-signal.SIGKILL, 0}, (name, case["killed"])
-            assert newest in (fault["save"] - 1, fault["save"], 3), (name, fault, found)
+            assert fault["save"] - 1 <= newest <= 3, (name, fault, found)
         _check_complete(found)
         resumed = case["resumed"]
         assert resumed["codes"] == [0, 0], (name, resumed)
