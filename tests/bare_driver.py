@@ -84,6 +84,7 @@ CASES: dict[str, tuple[list[str], list[str]]] = {
     "train --hf": (["train", "--hf", "model", "--data", "text:model", "--nproc", "1"], []),
     "train --tensorboard": (["train", *SMALL_RUN, "--tensorboard", "--out-dir", "tb"], []),
     "bench --plot": (["bench", "--plot", "bench.png"], []),
+    "eval niah": (["eval", "niah", "--hf", "model", "--lengths", "1024", "--out", "niah"], []),
 }
 
 

@@ -121,6 +121,7 @@ REFUSALS = {
         "pip install 'ringattn[tensorboard]'"
     ),
     "bench --plot": "ringattn bench --plot needs the plot extra: pip install 'ringattn[plot]'",
+    "eval niah": "ringattn eval needs the hf extra: pip install 'ringattn[hf]'",
 }
 
 
