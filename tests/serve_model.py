@@ -7,6 +7,7 @@ end-of-sequence token is `<|im_end|>`; both saved with save_pretrained (no downl
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -200,3 +201,19 @@ class InProcess:
         self.server.should_exit = True
         self.loop.join(30)
         assert not self.loop.is_alive(), "the rank loop did not stop after the HTTP thread"
+
+
+@contextlib.contextmanager
+def served_tiny(tmp_path_factory):
+    """The tiny chat model saved to a fresh directory and served in process: yields (server,
+    an `openai` client of it, the model, its tokenizer, the directory); closed after."""
+    import openai
+
+    directory = tmp_path_factory.mktemp("chat") / "tiny"
+    model, tok = save_chat_model(directory)
+    server = InProcess(directory)
+    client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=60)
+    try:
+        yield server, client, model, tok, directory
+    finally:
+        server.close()

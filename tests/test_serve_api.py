@@ -26,19 +26,15 @@ from ringattn.cli.main import main
 from ringattn.serve.protocol import Request
 from ringattn.serve.text import TextStream
 from ringattn.serve.worker import SAMPLING, eos_ids, run_batch
-from serve_model import CONTEXT, InProcess, save_chat_model
+from serve_model import CONTEXT, InProcess, served_tiny
 
 HELLO = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello world"}]
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("chat") / "tiny"
-    model, tok = save_chat_model(directory)
-    server = InProcess(directory)
-    client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=60)
-    yield server, client, model, tok, directory
-    server.close()
+    with served_tiny(tmp_path_factory) as served:
+        yield served
 
 
 def reference(model, tok, ids: list[int], max_new: int) -> tuple[str, str, int]:

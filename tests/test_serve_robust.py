@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import queue
-import random
 import re
 import threading
 import time
@@ -40,21 +39,16 @@ from ringattn.serve.app import build_app, serve_in_thread
 from ringattn.serve.config import bind
 from ringattn.serve.metrics import Metrics
 from ringattn.serve.protocol import Request
-from ringattn.serve.text import TextStream
 from ringattn.serve.worker import Sink, eos_ids, run_isolated
-from serve_model import CORPUS, InProcess, save_chat_model, tokenizer
+from serve_model import InProcess, save_chat_model, served_tiny
 
 HELLO = [{"role": "user", "content": "hello world"}]
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("chat") / "tiny"
-    model, tok = save_chat_model(directory)
-    server = InProcess(directory)
-    client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=60)
-    yield server, client, model, tok
-    server.close()
+    with served_tiny(tmp_path_factory) as (server, client, model, tok, _):
+        yield server, client, model, tok
 
 
 def greedy(model, tok, ids: list[int], max_new: int) -> str:
@@ -324,51 +318,6 @@ def test_a_failed_batch_is_rerun_in_step_on_two_ranks(pools):
     assert alone[0] == alone[1] and failed[0][:2] == failed[1][:2]  # the ranks agree
     assert failed[0][:2] == alone[0][:2] and failed[0][2] > alone[0][2]  # rerun, same texts
     assert all(alone[0][0]) and set(alone[0][1]) <= {"stop", "length"}
-
-
-class _Counting:
-    """A tokenizer whose decode counts the ids it is given."""
-
-    def __init__(self, tok):
-        self.tok, self.decoded = tok, 0
-
-    def decode(self, ids, skip_special_tokens=True):
-        self.decoded += len(ids)
-        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
-
-
-def _sentencepiece():
-    """A SentencePiece-style tokenizer (Metaspace, byte fallback, the first space stripped)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
-    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
-                                     decoders.Fuse(), decoders.Strip(" ", 1, 0)])  # fmt: skip
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"])
-    tok.train_from_iterator([*CORPUS, "é ü € 日本"], trainer)
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>",
-                                                bos_token="<s>", eos_token="</s>")  # fmt: skip
-
-
-@pytest.mark.parametrize("kind", ["byte-level", "sentencepiece"])
-def test_text_stream_is_incremental_and_equals_the_whole_decode(kind):
-    tok = tokenizer() if kind == "byte-level" else _sentencepiece()
-    rng = random.Random(0)
-    pieces = ("Ã", "©", "â", "Ĥ", "¬") if kind == "byte-level" else ("<s>", "</s>", "\u2581")
-    byte = [tok.convert_tokens_to_ids(c) for c in pieces]  # UTF-8 pieces; specials, a space
-    for trial in range(20):
-        ids = [rng.choice(byte) if rng.random() < 0.3 else rng.randrange(len(tok))
-               for _ in range(300)]  # fmt: skip
-        counting = _Counting(tok)
-        stream = TextStream(counting, ["zz"] if trial % 2 else [])
-        pieces = [stream.push(t) for t in ids] + [stream.flush()]
-        whole = tok.decode(ids, skip_special_tokens=True)
-        if not stream.stopped:
-            assert "".join(pieces) == whole == stream.text
-            assert counting.decoded < 20 * len(ids)  # O(1) per token (a re-decode: ~45 000)
-        else:
-            assert "".join(pieces) == whole[: whole.find("zz")]
 
 
 def test_completions_tokenize_with_the_bos_token(tmp_path):
