@@ -43,6 +43,16 @@ def test_serve_flags_are_its_config(monkeypatch):
         _subparser("serve").parse_args([])
 
 
+def test_eval_flags_are_its_config():
+    from ringattn.evals.worker import EvalConfig
+
+    niah = _subparser("eval")._subparsers._group_actions[0].choices["niah"]
+    args = niah.parse_args(["--hf", "m", "--lengths", "256,512", "--depths", "50,", "--chat"])
+    assert from_args(EvalConfig, args) == EvalConfig(hf="m", lengths=[256, 512], depths=[50.0],
+                                                     chat=True)  # fmt: skip
+    assert vars(niah.parse_args(["--hf", "m"]))["depths"] == EvalConfig().depths
+
+
 def test_every_train_field_is_a_flag_with_its_docstring_as_help():
     parser = _subparser("train")
     actions = {a.dest: a for a in parser._actions}

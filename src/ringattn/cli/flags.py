@@ -25,7 +25,7 @@ import ast
 import functools
 import inspect
 import itertools
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import fields
 
 __all__ = ["add_flags", "field_docs", "from_args"]
@@ -58,16 +58,18 @@ def add_flags(
     negatable: Iterable[str] = (),
     hidden: Iterable[str] = (),
     required: Iterable[str] = (),
+    types: Mapping[str, Callable[[str], object]] | None = None,
 ) -> None:
     """One flag per field of `names` on `parser` (module docstring). `hidden` flags work but are
-    left out of --help (testing switches); `required` ones must be given."""
+    left out of --help (testing switches); `required` ones must be given; `types` parses the
+    fields no annotation can (a list written "1024,4096")."""
     cls = type(defaults)
-    types = {f.name: f.type for f in fields(cls)}
+    declared = {f.name: f.type for f in fields(cls)}
     docs = field_docs(cls)
-    choices, metavars, spelled = choices or {}, metavars or {}, spelled or {}
+    choices, metavars, spelled, parsers = choices or {}, metavars or {}, spelled or {}, types or {}
     negatable, hidden, required = set(negatable), set(hidden), set(required)
     for name in names:
-        if name not in types:
+        if name not in declared:
             raise ValueError(f"{cls.__name__} has no field {name!r} to make a flag of")
         if name not in docs and name not in hidden:
             raise ValueError(f"{cls.__name__}.{name} has no docstring to be its flag's help")
@@ -76,13 +78,14 @@ def add_flags(
         kwargs["help"] = argparse.SUPPRESS if name in hidden else docs[name]
         if name in required:
             kwargs["required"] = True
-        annotation = types[name] if isinstance(types[name], str) else types[name].__name__
+        annotation = declared[name]
+        annotation = annotation if isinstance(annotation, str) else annotation.__name__
         annotation = annotation.removesuffix(" | None")
         if annotation == "bool":
             kwargs["action"] = (argparse.BooleanOptionalAction if name in negatable
                                 else "store_true")  # fmt: skip
-        elif annotation in _TYPES:
-            kwargs["type"] = _TYPES[annotation]
+        elif annotation in _TYPES or name in parsers:
+            kwargs["type"] = parsers.get(name) or _TYPES[annotation]
             if name in choices:
                 kwargs["choices"] = tuple(choices[name])
             if name in metavars:

@@ -42,28 +42,32 @@ class EvalConfig:
     """What `ringattn eval niah` runs; each field is the flag of the same name (kebab-case)."""
 
     hf: str = ""
-    """A local Hugging Face model directory (config.json, weights, tokenizer)."""
+    """a local Hugging Face model directory (config.json, weights, tokenizer; nothing is
+    downloaded)"""
     task: str = "niah"
-    """niah, multikey, multivalue or vartrack (tasks.py)."""
+    """which retrieval task"""
     lengths: list[int] = field(default_factory=lambda: [1024, 2048, 4096])
-    """Prompt lengths in tokens (the whole prompt: template, haystack, question)."""
+    """prompt lengths in tokens, e.g. 1024,4096,16384"""
     depths: list[float] = field(default_factory=lambda: [0.0, 25.0, 50.0, 75.0, 100.0])
-    """Needle depths in percent of the haystack."""
+    """a count N (N depths evenly spaced from 0 to 100 percent) or percents such as 0,50,100 (a
+    single depth: 50, with the comma)"""
     nproc: int = 1
-    """Ranks the prefill and the KV cache are split over (cp = nproc / tp)."""
+    """ranks the prefill and KV cache are split over"""
     tp: int = 1
-    """Tensor-parallel degree (the model's own tp plan)."""
+    """tensor-parallel degree (the model's own tp plan); cp = nproc / tp"""
     chat: bool = False
-    """Wrap the context and question as one user message through the chat template."""
+    """ask through the tokenizer's chat template (one user message, then the generation prompt)"""
     seed: int = 0
-    """Seed of the needles and the generated filler (and of a random-init model's weights)."""
+    """seed of the needles and the filler"""
     haystack: str | None = None
-    """Filler sentences from this text file or directory of .txt/.md files (default generated)."""
+    """filler sentences from this text file or directory of .txt/.md files (None: generated
+    sentences)"""
     max_new_tokens: int = 0
-    """Answer budget in tokens (0: the task's default)."""
+    """answer budget (0: the task's: 16 for niah and multikey, 48 multivalue, 32 vartrack)"""
     layout: str = "zigzag"
+    """how prompts are sharded"""
     out: str = "eval_out"
-    """Where niah.json and niah.png go."""
+    """where niah.json and niah.png go"""
 
 
 def _codec(source) -> Codec:
