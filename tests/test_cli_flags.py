@@ -60,7 +60,7 @@ def test_every_train_field_is_a_flag_with_its_docstring_as_help():
     for f in fields(TrainConfig):
         assert f.name in actions, f"TrainConfig.{f.name} has no flag"
         if actions[f.name].help != argparse.SUPPRESS:
-            assert actions[f.name].help == docs[f.name]
+            assert actions[f.name].help == docs[f.name].replace("%", "%%")
 
 
 def test_flags_parse_to_typed_fields():
@@ -91,3 +91,17 @@ def test_a_field_without_a_docstring_or_a_flag_type_is_refused():
         add_flags(argparse.ArgumentParser(), _Toy(), ["ratio"])
     with pytest.raises(ValueError, match="no field 'missing'"):
         add_flags(argparse.ArgumentParser(), _Toy(), ["missing"])
+
+
+def test_every_command_prints_its_help():
+    """argparse %-formats each help string: a docstring's bare "%" once crashed `train --help`."""
+    pending, seen = [("ringattn", build_parser())], []
+    while pending:
+        name, parser = pending.pop()
+        assert parser.format_help().startswith("usage:"), name
+        seen.append(name)
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                pending += [(f"{name} {n}", p) for n, p in action.choices.items()]
+    assert {"ringattn train", "ringattn serve", "ringattn eval niah"} <= set(seen)
+    assert "%" in _subparser("train").format_help()

@@ -75,7 +75,8 @@ def add_flags(
             raise ValueError(f"{cls.__name__}.{name} has no docstring to be its flag's help")
         flag = spelled.get(name, "--" + name.replace("_", "-"))
         kwargs: dict = {"dest": name, "default": getattr(defaults, name)}
-        kwargs["help"] = argparse.SUPPRESS if name in hidden else docs[name]
+        # argparse %-formats help (for %(default)s): a docstring's own "%" must be doubled
+        kwargs["help"] = argparse.SUPPRESS if name in hidden else docs[name].replace("%", "%%")
         if name in required:
             kwargs["required"] = True
         annotation = declared[name]
