@@ -64,3 +64,113 @@ def test_indivisible_expert_count_raises_on_every_rank(pools):
     pools(3).run_expect_error(
         "workers_hf_experts:indivisible", match="not divisible", exc_type=ValueError
     )
+
+
+@pytest.mark.parametrize(("arch", "layout"), [("mixtral", "zigzag"), ("qwen3_moe", "striped")])
+def test_generate_equals_model_generate(pools, arch, layout):
+    """Greedy decoding over the sharded KV cache with ep 2: each step's tokens dispatched too."""
+    for got, want in pools(2).run("workers_hf_experts:generate_equal", arch=arch, layout=layout):
+        assert got == want
+
+
+def _train_options(tmp_path) -> dict:
+    import workers_hf_moe
+
+    workers_hf_moe.save_config(tmp_path / "mixtral")
+    (tmp_path / "docs").mkdir()
+    for i in range(8):
+        (tmp_path / "docs" / f"{i}.txt").write_text(f"document {i} " + "abcdefgh"[i:] * (2 + i))
+    return {"hf": str(tmp_path / "mixtral"), "data": f"text:{tmp_path / 'docs'}", "seq_len": 29,
+            "warmup": 1, "quiet": True, "batch_size": 1}  # fmt: skip
+
+
+def test_train_ep2_equals_one_process_and_exports_the_whole_model(pools, tmp_path):
+    """`train --hf --ep 2` on cp 2 (SGD: weights exact by construction, see workers_train.build)
+    logs one process's losses and aux losses to 1e-5; `--export` of its final checkpoint (each
+    rank wrote its expert slice) is the whole model, equal to one process's trained weights."""
+    import torch
+
+    from ringattn.train.config import TrainConfig
+    from ringattn.train.hf.run import export
+
+    options = {**_train_options(tmp_path), "steps": 2, "lr": 2.0, "optimizer": "sgd",
+               "checkpoint_every": 0}  # fmt: skip
+    want = pools(1).run(
+        "workers_hf_experts:train", {**options, "out_dir": str(tmp_path / "one")}, timeout=600
+    )[0]
+    got = pools(2).run(
+        "workers_hf_experts:train",
+        {**options, "cp": 2, "ep": 2, "out_dir": str(tmp_path / "ep2")},
+        timeout=600,
+    )[0]
+    torch.testing.assert_close(
+        torch.tensor(got["history"], dtype=torch.float64),
+        torch.tensor(want["history"], dtype=torch.float64),
+        rtol=1e-5,
+        atol=0,
+    )
+    from transformers import AutoModelForCausalLM
+
+    cfg = TrainConfig(hf=options["hf"], data=options["data"], export=str(tmp_path / "export"))
+    exported = AutoModelForCausalLM.from_pretrained(export(cfg, got["checkpoint"], cfg.export))
+    params = dict(exported.named_parameters())
+    assert params["model.layers.0.mlp.experts.gate_up_proj"].shape[0] == 4  # every expert
+    for name, value in want["params"].items():
+        torch.testing.assert_close(
+            params[name.removeprefix("model.")].detach(), value, rtol=1e-5, atol=1e-6, msg=name
+        )
+
+
+def test_checkpoints_reshard_between_ep2_and_ep1(pools, tmp_path):
+    """Saved at ep 2 and resumed at ep 1, or the reverse, with AdamW (its moments are resharded
+    too): steps 3 and 4 log the losses of a run that kept ep 1 throughout, to 1e-5."""
+    import shutil
+
+    import torch
+
+    options = {**_train_options(tmp_path), "steps": 4, "lr": 0.05, "cp": 2,
+               "checkpoint_every": 1}  # fmt: skip
+
+    def run(out_dir: str, **more) -> list:
+        result = pools(2).run(
+            "workers_hf_experts:train",
+            {**options, "out_dir": str(tmp_path / out_dir), **more},
+            timeout=600,
+        )
+        return result[0]["history"]
+
+    run("ep1", stop_at=2)
+    shutil.copytree(tmp_path / "ep1", tmp_path / "ep1-to-ep2")
+    want = run("ep1")  # steps 3 and 4, ep 1 throughout
+    assert len(want) == 2
+    run("ep2", stop_at=2, ep=2)
+    for got in (run("ep1-to-ep2", ep=2), run("ep2")):  # ep 1 -> 2, ep 2 -> 1
+        torch.testing.assert_close(
+            torch.tensor(got, dtype=torch.float64),
+            torch.tensor(want, dtype=torch.float64),
+            rtol=1e-5,
+            atol=0,
+        )
+
+
+def test_ep_degree_rules_name_the_values():
+    """torchtitan's rule (ep a multiple of cp dividing dp x cp), --hf, and the expert count."""
+    import transformers as tf
+
+    from ringattn.runtime.mesh import check_expert_degree
+    from ringattn.train.config import TrainConfig, validate
+    from ringattn.train.hf.experts import check_ep
+
+    for ep, dp, cp in [(1, 3, 2), (2, 2, 2), (4, 2, 2), (2, 1, 2)]:
+        check_expert_degree(ep, dp, cp)
+    with pytest.raises(ValueError, match=r"--ep 2 must be a multiple of cp=4 .* valid: \[4\]"):
+        check_expert_degree(2, 1, 4)
+    with pytest.raises(ValueError, match=r"divide dp x cp = 2 x 2 = 4 .* valid: \[2, 4\]"):
+        check_expert_degree(8, 2, 2)
+    with pytest.raises(ValueError, match="add --hf DIR"):
+        validate(TrainConfig(ep=2, cp=2), 2)
+    check_ep(2, tf.MixtralConfig(num_local_experts=4))
+    with pytest.raises(ValueError, match="--ep 3 does not divide the model's 4 experts"):
+        check_ep(3, tf.MixtralConfig(num_local_experts=4))
+    with pytest.raises(ValueError, match="no MoE experts"):
+        check_ep(2, tf.LlamaConfig())

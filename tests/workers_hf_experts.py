@@ -167,3 +167,33 @@ def compare(rank, world_size, *, arch, cases, dp, ep, skewed=False):
 def indivisible(rank, world_size):
     """4 experts over 3 ranks: a ValueError on every rank, before any communication."""
     ringattn.hf.parallelize(copy.deepcopy(build("mixtral")), expert_group=dist.group.WORLD)
+
+
+def generate_equal(rank, world_size, *, arch, layout, new_tokens=5):
+    """ringattn.hf.generate with the experts split over the world equals model.generate."""
+    model = ringattn.hf.parallelize(
+        copy.deepcopy(build(arch)), layout=layout, expert_group=dist.group.WORLD
+    ).eval()
+    prompt = data("dense")["input_ids"][:, :23]
+    got = ringattn.hf.generate(model, prompt, new_tokens, layout=layout, eos_token_id=[])
+    want = (
+        build(arch)
+        .eval()
+        .generate(prompt, do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens)
+    )
+    build(arch).train()
+    return got.tolist(), want.tolist()
+
+
+def train(rank, world_size, options):
+    """`ringattn train --hf` in this pool's world: rank 0's (loss, aux_loss) per step, the final
+    checkpoint, and on one process the final parameters."""
+    from ringattn.train.loop import train as train_run
+    from workers_train import build, full_parameters
+
+    run = train_run(build(options))
+    return {
+        "history": [(h["loss"], h.get("aux_loss")) for h in run.history],
+        "checkpoint": run.checkpoint,
+        "params": full_parameters(run.model) if world_size == 1 else None,
+    }
