@@ -84,10 +84,12 @@ def _train_options(tmp_path) -> dict:
             "warmup": 1, "quiet": True, "batch_size": 1}  # fmt: skip
 
 
-def test_train_ep2_equals_one_process_and_exports_the_whole_model(pools, tmp_path):
-    """`train --hf --ep 2` on cp 2 (SGD: weights exact by construction, see workers_train.build)
+@pytest.mark.parametrize("dp", [1, 2])
+def test_train_ep2_equals_one_process_and_exports_the_whole_model(pools, tmp_path, dp):
+    """`train --hf --ep 2` on dp x cp 2 (SGD: weights exact by construction, workers_train.build)
     logs one process's losses and aux losses to 1e-5; `--export` of its final checkpoint (each
-    rank wrote its expert slice) is the whole model, equal to one process's trained weights."""
+    rank wrote its expert slice; with dp 2 FSDP2 shards it again over the 2 ranks holding the
+    same experts) is the whole model, equal to one process's trained weights."""
     import torch
 
     from ringattn.train.config import TrainConfig
@@ -96,11 +98,13 @@ def test_train_ep2_equals_one_process_and_exports_the_whole_model(pools, tmp_pat
     options = {**_train_options(tmp_path), "steps": 2, "lr": 2.0, "optimizer": "sgd",
                "checkpoint_every": 0}  # fmt: skip
     want = pools(1).run(
-        "workers_hf_experts:train", {**options, "out_dir": str(tmp_path / "one")}, timeout=600
-    )[0]
-    got = pools(2).run(
         "workers_hf_experts:train",
-        {**options, "cp": 2, "ep": 2, "out_dir": str(tmp_path / "ep2")},
+        {**options, "batch_size": dp, "out_dir": str(tmp_path / "one")},
+        timeout=600,
+    )[0]
+    got = pools(2 * dp).run(
+        "workers_hf_experts:train",
+        {**options, "dp": dp, "cp": 2, "ep": 2, "out_dir": str(tmp_path / "ep2")},
         timeout=600,
     )[0]
     torch.testing.assert_close(
