@@ -161,9 +161,9 @@ def test_ep_degree_rules_name_the_values():
     """torchtitan's rule (ep a multiple of cp dividing dp x cp), --hf, and the expert count."""
     import transformers as tf
 
+    from ringattn.integrations.hf.experts import check_ep
     from ringattn.runtime.mesh import check_expert_degree
     from ringattn.train.config import TrainConfig, validate
-    from ringattn.train.hf.experts import check_ep
 
     for ep, dp, cp in [(1, 3, 2), (2, 2, 2), (4, 2, 2), (2, 1, 2)]:
         check_expert_degree(ep, dp, cp)
@@ -178,3 +178,28 @@ def test_ep_degree_rules_name_the_values():
         check_ep(3, tf.MixtralConfig(num_local_experts=4))
     with pytest.raises(ValueError, match="no MoE experts"):
         check_ep(2, tf.LlamaConfig())
+
+
+def test_generate_cli_ep2_streams_model_generate(tmp_path, capfd):
+    """`ringattn generate --hf DIR --nproc 2 --ep 2` on a tiny Mixtral: model.generate's ids."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import workers_hf_moe
+    from ringattn.cli.main import main
+
+    model = AutoModelForCausalLM.from_config(workers_hf_moe._config("mixtral")).float().eval()
+    model.config.eos_token_id = None
+    model.save_pretrained(tmp_path / "mixtral")
+    prompt = "a prompt of 21 bytes."
+    ids = torch.tensor([[b % model.config.vocab_size for b in prompt.encode()]])
+    want = model.generate(ids, do_sample=False, max_new_tokens=6, min_new_tokens=6)[0, 21:]
+    argv = ["generate", "--hf", str(tmp_path / "mixtral"), "--prompt", prompt, "--nproc", "2",
+            "--ep", "2", "--max-new-tokens", "6"]  # fmt: skip
+    assert main(argv) == 0
+    out, err = capfd.readouterr()
+    got = [int(t) for t in out.strip().splitlines()[-1].split(":")[1].split()]
+    assert got == want.tolist() and "experts over ep 2" in err, err
+    with pytest.raises(SystemExit) as info:
+        main([*argv[:-4], "--ep", "3"])
+    assert info.value.code == 2 and "--ep 3 must divide --nproc 2" in capfd.readouterr().err

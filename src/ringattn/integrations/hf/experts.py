@@ -29,7 +29,8 @@ import torch
 
 from ringattn.comm import GroupInfo, exchange_counts, exchange_rows, resolve_group
 
-__all__ = ["EXPERTS_ATTR", "ExpertShard", "experts_modules", "shard_experts"]
+__all__ = ["EXPERTS_ATTR", "ExpertShard", "check_ep", "experts_modules", "shard_experts",
+           "split_experts"]  # fmt: skip
 
 EXPERTS_ATTR = "ringattn_experts"
 
@@ -98,6 +99,45 @@ def shard_experts(model: torch.nn.Module, expert_group: object) -> int:
         module.register_forward_pre_hook(_dispatch, with_kwargs=True)
         module.register_forward_hook(_combine)
     return len(found)
+
+
+def check_ep(ep: int, config: object) -> None:
+    """--ep > 1 against the model's experts (the flags' own rules are their command's)."""
+    if ep == 1:
+        return
+    experts = _expert_count(config)
+    if experts is None:
+        raise ValueError(
+            f"--ep {ep}: the model ({getattr(config, 'model_type', '?')}) has no MoE experts to "
+            f"split; drop --ep"
+        )
+    if experts % ep:
+        raise ValueError(
+            f"--ep {ep} does not divide the model's {experts} experts; use a divisor of {experts}"
+        )
+
+
+def _expert_count(config: object) -> int | None:
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for name in ("num_local_experts", "num_experts", "n_routed_experts"):
+        if getattr(text, name, None):
+            return int(getattr(text, name))
+    return None
+
+
+def split_experts(model: torch.nn.Module, ep: int, device: torch.device) -> object:
+    """`--ep` of generate and serve: the experts of `model` over blocks of `ep` consecutive ranks
+    of the default group (a ("edp", "ep") mesh; collective); returns the "ep" mesh, None for 1.
+    Every rank runs every decode step's forward, so every block dispatches in step."""
+    if ep == 1:
+        return None
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    mesh = init_device_mesh(device.type, (world // ep, ep), mesh_dim_names=("edp", "ep"))
+    shard_experts(model, mesh["ep"])
+    return mesh["ep"]
 
 
 def _routing(module: torch.nn.Module, args: tuple, kwargs: dict) -> list[torch.Tensor]:

@@ -26,31 +26,7 @@ from torch import nn
 
 from ringattn.integrations.hf.experts import experts_modules, shard_experts
 
-__all__ = ["ExpertParallel", "check_ep", "expert_parallel"]
-
-
-def check_ep(ep: int, config: object) -> None:
-    """--ep > 1 against the model's experts (the mesh rule is runtime/mesh.check_expert_degree)."""
-    if ep == 1:
-        return
-    experts = _expert_count(config)
-    if experts is None:
-        raise ValueError(
-            f"--ep {ep}: the model ({getattr(config, 'model_type', '?')}) has no MoE experts to "
-            f"split; drop --ep"
-        )
-    if experts % ep:
-        raise ValueError(
-            f"--ep {ep} does not divide the model's {experts} experts; use a divisor of {experts}"
-        )
-
-
-def _expert_count(config: object) -> int | None:
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    for name in ("num_local_experts", "num_experts", "n_routed_experts"):
-        if getattr(text, name, None):
-            return int(getattr(text, name))
-    return None
+__all__ = ["ExpertParallel", "expert_parallel"]
 
 
 class ExpertParallel:

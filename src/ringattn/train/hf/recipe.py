@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ringattn.integrations.hf.experts import check_ep
 from ringattn.integrations.hf.loss import logits_loss, loss_sum
 from ringattn.integrations.hf.model import parallelize as hf_parallelize
 from ringattn.integrations.hf.moe import ROUTER_ATTR, aux_share
@@ -50,7 +51,7 @@ from ringattn.train.hf.data import (
     PackedDocuments,
     load_corpus,
 )
-from ringattn.train.hf.experts import check_ep, expert_parallel
+from ringattn.train.hf.experts import expert_parallel
 from ringattn.train.hf.probe import check_probe, probe
 from ringattn.train.hf.sources import split_data
 from ringattn.train.recipe import ModelRecipe
