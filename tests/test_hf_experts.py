@@ -203,3 +203,52 @@ def test_generate_cli_ep2_streams_model_generate(tmp_path, capfd):
     with pytest.raises(SystemExit) as info:
         main([*argv[:-4], "--ep", "3"])
     assert info.value.code == 2 and "--ep 3 must divide --nproc 2" in capfd.readouterr().err
+
+
+def test_serve_ep2_answers_as_model_generate(tmp_path):
+    """`ringattn serve --nproc 2 --ep 2` on a tiny Mixtral chat model: two concurrent greedy
+    requests (one batch) answer what transformers' model.generate gives each alone."""
+    import threading
+
+    import torch
+    import transformers
+
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("fastapi")
+    import serve_model
+    import workers_hf_moe
+
+    tok = serve_model.tokenizer()
+    config = workers_hf_moe._config("mixtral")
+    config.update({"vocab_size": len(tok), "eos_token_id": tok.eos_token_id,
+                   "pad_token_id": tok.pad_token_id, "max_position_embeddings": 192})  # fmt: skip
+    torch.manual_seed(5)
+    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    model.save_pretrained(tmp_path / "moe")
+    tok.save_pretrained(tmp_path / "moe")
+    server = serve_model.Server(tmp_path / "moe", 2, "--model-name", "moe", "--ep", "2")
+    try:
+        client = openai.OpenAI(base_url=server.url, api_key="-", max_retries=0, timeout=120)
+        prompts, answers = ["hello world", "the lazy dog"], {}
+
+        def ask(prompt: str) -> None:
+            reply = client.chat.completions.create(
+                model="moe", messages=[{"role": "user", "content": prompt}], max_tokens=8,
+                temperature=0,
+            )  # fmt: skip
+            answers[prompt] = reply.choices[0].message.content
+
+        threads = [threading.Thread(target=ask, args=(p,)) for p in prompts]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(180)
+    finally:
+        server.stop()
+    assert all(answers.get(p) for p in prompts), answers  # 8 tokens each, none empty
+    for prompt in prompts:
+        ids = tok.apply_chat_template([{"role": "user", "content": prompt}],
+                                      add_generation_prompt=True, return_dict=False)  # fmt: skip
+        out = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=8,
+                             eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)  # fmt: skip
+        assert answers[prompt] == tok.decode(out[0, len(ids) :], skip_special_tokens=True)
