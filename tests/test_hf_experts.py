@@ -249,6 +249,8 @@ def test_serve_ep2_answers_as_model_generate(tmp_path):
     for prompt in prompts:
         ids = tok.apply_chat_template([{"role": "user", "content": prompt}],
                                       add_generation_prompt=True, return_dict=False)  # fmt: skip
-        out = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=8,
-                             eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)  # fmt: skip
+        out = model.generate(
+            torch.tensor([ids]), do_sample=False, max_new_tokens=8,
+            eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+        )  # fmt: skip
         assert answers[prompt] == tok.decode(out[0, len(ids) :], skip_special_tokens=True)
