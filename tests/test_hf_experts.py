@@ -89,7 +89,8 @@ def test_train_ep2_equals_one_process_and_exports_the_whole_model(pools, tmp_pat
     """`train --hf --ep 2` on dp x cp 2 (SGD: weights exact by construction, workers_train.build)
     logs one process's losses and aux losses to 1e-5; `--export` of its final checkpoint (each
     rank wrote its expert slice; with dp 2 FSDP2 shards it again over the 2 ranks holding the
-    same experts) is the whole model, equal to one process's trained weights."""
+    same experts) is the whole model, equal to one process's trained weights. With dp 1 the
+    ep run recomputes each layer in backward (its dispatch included)."""
     import torch
 
     from ringattn.train.config import TrainConfig
@@ -104,7 +105,14 @@ def test_train_ep2_equals_one_process_and_exports_the_whole_model(pools, tmp_pat
     )[0]
     got = pools(2 * dp).run(
         "workers_hf_experts:train",
-        {**options, "dp": dp, "cp": 2, "ep": 2, "out_dir": str(tmp_path / "ep2")},
+        {
+            **options,
+            "dp": dp,
+            "cp": 2,
+            "ep": 2,
+            "out_dir": str(tmp_path / "ep2"),
+            "activation_checkpointing": dp == 1,
+        },  # fmt: skip
         timeout=600,
     )[0]
     torch.testing.assert_close(
