@@ -112,7 +112,7 @@ def test_train_ep2_equals_one_process_and_exports_the_whole_model(pools, tmp_pat
             "ep": 2,
             "out_dir": str(tmp_path / "ep2"),
             "activation_checkpointing": dp == 1,
-        },  # fmt: skip
+        },
         timeout=600,
     )[0]
     torch.testing.assert_close(
