@@ -181,6 +181,8 @@ def test_ep_degree_rules_name_the_values():
         check_expert_degree(8, 2, 2)
     with pytest.raises(ValueError, match="add --hf DIR"):
         validate(TrainConfig(ep=2, cp=2), 2)
+    with pytest.raises(ValueError, match="--ep 2 with --compile"):
+        validate(TrainConfig(ep=2, cp=2, compile=True, hf="x"), 2)
     check_ep(2, tf.MixtralConfig(num_local_experts=4))
     with pytest.raises(ValueError, match="--ep 3 does not divide the model's 4 experts"):
         check_ep(3, tf.MixtralConfig(num_local_experts=4))

@@ -242,6 +242,11 @@ def validate(
     if cfg.ep != 1 and not cfg.hf:
         raise ValueError(f"--ep {cfg.ep} splits the experts of a --hf MoE model; add --hf DIR")
     check_expert_degree(cfg.ep, dp, cp)
+    if cfg.ep > 1 and cfg.compile:
+        raise ValueError(
+            f"--ep {cfg.ep} with --compile: the expert dispatch exchanges per-expert counts on "
+            f"the host (a graph break, refused by fullgraph); drop --compile or use --ep 1"
+        )
     if cfg.compile_backend not in COMPILE_BACKENDS:
         raise ValueError(
             f"unknown --compile-backend {cfg.compile_backend!r}; choose from "
