@@ -55,6 +55,8 @@ def _exchange(
 
 
 class _ExchangeRows(torch.autograd.Function):
+    """exchange_rows' autograd: forward sends rows by `send`, backward their gradients by `recv`."""
+
     @staticmethod
     def forward(ctx, send, recv, info, anchor, *tensors):
         ctx.send, ctx.recv, ctx.info, ctx.device = send, recv, info, tensors[0].device
@@ -68,9 +70,10 @@ class _ExchangeRows(torch.autograd.Function):
     def backward(ctx, *grads):
         rows, floating = sum(ctx.recv), []
         for grad, (shape, dtype, is_float) in zip(grads, ctx.shapes):
+            if is_float and grad is None:  # an output the loss did not use
+                grad = torch.zeros(rows, *shape, dtype=dtype, device=ctx.device)
             if is_float:
-                zeros = torch.zeros(rows, *shape, dtype=dtype, device=ctx.device)
-                floating.append(grad if grad is not None else zeros)
+                floating.append(grad)
         back = iter(_exchange(floating, ctx.recv, ctx.send, ctx.info) if floating else [])
         anchor = None
         if ctx.anchor_shape is not None:
