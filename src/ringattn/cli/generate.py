@@ -84,6 +84,7 @@ def add_generate_command(sub: argparse._SubParsersAction) -> None:
         "eos_id",
         "offload_kv",
         "tp",
+        "ep",
         "chat",
         "dtype",
     )

@@ -66,6 +66,8 @@ def add_parser(sub) -> None:
     p.add_argument("--batch-size", type=int, default=1, help="sequences per dp group per step")
     for name in ("dp", "cp", "tp", "pp"):
         p.add_argument(f"--{name}", type=int, default=None, help=f"{name} degree (default: search)")
+    p.add_argument("--ep", type=int, default=1, help="MoE configs: expert-parallel degree, a "
+                   "multiple of cp dividing dp x cp (the trainer's --ep)")  # fmt: skip
     p.add_argument("--strategy", choices=_STRATEGIES, default=None, help="default: search")
     p.add_argument("--layout", choices=_LAYOUTS, default=None, help="default: search")
     p.add_argument("--dtype", choices=("bf16", "fp8", "fp32", "tf32"), default=None,
@@ -139,7 +141,7 @@ def _job(args: argparse.Namespace, calibration: dict | None):
                args.activation_checkpointing, kernel=args.attention_kernel,
                pp_schedule=args.pp_schedule, microbatches=args.microbatches,
                virtual_stages=args.virtual_stages, fp8_attention=args.fp8_attention,
-               attention_tflops=_tflops_pair(args.attention_tflops))  # fmt: skip
+               attention_tflops=_tflops_pair(args.attention_tflops), ep=args.ep)  # fmt: skip
 
 
 def _table(plans: list[dict], top: int) -> str:
@@ -181,6 +183,7 @@ def run_plan(args: argparse.Namespace) -> int:
     ac = ", activation checkpointing" if job.activation_checkpointing else ""
     kernel = "" if job.hw.is_cpu else f", attention {shown[0]['attention_kernel']}"
     pipe = f", pp schedule {job.pp_schedule} x {job.microbatches} microbatches"
+    pipe += f", experts over ep {job.ep}" if job.ep > 1 else ""
     print(f"{job.model.name} on {args.gpus} x {job.hw.name}, {job.seq_len} tokens x batch "
           f"{job.batch_size}, {job.dtype}{ac}{kernel}{pipe}: {len(plans)} plans, "
           f"{len(fitting)} fit")  # fmt: skip

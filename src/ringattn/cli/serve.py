@@ -86,7 +86,7 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
     # name, type, default and help: ServeConfig's fields. The API key's default comes from the
     # environment: a key on the command line shows in `ps` to every user
     d = replace(d, api_key=os.environ.get(API_KEY_ENV, d.api_key))
-    names = ("hf", "nproc", "tp", "host", "port", "model_name", "api_key", "layout", "seed",
+    names = ("hf", "nproc", "tp", "ep", "host", "port", "model_name", "api_key", "layout", "seed",
              "max_batch", "max_queue", "max_body_mb", "dtype")  # fmt: skip
     add_flags(
         p,

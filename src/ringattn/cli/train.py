@@ -27,7 +27,7 @@ __all__ = ["add_arguments", "add_demo_command", "add_train_command", "config_fro
 # the flags of each group, in --help's order; name, type, default and help come from TrainConfig
 MODEL = ("model", "dim", "layers", "heads", "kv_heads", "hf", "rope_scaling",
          "max_position_embeddings")  # fmt: skip
-PARALLELISM = ("nproc", "cp", "dp", "tp", "pp", "microbatches", "pp_schedule", "strategy",
+PARALLELISM = ("nproc", "cp", "dp", "tp", "pp", "ep", "microbatches", "pp_schedule", "strategy",
                "ulysses", "layout", "activation_checkpointing", "compile", "compile_backend",
                "loss_chunk", "dtype", "timeout_s", "stall_s")  # fmt: skip
 DATA = ("data", "token_cache", "seq_len", "batch_size", "keys", "copies", "noisy", "steps", "lr",

@@ -1,4 +1,4 @@
-"""The only code that calls torch.distributed: groups.py, ring.py, collectives.py.
+"""The only code that calls torch.distributed: groups.py, ring.py, collectives.py, rows.py.
 
     resolve_group(group)  a ProcessGroup, a 1-D DeviceMesh or None -> GroupInfo(group, rank, size)
                           (a 2-D "ulysses" x "ring" mesh -> MeshInfo, the flattened world)
@@ -10,6 +10,8 @@
     all_gather_async      every rank's tensor stacked, posted without waiting (all-gather strategy)
     reduce_scatter        rank r gets the sum of every rank's r-th slice (NCCL native, else a ring)
     all_to_all            per-destination lists of tensors of any dtypes, as one all_to_all_single
+    exchange_counts       rows for each rank -> rows from each rank (the dispatch's host sync)
+    exchange_rows         variable row counts to every rank, differentiable (expert parallelism)
 
 With one rank (or no initialised process group) nothing here communicates: gloo cannot send to
 itself, and a single process needs no transport at all.
@@ -39,6 +41,7 @@ from ringattn.comm.groups import (
     single_group,
 )
 from ringattn.comm.ring import DKV_TAG, KV_TAG, RingComm, RingTransport, wait
+from ringattn.comm.rows import exchange_counts, exchange_rows
 
 __all__ = [
     "DKV_TAG",
@@ -56,6 +59,8 @@ __all__ = [
     "all_to_all",
     "backend_device",
     "broadcast_json",
+    "exchange_counts",
+    "exchange_rows",
     "reduce_scatter",
     "resolve_group",
     "resolve_mesh",

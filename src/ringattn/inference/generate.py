@@ -93,6 +93,9 @@ class GenerateConfig:
     tp: int = 1
     """--hf: tensor-parallel degree (the model's own tp plan: heads and MLP over tp ranks); the
     --nproc ranks form cp = nproc / tp context-parallel groups of tp"""
+    ep: int = 1
+    """--hf MoE models: expert-parallel degree, each MoE layer's experts split over blocks of ep
+    ranks (a divisor of --nproc and of the expert count; --tp 1)"""
     chat: bool = False
     """--hf: wrap the prompt as one user message with the tokenizer's chat template (and its
     generation prompt)"""
@@ -179,8 +182,8 @@ def check_config(cfg: GenerateConfig) -> None:
         raise ValueError(f"--prompt-file {cfg.prompt_file!r} is not a file")
     if cfg.prompt == "" or (cfg.prompt_file is not None and os.path.getsize(cfg.prompt_file) == 0):
         raise ValueError("the prompt is empty; pass at least one byte")
-    if cfg.hf is None and (cfg.tp != 1 or cfg.chat):
-        raise ValueError("--tp and --chat apply to --hf models; drop them with --checkpoint")
+    if cfg.hf is None and (cfg.tp != 1 or cfg.ep != 1 or cfg.chat):
+        raise ValueError("--tp, --ep and --chat apply to --hf models; drop them with --checkpoint")
     if cfg.hf is not None:
         require("hf", "ringattn generate --hf")
         check_hf(cfg)

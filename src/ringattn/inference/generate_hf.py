@@ -36,6 +36,7 @@ from ringattn.comm import all_gather_ints, backend_device, resolve_group
 from ringattn.inference.detokenize import Detokenizer
 from ringattn.inference.hf.generate import generate
 from ringattn.inference.sampling import Sampling
+from ringattn.integrations.hf.experts import check_ep, split_experts
 from ringattn.integrations.hf.source import (
     DTYPES,
     load_config,
@@ -110,6 +111,13 @@ def check(cfg) -> None:
     source = model_source(cfg.hf)
     config = load_config(source)
     check_tensor_parallel(config, cfg.tp)
+    if cfg.ep != 1 and (
+        not isinstance(cfg.ep, int) or cfg.ep < 1 or cfg.nproc % cfg.ep or cfg.tp > 1
+    ):
+        raise ValueError(
+            f"--ep {cfg.ep} must divide --nproc {cfg.nproc}, with --tp 1 (got {cfg.tp})"
+        )
+    check_ep(cfg.ep, config)
     encode(cfg, source, config.get_text_config().vocab_size)
 
 
@@ -149,6 +157,7 @@ def hf_worker(cfg) -> dict:
     # split first (--tp): each weight reaches the device as this rank's shard, one at a time,
     # so no GPU holds the whole model; then the rest (embeddings, norms) to the device
     group, tp_group = split_cp_tp(model, cfg.tp, world_size, device)
+    split_experts(model, cfg.ep, device)  # --ep: this rank's experts only, before the move
     model.to(device)  # model and inputs on the rank's device (NCCL needs CUDA tensors)
     world = resolve_group(None)
     lead = world.rank == 0
@@ -158,6 +167,7 @@ def hf_worker(cfg) -> dict:
     else:
         how = f"bytes mod vocab_size {vocab_size} (no tokenizer in {source.directory})"
     parallel = f"cp {world_size // cfg.tp} x tp {cfg.tp}" if cfg.tp > 1 else f"{world_size} ranks"
+    parallel += f", experts over ep {cfg.ep}" if cfg.ep > 1 else ""
     if lead:
         dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
         print(f"model {type(model).__name__} from {cfg.hf} ({source.describe()}, {dtype}), "

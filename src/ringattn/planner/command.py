@@ -52,6 +52,8 @@ def train_command(spec: PlanSpec) -> tuple[str, str | None]:
              "--layout", spec.layout]  # fmt: skip
     if spec.strategy == "hybrid":
         flags += ["--ulysses", str(spec.ulysses)]
+    if spec.ep > 1:
+        flags += ["--ep", str(spec.ep)]
     flags += ["--seq-len", str(spec.seq_len), "--batch-size", str(spec.batch_size)]
     flags += ["--dtype", TRAINER_DTYPES.get(spec.dtype, "bfloat16")]
     if spec.dtype not in TRAINER_DTYPES:

@@ -58,6 +58,8 @@ class PlanSpec:
     activation_checkpointing: bool = False
     ulysses: int = 1
     """hybrid: the Ulysses (all-to-all) degree U inside each cp group; the ring has cp / U."""
+    ep: int = 1
+    """MoE: expert-parallel degree, experts over blocks of ep ranks (the trainer's --ep)."""
     loss_chunk: int = 4096
     """Tokens per chunk of the output projection + loss, recomputed in backward (the trainer's)."""
     kernel: str = "cudnn"
@@ -196,7 +198,7 @@ def step_time(spec: PlanSpec) -> dict:
     dtype = spec.dtype
     n = spec.seq_len // spec.cp
     tokens = spec.micro_batch * n  # rows of every matmul on this rank, per microbatch
-    mm_params = m.layer_params() - 2 * m.dim
+    mm_params = m.active_layer_params() - 2 * m.dim  # MoE: a token's top_k experts
     mm_f = hw.matmul_s(2 * tokens * mm_params / spec.tp, tokens, m.dim, dtype, threads) * slow
     ew_f = hw.elementwise_s(_elementwise_bytes(spec, tokens), threads) * slow
     att_f, att_f_exp, att_f_bytes = _attention(spec, backward=False)
@@ -205,9 +207,10 @@ def step_time(spec: PlanSpec) -> dict:
     tp_s = hw.transfer_s(tp_bytes, spec.spans_nodes(spec.tp), 4) if spec.tp > 1 else 0.0
     fwd = mm_f + ew_f + att_f
     bwd = 2 * mm_f + 2 * ew_f + att_b + (fwd if spec.activation_checkpointing else 0)
-    exposed_layer = att_f_exp + att_b_exp + 2 * tp_s
+    ep_s = _dispatch_s(spec, tokens)  # (forward, backward) of one MoE layer, exposed
+    exposed_layer = att_f_exp + att_b_exp + 2 * tp_s + sum(ep_s)
     if spec.activation_checkpointing:
-        exposed_layer += att_f_exp + tp_s
+        exposed_layer += att_f_exp + tp_s + ep_s[0]
     layers = -(-m.n_layers // spec.pp)  # the heaviest stage (uneven splits allowed)
     # output projection + loss (last stage): forward, backward, and the chunk recompute
     head_f = hw.matmul_s(2 * tokens * m.dim * m.vocab_size / spec.tp, tokens, m.dim, dtype, threads)
@@ -234,8 +237,12 @@ def step_time(spec: PlanSpec) -> dict:
         inter = spec.spans_nodes(shards * spec.tp)
         frac = (shards - 1) / shards
         units = layers + 1
-        gather = local_params * frac * spec.elem_bytes
-        scatter = local_params * frac * 4
+        # --ep: each rank gathers only its 1/ep of the experts, over the shards / ep holding them
+        experts = layers * m.expert_params() / spec.tp
+        edp = shards // spec.ep
+        moved = (local_params - experts) * frac + experts / spec.ep * (edp - 1) / edp
+        gather = moved * spec.elem_bytes
+        scatter = moved * 4
         msgs = int(units * (shards - 1))
         fsdp_s = 2 * hw.transfer_s(gather, inter, msgs) + hw.transfer_s(scatter, inter, msgs)
         first_last = fsdp_s / units
@@ -262,4 +269,21 @@ def step_time(spec: PlanSpec) -> dict:
         "overhead_s": floor_s,
         "fsdp_comm_s": fsdp_s,
         "cp_bytes_per_layer": att_f_bytes + att_b_bytes,
+        "ep_dispatch_s": mb * layers * sum(ep_s),
     }
+
+
+def _dispatch_s(spec: PlanSpec, tokens: int) -> tuple[float, float]:
+    """Seconds of one MoE layer's expert-parallel all-to-alls, (forward, backward), exposed.
+
+    Forward: the per-expert counts (ep ints), then each of the tokens x top_k rows to the rank of
+    its expert and back; backward: the two row exchanges reversed. A rank keeps 1/ep of its rows
+    (uniform routing), the rest cross the ep group."""
+    m = spec.model
+    if not m.experts or spec.ep == 1:
+        return 0.0, 0.0
+    inter = spec.spans_nodes(spec.ep * spec.tp)
+    rows = tokens * m.top_k * m.dim * spec.elem_bytes * (spec.ep - 1) / spec.ep
+    exchange = spec.hw.transfer_s(rows, inter, spec.ep - 1)
+    counts = spec.hw.transfer_s(8 * spec.ep, inter, spec.ep - 1)
+    return counts + 2 * exchange, 2 * exchange

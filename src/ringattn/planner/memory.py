@@ -4,7 +4,10 @@
     optimizer               AdamW's two float32 moments, sharded the same way
     fsdp buffers            the all-gathered compute-dtype copy of the current and the prefetched
                             block, their float32 gradients before the reduce-scatter, and the root
-                            unit (embeddings, output) unsharded for the whole step
+                            unit (embeddings, output) unsharded for the whole step; with --ep a
+                            block's experts are gathered only for this rank's 1/ep of them
+    expert dispatch         --ep: the top_k rows of every token sent and received, forward
+                            (hidden in, expert out) and their gradients in backward
     activations             what autograd keeps per block and token (counted in the trainer's
                             model with saved-tensor hooks: 11.7 KB per token per block for `small`
                             in float32, this count gives 10.3 KB + the per-model tensors):
@@ -39,7 +42,8 @@ def _block_activation_elems(spec: PlanSpec) -> float:
     m, tp = spec.model, spec.tp
     width = 4 * m.dim / tp  # sequence-parallel norms: split by tp as well
     attention = (3 * m.q_dim + 2 * m.kv_dim) / tp + (m.n_heads / tp) * 4 / spec.elem_bytes
-    return width + attention + 4 * m.hidden_dim / tp
+    mlp = m.top_k * (m.expert_hidden or m.hidden_dim) if m.experts else m.hidden_dim
+    return width + attention + 4 * mlp / tp
 
 
 def memory_bytes(spec: PlanSpec) -> dict:
@@ -50,7 +54,7 @@ def memory_bytes(spec: PlanSpec) -> dict:
     # the heaviest stage: its blocks, and the embeddings at both ends when pp == 1
     vocab_params = m.vocab_size * m.dim * (1 if spec.pp > 1 or m.tied_embeddings else 2)
     local = (layers * m.layer_params() + vocab_params) / spec.tp
-    layer_local = m.layer_params() / spec.tp
+    layer_local = (m.layer_params() - m.expert_params() * (1 - 1 / spec.ep)) / spec.tp
     params = 4 * local / shards
     grads = 4 * local / shards
     optimizer = 8 * local / shards
@@ -87,6 +91,7 @@ def memory_bytes(spec: PlanSpec) -> dict:
         buffers += 2 * tokens * hq * d * 4
     loss_rows = min(tokens, spec.loss_chunk) if spec.loss_chunk > 0 else tokens
     loss = 3 * loss_rows * m.vocab_size / spec.tp * 4
+    dispatch = 4 * tokens * m.top_k * m.dim * e if m.experts and spec.ep > 1 else 0.0
     kinds = {
         "parameters": params,
         "gradients": grads,
@@ -96,6 +101,7 @@ def memory_bytes(spec: PlanSpec) -> dict:
         "backward_transient": transient,
         "attention_buffers": buffers + accumulators,
         "loss": loss,
+        "expert_dispatch": dispatch,
     }
     kinds["total"] = sum(kinds.values())
     return kinds

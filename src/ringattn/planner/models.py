@@ -3,7 +3,9 @@ Hugging Face `config.json` (read as JSON; transformers is not imported).
 
 Only the shape matters to the cost model: width, depth, heads, K/V heads, head dim, SwiGLU hidden
 size and vocabulary. Every model is a Llama-style decoder (RMSNorm, GQA attention, SwiGLU MLP),
-which is what the trainer builds and what the published models are.
+which is what the trainer builds and what the published models are. A MoE config (Mixtral,
+Qwen3-MoE, gpt-oss: `num_local_experts` / `num_experts`, `num_experts_per_tok`) replaces the MLP
+by `experts` SwiGLU experts of `expert_hidden` and a router; each token runs `top_k` of them.
 """
 
 from __future__ import annotations
@@ -34,6 +36,12 @@ class ModelSpec:
     tied_embeddings: bool = False
     source: str = ""
     """"trainer" for the trainer's presets, the config.json path for HF configs, "" otherwise."""
+    experts: int = 0
+    """MoE: experts per layer (0: a dense MLP)."""
+    top_k: int = 0
+    """MoE: experts each token runs."""
+    expert_hidden: int = 0
+    """MoE: one expert's SwiGLU hidden size (0 means hidden_dim)."""
 
     @property
     def d_head(self) -> int:
@@ -48,9 +56,25 @@ class ModelSpec:
         return self.n_kv_heads * self.d_head
 
     def layer_params(self) -> int:
-        """Parameters of one block: wq, wk, wv, wo, w1, w2, w3 and two norm weights."""
+        """Parameters of one block: wq, wk, wv, wo, w1, w2, w3 (every expert's, and the router,
+        for MoE) and two norm weights."""
         attn = self.dim * (self.q_dim + 2 * self.kv_dim) + self.q_dim * self.dim
+        if self.experts:
+            return attn + self.expert_params() + self.dim * self.experts + 2 * self.dim
         return attn + 3 * self.dim * self.hidden_dim + 2 * self.dim
+
+    def expert_params(self) -> int:
+        """One layer's expert weights (0 for a dense model)."""
+        return self.experts * 3 * self.dim * (self.expert_hidden or self.hidden_dim)
+
+    def active_layer_params(self) -> int:
+        """The block's parameters one token's matmuls use: its top_k experts, not all of them."""
+        if not self.experts:
+            return self.layer_params()
+        unused = (
+            (self.experts - self.top_k) * 3 * self.dim * (self.expert_hidden or self.hidden_dim)
+        )
+        return self.layer_params() - unused
 
     def embedding_params(self) -> int:
         """Token embedding, output projection (unless tied) and the final norm."""
@@ -109,6 +133,7 @@ def from_hf_config(path: str) -> ModelSpec:
     cfg = cfg.get("text_config", cfg)  # multimodal configs nest the decoder
     try:
         dim, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+        experts = cfg.get("num_local_experts") or cfg.get("num_experts") or 0
         return ModelSpec(
             name=os.path.basename(os.path.dirname(os.path.abspath(path))) or path,
             dim=dim,
@@ -120,6 +145,9 @@ def from_hf_config(path: str) -> ModelSpec:
             head_dim=int(cfg.get("head_dim") or 0),
             tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             source=path,
+            experts=int(experts),
+            top_k=int(cfg.get("num_experts_per_tok") or 0) if experts else 0,
+            expert_hidden=int(cfg.get("moe_intermediate_size") or 0) if experts else 0,
         )
     except KeyError as err:
         raise ValueError(

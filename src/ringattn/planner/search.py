@@ -51,6 +51,8 @@ class Job:
     virtual_stages: int = 1
     fp8_attention: bool = False
     attention_tflops: tuple[float, float] | None = None
+    ep: int = 1
+    """MoE: expert-parallel degree (fixed, not searched)."""
 
 
 def _divisors(n: int) -> list[int]:
@@ -100,6 +102,18 @@ def check_plan(spec: PlanSpec) -> PlanSpec:
                 "use ring or ulysses"
             )
         spec = replace(spec, ulysses=u)
+    if spec.ep > 1:
+        if not m.experts or m.experts % spec.ep:
+            raise ValueError(
+                f"--ep {spec.ep}: {m.name} has {m.experts} experts per layer, not a "
+                f"multiple of ep; give a MoE config and an ep dividing its experts"
+            )
+        shards = spec.dp * spec.cp
+        if spec.ep % spec.cp or shards % spec.ep:
+            raise ValueError(
+                f"--ep {spec.ep} must be a multiple of cp={spec.cp} dividing dp x cp "
+                f"= {shards} (experts fold onto whole cp groups and part of dp)"
+            )
     if spec.dtype == "fp8" and not spec.hw.fp8_tflops:
         raise ValueError(f"{spec.hw.name} has no fp8 matmuls; use --dtype bf16")
     if spec.hw.is_cpu and spec.dtype in ("fp8", "tf32"):
@@ -116,7 +130,7 @@ def model_flops_per_token(spec: PlanSpec) -> float:
     output projection) plus the attention matmuls, visible (causal) pairs only: 6 S q_dim per
     layer (forward 2 S q_dim: QK^T and PV over S / 2 keys on average; backward twice that)."""
     m = spec.model
-    matmul = m.n_layers * (m.layer_params() - 2 * m.dim) + m.vocab_size * m.dim
+    matmul = m.n_layers * (m.active_layer_params() - 2 * m.dim) + m.vocab_size * m.dim
     return 6 * matmul + 6 * m.n_layers * spec.seq_len * m.q_dim
 
 
@@ -136,7 +150,7 @@ def evaluate(spec: PlanSpec) -> dict:
     return {
         "dp": spec.dp, "cp": spec.cp, "tp": spec.tp, "pp": spec.pp,
         "strategy": spec.strategy, "layout": spec.layout,
-        "ulysses": spec.ulysses if spec.strategy == "hybrid" else None,
+        "ulysses": spec.ulysses if spec.strategy == "hybrid" else None, "ep": spec.ep,
         "attention_kernel": None if spec.hw.is_cpu else spec.kernel,
         "pp_schedule": spec.pp_schedule, "microbatches": spec.pipe_microbatches,
         "virtual_stages": spec.virtual,
@@ -157,6 +171,7 @@ def evaluate(spec: PlanSpec) -> dict:
             "optimizer_s": time["optimizer_s"],
             "overhead_s": time["overhead_s"],
             "cp_bytes_per_layer": time["cp_bytes_per_layer"],
+            "ep_dispatch_s": time["ep_dispatch_s"],
             "memory_gib": {k: v / GIB for k, v in mem.items() if k != "total"},
         },
     }  # fmt: skip
@@ -203,6 +218,7 @@ def _candidates(job: Job):
                     virtual_stages=job.virtual_stages,
                     fp8_attention=job.fp8_attention,
                     attention_tflops=job.attention_tflops,
+                    ep=job.ep,
                 )
 
 

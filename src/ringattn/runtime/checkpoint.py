@@ -167,7 +167,7 @@ def save(
     _raise_if_failed(_share(error), step, root, tmp, rank)  # a barrier: the directory is there
     fault("directory")
     try:
-        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp)  # fsyncs
+        dcp.save(_view(model, model_state, optim_state), checkpoint_id=tmp)  # fsyncs
         fault("model")
         rng = _rng_state()
         write_synced(os.path.join(tmp, "rng", f"rank{rank}.pt"), lambda f: torch.save(rng, f))
@@ -281,17 +281,20 @@ def load(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) ->
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     model_state, optim_state = get_state_dict(model, optimizer)
-    loaded = {"model": model_state, "optim": optim_state}
-    dcp.load(loaded, checkpoint_id=path)
-    set_state_dict(
-        model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"]
-    )
+    dcp.load(_view(model, model_state, optim_state), checkpoint_id=path)  # in place: shared
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
     rank = dist.get_rank() if dist.is_initialized() else 0
     rng_file = os.path.join(path, "rng", f"rank{rank}.pt")
     if os.path.exists(rng_file):  # absent when resuming on more ranks than saved
         _set_rng_state(torch.load(rng_file, weights_only=True))
     with open(os.path.join(path, "train_state.json")) as f:
         return json.load(f)
+
+
+def _view(model: torch.nn.Module, model_state: dict, optim_state: dict) -> dict:
+    view = getattr(model, "checkpoint_view", None)  # --ep: expert slices as whole DTensors
+    states = view(model_state, optim_state) if view is not None else (model_state, optim_state)
+    return {"model": states[0], "optim": states[1]}
 
 
 def read_state(path: str) -> dict:

@@ -42,6 +42,7 @@ __all__ = [
     "DIMS",
     "Mesh",
     "build_mesh",
+    "check_expert_degree",
     "degrees",
 ]
 
@@ -92,6 +93,20 @@ def degrees(world_size: int, dp: int, cp: int, tp: int = 1, pp: int = 1) -> tupl
             f"cp={cp or '?'} x tp={tp} != {world_size}; pick degrees whose product is {world_size}"
         )
     return dp, cp
+
+
+def check_expert_degree(ep: int, dp: int, cp: int) -> None:
+    """--ep folds onto whole cp groups and part of dp (torchtitan's rule): ep % cp == 0 and
+    (dp x cp) % ep == 0, else a ValueError naming the values and the valid degrees."""
+    if not isinstance(ep, int) or ep < 1:
+        raise ValueError(f"--ep must be an integer >= 1, got {ep!r}")
+    world = dp * cp
+    if ep > 1 and (ep % cp or world % ep):
+        valid = [e for e in range(cp, world + 1, cp) if world % e == 0]
+        raise ValueError(
+            f"--ep {ep} must be a multiple of cp={cp} and divide dp x cp = {dp} x {cp} = {world} "
+            f"(experts fold onto whole cp groups and part of dp); valid: {valid}"
+        )
 
 
 def build_mesh(

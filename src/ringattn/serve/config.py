@@ -12,6 +12,7 @@ import os
 import socket
 from dataclasses import dataclass
 
+from ringattn.integrations.hf.experts import check_ep
 from ringattn.integrations.hf.source import DTYPES, load_config, model_source
 from ringattn.integrations.hf.tensor_parallel import check_tensor_parallel
 from ringattn.layout import LAYOUTS
@@ -31,6 +32,9 @@ class ServeConfig:
     tp: int = 1
     """tensor-parallel degree: heads and MLP split over tp by the model's own tp plan, each
     prompt over cp = nproc / tp"""
+    ep: int = 1
+    """MoE models: expert-parallel degree, each MoE layer's experts split over blocks of ep
+    ranks (a divisor of --nproc and of the expert count; --tp 1)"""
     host: str = "127.0.0.1"
     """interface to listen on (loopback by default)"""
     port: int = 8000
@@ -95,6 +99,13 @@ def check(cfg: ServeConfig) -> None:
         raise ValueError("--api-key is empty; give a key or drop the flag")
     source = model_source(cfg.hf)
     check_tensor_parallel(load_config(source), cfg.tp)
+    if cfg.ep != 1 and (
+        not isinstance(cfg.ep, int) or cfg.ep < 1 or cfg.nproc % cfg.ep or cfg.tp > 1
+    ):
+        raise ValueError(
+            f"--ep {cfg.ep} must divide --nproc {cfg.nproc}, with --tp 1 (got {cfg.tp})"
+        )
+    check_ep(cfg.ep, load_config(source))
     if source.tokenizer_dir is None:
         raise ValueError(
             f"--hf {cfg.hf}: no tokenizer files in {source.directory}; the server takes and "

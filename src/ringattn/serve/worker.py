@@ -41,6 +41,7 @@ import torch
 
 import ringattn.hf
 from ringattn.comm import GroupInfo, resolve_group
+from ringattn.integrations.hf.experts import split_experts
 from ringattn.integrations.hf.source import load_model, load_tokenizer, model_source
 from ringattn.integrations.hf.tensor_parallel import split_cp_tp
 from ringattn.runtime.heartbeat import report_progress
@@ -306,6 +307,7 @@ def serve_worker(cfg: ServeConfig) -> dict:
     elif torch.cuda.is_available():
         device = torch.device("cuda", torch.cuda.current_device())
     groups = split_cp_tp(model, cfg.tp, world_size, device)  # first: only shards reach a GPU
+    split_experts(model, cfg.ep, device)  # --ep: this rank's experts only
     model.to(device)  # the group's device: NCCL collectives take CUDA tensors only
     info = resolve_group(None)
     jobs, http, metrics = queue.Queue(), None, None

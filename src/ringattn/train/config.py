@@ -24,7 +24,7 @@ import ringattn
 from ringattn.models.config import MODEL_SIZES, ModelConfig, model_config
 from ringattn.runtime import checkpoint as ckpt
 from ringattn.runtime.flags import check_at_least, check_choice
-from ringattn.runtime.mesh import degrees
+from ringattn.runtime.mesh import check_expert_degree, degrees
 from ringattn.runtime.metrics import check_tensorboard
 
 __all__ = ["DTYPES", "IDENTITY", "TrainConfig", "check_fresh_start", "validate"]
@@ -88,6 +88,9 @@ class TrainConfig:
     """tensor-parallel degree: ranks splitting each layer's heads and MLP"""
     pp: int = 1
     """pipeline-parallel degree: stages splitting the decoder's blocks"""
+    ep: int = 1
+    """--hf MoE models: expert-parallel degree, each MoE layer's experts split over blocks of
+    ep ranks (a multiple of cp dividing dp x cp)"""
     microbatches: int = 1
     """pp > 1: micro-batches per step (a divisor of --batch-size)"""
     pp_schedule: str = "gpipe"
@@ -235,6 +238,14 @@ def validate(
         raise ValueError(
             f"--seq-len {cfg.seq_len} is not divisible by {chunks} ({cfg.layout} layout on cp={cp} "
             f"ranks); use {fixed}"
+        )
+    if cfg.ep != 1 and not cfg.hf:
+        raise ValueError(f"--ep {cfg.ep} splits the experts of a --hf MoE model; add --hf DIR")
+    check_expert_degree(cfg.ep, dp, cp)
+    if cfg.ep > 1 and cfg.compile:
+        raise ValueError(
+            f"--ep {cfg.ep} with --compile: the expert dispatch exchanges per-expert counts on "
+            f"the host (a graph break, refused by fullgraph); drop --compile or use --ep 1"
         )
     if cfg.compile_backend not in COMPILE_BACKENDS:
         raise ValueError(

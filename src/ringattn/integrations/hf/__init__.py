@@ -15,7 +15,8 @@ global sequence before sharding and passes the whole sequence's supervised-token
 transformers' own causal-LM loss gives this rank's share of the single-device loss.
 
 Modules: attention.py (the attention and mask functions), batch.py (shard_batch), model.py
-(parallelize), moe.py (the MoE router loss over the whole sequence), vision.py (vision-language
+(parallelize), moe.py (the MoE router loss over the whole sequence), experts.py (expert
+parallelism: experts split over ranks, tokens sent to them), vision.py (vision-language
 models: the decoder's sequence cut), loss.py (chunked cross-entropy), tensor_parallel.py (the
 model's own tp plan), source.py (loading a local model). Decoding over a sharded KV cache is
 inference built on this package: ringattn/inference/hf/. This package imports transformers only

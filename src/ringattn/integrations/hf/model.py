@@ -15,14 +15,15 @@ Two more kinds of model get one hook each (public `register_forward_hook` /
 `register_forward_pre_hook`, no patching): a MoE model's router load-balancing loss is recomputed
 over the whole sequence (moe.py), and a vision-language model keeps its vision tower's own
 attention (only the text config is switched) while a pre-hook on its text decoder cuts the merged
-embeddings and positions into this rank's rows (vision.py).
+embeddings and positions into this rank's rows (vision.py). With `expert_group`, each MoE layer's
+experts module keeps a slice of the experts and two hooks send tokens to them (experts.py).
 """
 
 from __future__ import annotations
 
 from ringattn.api import STRATEGIES
 from ringattn.comm import resolve_group
-from ringattn.integrations.hf import moe, vision
+from ringattn.integrations.hf import experts, moe, vision
 from ringattn.integrations.hf.attention import ATTENTION_NAME, CONTEXT_ATTR, CPContext, register
 from ringattn.layout import get_layout
 from ringattn.validate import check_names
@@ -36,6 +37,7 @@ def parallelize(
     *,
     backend: str = "auto",
     router_group: object = None,
+    expert_group: object = None,
 ) -> object:
     """Make `model`'s attention exact over a sequence sharded across `group`; returns `model`.
 
@@ -49,6 +51,11 @@ def parallelize(
     tokens of `router_group` (default: `group`; a trainer passes its whole dp x cp world to get
     the global batch's) and each rank adds its share (moe.py). Vision-language models (Qwen2-VL,
     LLaVA): the vision tower keeps its attention; the text decoder gets ringattn's (vision.py).
+
+    Expert parallelism: with `expert_group` (a ProcessGroup or 1-D DeviceMesh; default None =
+    every rank holds every expert), each MoE layer's experts are split over that group and
+    every token goes to the rank holding its expert and back (experts.py). The expert count
+    must be divisible by the group's size. Expert weights become this rank's slice (same names).
     """
     get_layout(layout)
     check_names(strategy, STRATEGIES, backend)
@@ -83,6 +90,8 @@ def parallelize(
             f"attention through transformers' AttentionInterface, so ringattn.hf cannot "
             f"parallelize it"
         )
+    if expert_group is not None:
+        experts.shard_experts(model, expert_group)  # checks every layer before it changes any
     moe.install(model, group if router_group is None else router_group)
     if multimodal:
         vision.install(model)

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ringattn.integrations.hf.experts import check_ep
 from ringattn.integrations.hf.loss import logits_loss, loss_sum
 from ringattn.integrations.hf.model import parallelize as hf_parallelize
 from ringattn.integrations.hf.moe import ROUTER_ATTR, aux_share
@@ -50,6 +51,7 @@ from ringattn.train.hf.data import (
     PackedDocuments,
     load_corpus,
 )
+from ringattn.train.hf.experts import expert_parallel
 from ringattn.train.hf.probe import check_probe, probe
 from ringattn.train.hf.sources import split_data
 from ringattn.train.recipe import ModelRecipe
@@ -65,6 +67,7 @@ def check(cfg: TrainConfig, cp: int) -> None:
     load_config(model_source(cfg.hf))
     extended_config(cfg)  # --rope-scaling, --max-position-embeddings
     split_data(cfg.data)
+    check_ep(cfg.ep, load_config(model_source(cfg.hf)))
     tp, pp = getattr(cfg, "tp", 1), getattr(cfg, "pp", 1)
     if tp != 1 or pp != 1:
         raise ValueError(
@@ -149,6 +152,11 @@ def parallelize_hf(model: nn.Module, mesh: Mesh, cfg: TrainConfig) -> nn.Module:
         enable = getattr(hf, "activation_checkpointing_enable", None)
         (enable or hf.gradient_checkpointing_enable)({"use_reentrant": False})
     param_dtype = None if cfg.dtype == "float32" else getattr(torch, cfg.dtype)
+    if cfg.ep > 1:  # the experts' own FSDP2 units first: the blocks' then leave them out
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+        expert_parallel(model, cfg.ep, next(model.parameters()).device, policy)
     # models/parallelize.py's own CP step finds none of its decoder's attention layers here: a no-op
     return parallelize(model, mesh, layout=cfg.layout, strategy=cfg.strategy,
                        param_dtype=param_dtype)  # fmt: skip
