@@ -73,13 +73,16 @@ def train_flags(cfg: tuple, args: argparse.Namespace, out_dir: str) -> list[str]
 
 
 def measure(hosts: TwoHosts, cfg: tuple, args: argparse.Namespace, out_dir: str) -> dict:
+    """One run's step times, or {"failed": ...} with both hosts' exit codes and output tails
+    when a host did not finish (it happened once: host 1's torchrun gone, host 0's agent
+    waiting for it): such a try is recorded and does not count."""
     flags = train_flags(cfg, args, out_dir)
     load = os.getloadavg()[0]
     start = time.perf_counter()
-    results = hosts.torchrun(flags, timeout=900)
-    for host, (code, out) in enumerate(results):
-        if code:
-            raise RuntimeError(f"host {host} exited with {code}:\n{out[-3000:]}")
+    results = hosts.torchrun(flags, timeout=300)
+    if any(code for code, _ in results):
+        return {"failed": [code for code, _ in results], "load_before": load,
+                "output_tails": [out[-2000:] for _, out in results]}  # fmt: skip
     with open(os.path.join(out_dir, "train_log.jsonl")) as f:
         history = [r for r in map(json.loads, f) if "seconds" in r]
     seconds = [h["seconds"] for h in history]
@@ -229,10 +232,13 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"[two-hosts] {rate} {cfg[0]} (try {t + 1})...", flush=True)
                     run_dir = os.path.join(tmp, f"{rate}-{i}-{t}")
                     tries[i].append(measure(hosts, cfg, args, run_dir))
-                    print(f"    {tries[i][-1]['median_step_s']:.3f} s", flush=True)
+                    got = tries[i][-1]
+                    print(f"    failed: exit codes {got['failed']}" if "failed" in got
+                          else f"    {got['median_step_s']:.3f} s", flush=True)  # fmt: skip
             for i, cfg in enumerate(chosen):
-                meas = min(tries[i], key=lambda m: m["median_step_s"])
-                meas["tries_median_step_s"] = [m["median_step_s"] for m in tries[i]]
+                done = [m for m in tries[i] if "failed" not in m]
+                meas = dict(min(done, key=lambda m: m["median_step_s"]))
+                meas["tries_median_step_s"] = [m["median_step_s"] for m in done]
                 meas["tries"] = tries[i]
                 rows.append({"rate": rate, "config": cfg[0], "measured": meas})
     with open(calibration) as f:
