@@ -18,6 +18,7 @@ import pytest
 
 from ringattn.cli.main import main
 from ringattn.planner.calibrate import machine_key
+from ringattn.planner.cost import crossing_load, kv_share
 from ringattn.planner.hardware import get_hardware
 from ringattn.planner.models import get_model
 from ringattn.planner.search import (
@@ -67,6 +68,17 @@ def test_tie_groups_and_pairwise_verdicts():
     assert verdicts == {"agree": [("b", "c")], "open": [], "contradict": [("a", "b"), ("a", "c")]}
     with pytest.raises(ValueError, match="name the same plans"):
         compare_orders({"a": [1.0]}, {"b": 1.0})
+
+
+def test_link_sharing_and_replicated_kv_heads():
+    """What cost.py prices the hosts' link with: an all-to-all of 4 ranks, 2 per host, puts 4
+    messages of each host across at once per 3 a rank sends (measured 4.4 chunks: BENCHMARKS.md);
+    Ulysses over 4 ranks with 2 K/V heads sends each peer one head (1.5 local K/V in all, not 3);
+    with heads that split, (W - 1) / W."""
+    assert crossing_load(4, 2) == pytest.approx(4 / 3)
+    assert crossing_load(2, 2) == 1.0 and crossing_load(8, 2) == pytest.approx(12 / 7)
+    assert kv_share(4, 2, 4) == pytest.approx(1.5)
+    assert kv_share(8, 4, 2) == pytest.approx(0.5) and kv_share(4, 4, 4) == pytest.approx(0.75)
 
 
 def test_the_planner_ranks_the_committed_measurements_in_the_measured_order(results):
