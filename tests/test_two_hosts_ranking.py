@@ -33,6 +33,7 @@ from ringattn.planner.search import (
 )
 
 RESULTS = os.path.join(os.path.dirname(__file__), "..", "results", "two_hosts_cpu_repeats.json")
+SECOND = RESULTS.replace(".json", "_1gbit_b.json")  # 1 Gbit/s again, 20 minutes later
 # the bench's configurations: label -> (dp, cp, strategy)
 CONFIGS = {"ring": (1, 4, "ring"), "allgather": (1, 4, "allgather"),
            "ulysses": (1, 4, "ulysses"), "hybrid U2": (1, 4, "hybrid"),
@@ -107,6 +108,20 @@ def test_the_planner_ranks_the_committed_measurements_in_the_measured_order(resu
             assert all(0.75 <= x <= 1.25 for x in ratios), (rate, ratios)
             assert max(ratios) / min(ratios) - 1 <= PLAN_MARGIN, (rate, ratios)
     assert precise == ["20mbit"]
+
+
+def test_a_second_1gbit_pass_never_contradicts_the_planner():
+    """The same 5 configurations at 1 Gbit/s, 3 tries each, in a later pass: every pair the
+    tries tell apart, the planner does not order the other way."""
+    with open(SECOND) as f:
+        second = json.load(f)
+    assert {r["rate"] for r in second["rows"]} == {"1gbit"}
+    measured = {r["config"]: [t / CONFIGS[r["config"]][0]
+                              for t in r["measured"]["tries_median_step_s"]]
+                for r in second["rows"]}  # fmt: skip
+    assert set(measured) == set(CONFIGS) and all(len(t) >= 3 for t in measured.values())
+    predicted = {label: predicted_s(second, "1gbit", label) for label in measured}
+    assert not compare_orders(measured, predicted)["contradict"]
 
 
 def test_the_slow_link_ranking_as_measured(results):
