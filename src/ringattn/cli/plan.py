@@ -19,7 +19,15 @@ from ringattn.planner.calibrate import (
 )
 from ringattn.planner.hardware import get_hardware
 from ringattn.planner.models import get_model
-from ringattn.planner.search import Job, explain, rank_key, search
+from ringattn.planner.search import (
+    PLAN_MARGIN,
+    Job,
+    describe_order,
+    explain,
+    rank_key,
+    search,
+    tie_groups,
+)
 
 __all__ = ["add_parser", "run_plan"]
 
@@ -165,6 +173,19 @@ def _table(plans: list[dict], top: int) -> str:
     return "\n".join(lines)
 
 
+def _label(plan: dict) -> str:
+    """A plan's short name: its degrees above 1, strategy and layout."""
+    degrees = [f"{k}{plan[k]}" for k in ("dp", "cp", "tp", "pp") if plan[k] > 1]
+    strategy = plan["strategy"] + (f" U{plan['ulysses']}" if plan["ulysses"] else "")
+    return " ".join([*degrees, f"{strategy}/{plan['layout']}"])
+
+
+def ranking(plans: list[dict]) -> list[list[str]]:
+    """The plans' labels in tie groups, fastest first: plans whose seconds per token per GPU
+    are within the planner's error margin (search.PLAN_MARGIN) of each other tie."""
+    return tie_groups({_label(p): 1 / p["tokens_per_s_per_gpu"] for p in plans})
+
+
 def run_plan(args: argparse.Namespace) -> int:
 
     calibration = None
@@ -178,7 +199,7 @@ def run_plan(args: argparse.Namespace) -> int:
     fitting = [p for p in plans if p["fits"]]
     shown = sorted(fitting or plans, key=rank_key)
     if args.json:
-        print(json.dumps({"plans": shown}))
+        print(json.dumps({"plans": shown, "ranking": ranking(shown), "margin": PLAN_MARGIN}))
         return 0
     ac = ", activation checkpointing" if job.activation_checkpointing else ""
     kernel = "" if job.hw.is_cpu else f", attention {shown[0]['attention_kernel']}"
@@ -188,6 +209,8 @@ def run_plan(args: argparse.Namespace) -> int:
           f"{job.batch_size}, {job.dtype}{ac}{kernel}{pipe}: {len(plans)} plans, "
           f"{len(fitting)} fit")  # fmt: skip
     print(_table(shown, args.top))
+    print(f"ranking (plans within the planner's {PLAN_MARGIN:.0%} error margin tie): "
+          f"{describe_order(ranking(shown[: args.top]))}")  # fmt: skip
     print(explain(plans))
     best = shown[0]
     print(f"run it: {best['train_command']}")

@@ -15,7 +15,9 @@ Attention per strategy (bytes from docs/strategies.md; work from the layouts' sc
     ring       sum over steps of max(step compute, one K/V hop); backward hops carry K/V and
                the float32 dK/dV, and the last dK/dV hop is exposed
     allgather  max(all-gather, local block) + the other blocks; backward adds the reduce-scatter
-    ulysses    all-to-alls (exposed) + attention over the whole sequence for heads / cp
+    ulysses    all-to-alls (exposed) + attention over the whole sequence for heads / cp;
+               with fewer K/V heads than ranks each peer gets only the K/V heads its query
+               heads read (strategies/ulysses.py's HeadPlan), in forward and again in backward
     hybrid     all-to-alls inside groups of U (exposed) + a ring of R = cp / U group steps
 
 The ring's merge reads and writes the float32 accumulator at every step (~10 bytes per output
@@ -25,6 +27,17 @@ Per step: the pipeline schedule's m microbatch slots plus its bubble (schedule.p
 all-gathers (forward and backward) and reduce-scatters overlap the compute, the part longer than
 it plus the first all-gather and last reduce-scatter is exposed; AdamW and gradient clipping at
 memory speed.
+
+One link per host (cpu hosts, hardware.py): every transfer that crosses it shares it. An
+all-to-all of W ranks, g per host, sends g (W - g) of its W (W - 1) messages per host across at
+once (`crossing_load`); gloo's all-gather is a ring (W - 1 steps, one message per link each).
+What hides behind compute hides once: the compute that covered the CP transfers on the link
+cannot also cover FSDP's there, so FSDP hides only behind the rest.
+
+gloo (every cpu plan): its reduce_scatter_tensor, which FSDP2 calls, is an all-reduce underneath:
+twice the bytes of a ring reduce-scatter. Measured over the two-hosts link (scripts/
+two_hosts_link.py, 4 ranks, in link times of one 128 KiB chunk C per direction): a ring hop 1.0,
+all-gather 3.1 (a ring: 3), reduce-scatter 6.3 (an all-reduce: 6), all-to-all 4.4 (G (W - G): 4).
 """
 
 from __future__ import annotations
@@ -35,8 +48,9 @@ from ringattn.planner.hardware import Hardware
 from ringattn.planner.models import ModelSpec
 from ringattn.planner.schedule import bubble_slots
 from ringattn.planner.work import StepWork, allgather_work, group_ring_steps
+from ringattn.strategies.ulysses import HeadPlan
 
-__all__ = ["PlanSpec", "attention_layer_s", "step_time"]
+__all__ = ["PlanSpec", "attention_layer_s", "crossing_load", "step_time"]
 
 
 @dataclass(frozen=True)
@@ -105,8 +119,28 @@ class PlanSpec:
         return self.hw.threads_per_process(self.gpus)
 
 
-def _attention(spec: PlanSpec, backward: bool) -> tuple[float, float, float]:
-    """(compute s, exposed comm s, comm bytes) of one attention layer, forward or backward."""
+def crossing_load(world: int, per_node: int) -> float:
+    """How many of a node's ranks' transfers cross its link at once when `world` ranks, `per_node`
+    on each node, exchange evenly: of a rank's world - 1 peers, world - g are on other nodes, and
+    the node's g ranks send at once: g (world - g) / (world - 1) (1 for a ring across two)."""
+    g = min(world, per_node)
+    return g * (world - g) / (world - 1) if world > g else 1.0
+
+
+def kv_share(hq: int, hkv: int, size: int) -> float:
+    """Of a rank's local K/V bytes, the share it sends in one Ulysses all-to-all over `size`
+    ranks: (size - 1) / size when the K/V heads split evenly; otherwise each peer gets the K/V
+    heads its query heads read (HeadPlan), the busiest rank's total."""
+    plan = HeadPlan(hq, hkv, size)
+    if not plan.replicated:
+        return (size - 1) / size
+    heads = [len(plan.kv_heads(d)) for d in range(size)]
+    return max(sum(heads) - heads[r] for r in range(size)) / hkv
+
+
+def _attention(spec: PlanSpec, backward: bool) -> tuple[float, float, float, float]:
+    """(compute s, exposed comm s, comm bytes, hidden link s) of one attention layer, forward or
+    backward; hidden link s: the inter-node transfers that hid behind the compute."""
     m, hw, w = spec.model, spec.hw, spec.cp
     b, e, d = spec.micro_batch, spec.elem_bytes, m.d_head
     hq, hkv = m.n_heads // spec.tp, m.n_kv_heads // spec.tp
@@ -137,12 +171,13 @@ def _attention(spec: PlanSpec, backward: bool) -> tuple[float, float, float]:
         hop = kv_bytes + (kv32 if backward else 0)  # backward: K/V and a dK/dV partial per hop
         # every rank of a group sends its hop at once: U of a node's ranks cross its link
         hop_s = hw.transfer_s(hop, cp_inter, load=u) if rings > 1 else 0.0
-        total = exposed = 0.0
+        total = exposed = hidden = 0.0
         for i, work in enumerate(steps):
             c = compute(work, hq / u, n)
             total += c
             if i < rings - 1:  # the next step's K/V travel while this step computes
                 exposed += max(0.0, hop_s - c)
+                hidden += min(hop_s, c) if cp_inter else 0.0
         sent = hop * (rings - 1)
         if backward and rings > 1:  # the last dK/dV partial returns to its owner after the loop
             exposed += hw.transfer_s(kv32, cp_inter, load=u)
@@ -151,34 +186,34 @@ def _attention(spec: PlanSpec, backward: bool) -> tuple[float, float, float]:
             a2a = (u - 1) / u * (2 * q_bytes + kv_bytes + (0 if backward else lse))
             exposed += hw.transfer_s(a2a, spec.spans_nodes(u * spec.tp), messages=2 * (u - 1))
             sent += a2a
-        return total, exposed, sent
+        return total, exposed, sent, hidden
     if spec.strategy == "allgather":
         work = allgather_work(spec.layout, w)
         c = compute(work, hq, n)
         local = compute(StepWork(0.0, 0.5, 1.0, 1), hq, n)
         gather = hw.transfer_s((w - 1) * kv_bytes, cp_inter, messages=w - 1)
         exposed = max(0.0, gather - local)
+        hidden = min(gather, local) if cp_inter else 0.0
         sent = (w - 1) * kv_bytes
         if backward:
             scatter = hw.transfer_s((w - 1) * kv32, cp_inter, messages=w - 1)
             exposed, sent = exposed + scatter, sent + (w - 1) * kv32
-        return c, exposed, sent
-    # ulysses: K/V heads replicated when they do not split over cp (docs/strategies.md)
+        return c, exposed, sent, hidden
+    # ulysses: forward q, k, v in, out and lse back; backward dout in, dq, dk, dv back, and with
+    # replicated K/V heads k, v in again (strategies/ulysses.py keeps the local ones)
     steps = group_ring_steps(spec.layout, w, w)
     c = compute(steps[0], hq / w, n)
-    if hkv % w == 0:
-        sent = (w - 1) / w * (2 * q_bytes + kv_bytes + (0 if backward else lse))
-    else:
-        sent = (w - 1) / w * (2 * q_bytes + (0 if backward else lse))
-        sent += (2 if backward else 1) * (w - 1) * kv_bytes
-    g = min(w, hw.gpus_per_node // spec.tp) if cp_inter else w
-    load = g * (w - g) / (w - 1)  # of a node's g ranks, the share of each one's bytes that leave
-    return c, hw.transfer_s(sent, cp_inter, messages=2 * (w - 1), load=load), sent
+    replicated = HeadPlan(hq, hkv, w).replicated
+    kv_sends = 2 if backward and replicated else 1
+    sent = (w - 1) / w * (2 * q_bytes + (0 if backward else lse))
+    sent += kv_sends * kv_share(hq, hkv, w) * kv_bytes
+    load = crossing_load(w, hw.gpus_per_node // spec.tp)
+    return c, hw.transfer_s(sent, cp_inter, messages=2 * (w - 1), load=load), sent, 0.0
 
 
 def attention_layer_s(spec: PlanSpec, backward: bool) -> float:
     """Seconds of one layer's CP attention (compute + exposed communication), one direction."""
-    compute, exposed, _ = _attention(spec, backward)
+    compute, exposed, _, _ = _attention(spec, backward)
     return compute + exposed
 
 
@@ -201,8 +236,8 @@ def step_time(spec: PlanSpec) -> dict:
     mm_params = m.active_layer_params() - 2 * m.dim  # MoE: a token's top_k experts
     mm_f = hw.matmul_s(2 * tokens * mm_params / spec.tp, tokens, m.dim, dtype, threads) * slow
     ew_f = hw.elementwise_s(_elementwise_bytes(spec, tokens), threads) * slow
-    att_f, att_f_exp, att_f_bytes = _attention(spec, backward=False)
-    att_b, att_b_exp, att_b_bytes = _attention(spec, backward=True)
+    att_f, att_f_exp, att_f_bytes, att_f_hid = _attention(spec, backward=False)
+    att_b, att_b_exp, att_b_bytes, att_b_hid = _attention(spec, backward=True)
     tp_bytes = 4 * (spec.tp - 1) / spec.tp * tokens * m.dim * spec.elem_bytes
     tp_s = hw.transfer_s(tp_bytes, spec.spans_nodes(spec.tp), 4) if spec.tp > 1 else 0.0
     fwd = mm_f + ew_f + att_f
@@ -244,9 +279,14 @@ def step_time(spec: PlanSpec) -> dict:
         gather = moved * spec.elem_bytes
         scatter = moved * 4
         msgs = int(units * (shards - 1))
+        if hw.is_cpu:  # gloo: an all-reduce underneath (module docstring)
+            scatter *= 2
         fsdp_s = 2 * hw.transfer_s(gather, inter, msgs) + hw.transfer_s(scatter, inter, msgs)
         first_last = fsdp_s / units
-        fsdp_exposed = max(0.0, fsdp_s - slots * stage_compute) + first_last
+        cover = slots * stage_compute
+        if hw.link_per_node and inter:  # the compute that hid CP transfers on the link
+            cover -= mb * layers * (att_f_hid + att_b_hid)
+        fsdp_exposed = max(0.0, fsdp_s - cover) + first_last
     # AdamW (param, grad, two moments, fp32) and gradient clipping: ~12 passes of 4 bytes
     optim_s = hw.elementwise_s(local_params / shards * 4 * 12, threads) * slow
     # cpu: what the trainer spends per step outside the kernels, measured (calibrate.py) for the
