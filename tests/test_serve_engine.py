@@ -193,3 +193,31 @@ def test_a_cancelled_stream_frees_its_blocks(servers):
         == BLOCKS
     )
     assert torch.is_grad_enabled()  # the loop's no_grad stays in its thread
+
+
+def test_two_ranks_run_the_steps_chunked_and_shared_as_each_alone(pools):
+    """rank_loop on two ranks (workers_serve.stepped): chunks of 8, a pool of 40 blocks of 4
+    per rank, two prompts sharing a prefix and one not; every text is transformers' greedy.
+    Again without the prefix cache in a pool of 8 blocks, where sequences are preempted and
+    recompute."""
+    import serve_model
+
+    tok = serve_model.tokenizer()
+    config = transformers.LlamaConfig(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=192,
+    )  # fmt: skip
+    torch.manual_seed(5)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    prompts = [SYSTEM + " hello world", SYSTEM + " the lazy dog", "how are you today?"]
+    gb = 40 * BLOCK * kv_token_bytes(model) / (1 << 30)
+    cfg = {"max_batch_tokens": CHUNK, "kv_block_size": BLOCK, "kv_cache_gb": gb}
+    results = pools(2).run("workers_serve:stepped", prompts, 12, cfg)
+    texts, _, (hits, _) = results[0]
+    assert [r[1] for r in results] == [len(prompts)] * 2  # both ranks ran every request
+    assert texts == [greedy(model, tok, tok(p)["input_ids"], 12) for p in prompts]
+    shared = len(tok(SYSTEM)["input_ids"])
+    assert 2 * CHUNK <= hits <= shared  # the second started from the first one's chunks
+    small = {**cfg, "kv_cache_gb": gb / 5, "prefix_cache": False}
+    again, served, (hits, preempted) = pools(2).run("workers_serve:stepped", prompts, 12, small)[0]
+    assert (again, served, hits) == (texts, 3, 0) and preempted > 0

@@ -14,6 +14,7 @@
                                               cached (prefix chunks, evictable), free
     ringattn_prefix_cache_hits_total          requests that started from cached prefix chunks
     ringattn_prefix_cache_hit_tokens_total    prompt tokens they did not compute
+    ringattn_preemptions_total                sequences sent back to recompute (no free block)
 
 Written by hand (a few lines) rather than with prometheus_client: no dependency, no global
 registry. The worker thread records, the HTTP thread renders; a lock keeps each sample whole.
@@ -66,7 +67,7 @@ class Metrics:
         self.itl = Histogram(ITL_BUCKETS)
         self.latency = Histogram(LATENCY_BUCKETS)
         self.blocks = {"used": 0, "cached": 0, "free": 0}
-        self.prefix_hits = self.prefix_hit_tokens = 0
+        self.prefix_hits = self.prefix_hit_tokens = self.preemptions = 0
 
     def pool(self, pool) -> None:
         """The KV pool's state now (serve/pool.py's BlockPool)."""

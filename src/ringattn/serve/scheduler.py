@@ -113,6 +113,8 @@ class Scheduler:
         self._drop(seq)
         seq.done = seq.target = 0
         self.waiting.appendleft(seq)
+        if self.metrics is not None:
+            self.metrics.preemptions += 1
 
     # ---- the plan ----
 
