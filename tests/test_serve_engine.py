@@ -195,6 +195,48 @@ def test_a_cancelled_stream_frees_its_blocks(servers):
     assert torch.is_grad_enabled()  # the loop's no_grad stays in its thread
 
 
+def test_a_step_that_fails_once_is_recomputed_and_one_that_fails_alone_gets_500(servers):
+    (plain, client), _, model, tok = servers
+    prompts = [tok(p)["input_ids"] for p in ("the quick brown", "hello world, how")]
+    calls = [0]
+
+    def oom_once(module, args, output):  # a documented torch hook: the 3rd forward fails once
+        calls[0] += 1
+        if calls[0] == 3:
+            raise torch.OutOfMemoryError("simulated: CUDA out of memory")
+
+    def ask(p):
+        return lambda: client.completions.create(model="tiny", prompt=p, max_tokens=12)
+
+    handle = plain.model.register_forward_hook(oom_once)
+    try:
+        replies = concurrently(*[ask(p) for p in prompts])
+    finally:
+        handle.remove()
+    assert calls[0] > 3
+    for p, reply in zip(prompts, replies):
+        assert reply.choices[0].text == greedy(model, tok, p, 12)  # nothing sent twice
+
+    poison = tok.convert_tokens_to_ids("<|im_start|>")  # fails every forward it is in
+    assert poison not in prompts[1] and poison != tok.pad_token_id  # (padding rows: token 0)
+
+    def refuse(module, args, kwargs):
+        if (kwargs["input_ids"] == poison).any():
+            raise torch.OutOfMemoryError("simulated: this request's own failure")
+
+    before = scrape(plain)
+    handle = plain.model.register_forward_pre_hook(refuse, with_kwargs=True)
+    try:
+        bad, good = concurrently(ask([poison, *prompts[0]]), ask(prompts[1]))
+    finally:
+        handle.remove()
+    assert isinstance(bad, openai.InternalServerError) and "keeps serving" in bad.body["message"]
+    assert good.choices[0].text == greedy(model, tok, prompts[1], 12)
+    after = scrape(plain)
+    key = 'ringattn_requests_total{outcome="failed"}'
+    assert after[key] == before[key] + 1 and after['ringattn_kv_blocks{state="used"}'] == 0
+
+
 def test_two_ranks_run_the_steps_chunked_and_shared_as_each_alone(pools):
     """rank_loop on two ranks (workers_serve.stepped): chunks of 8, a pool of 40 blocks of 4
     per rank, two prompts sharing a prefix and one not; every text is transformers' greedy.
