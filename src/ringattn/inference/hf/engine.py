@@ -183,7 +183,9 @@ class KVEngine:
         rows = all_gather_ints(counts, info, torch.device("cpu"))
         state.turn_lengths = {layer: [row[layer] for row in rows] for layer in range(len(caches))}
         kept = sum(sum(r) for r in rows) // max(1, len(caches))  # mean over layers, all ranks
-        if mode == "auto":
+        if mode == "auto" and info.world_size == 1:
+            mode = "pass-kv"  # nothing moves on one rank: the plain kernels, no query gather
+        elif mode == "auto":
             mode = choose_mode(new, cached, self.n_heads, self.n_kv_heads, info.world_size,
                                kept_tokens=kept)  # fmt: skip
         common = {"group": self.group, "layout": self.layout, "cu_seqlens": [0, new]}
