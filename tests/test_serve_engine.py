@@ -69,6 +69,7 @@ def test_pool_grows_by_blocks_evicts_cached_prefixes_and_refuses_beyond():
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
     with served_tiny(tmp_path_factory) as (plain, client, model, tok, directory):
+        plain.directory = directory
         gb = BLOCKS * BLOCK * kv_token_bytes(model) / (1 << 30)
         cfg = ServeConfig(max_batch_tokens=CHUNK, kv_block_size=BLOCK, kv_cache_gb=gb)
         small = InProcess(directory, cfg=cfg)
@@ -168,6 +169,46 @@ def test_requests_beyond_the_pool_wait_or_recompute_and_answer_as_alone(servers)
         assert reply.choices[0].text == greedy(model, tok, p, 40)
     after = scrape(small)
     assert after['ringattn_kv_blocks{state="used"}'] == 0
+
+
+def test_a_request_waits_for_blocks_behind_a_bounded_queue_then_answers(servers):
+    (plain, _), _, model, tok = servers
+    gb = 16 * BLOCK * kv_token_bytes(model) / (1 << 30)  # 16 blocks of 4 tokens
+    cfg = ServeConfig(kv_block_size=BLOCK, kv_cache_gb=gb, prefix_cache=False)
+    server = InProcess(plain.directory, cfg=cfg, max_queue=1)
+    client = openai.OpenAI(base_url=server.url, api_key="-", max_retries=0, timeout=120)
+    first = tok("the quick brown")["input_ids"]
+    new = 16 * BLOCK - len(first)  # the whole pool, at the end
+    second = chat_ids(tok, [{"role": "user", "content": SYSTEM[:40]}])
+    assert 16 < len(second) and len(second) + 8 <= 16 * BLOCK  # > 4 blocks at once; it fits
+    slow = server.model.register_forward_hook(lambda *_: time.sleep(0.05))
+    try:
+        threads = []
+        long_reply = []
+        threads.append(threading.Thread(target=lambda: long_reply.append(
+            client.completions.create(model="tiny", prompt=first, max_tokens=new))))  # fmt: skip
+        threads[0].start()
+        deadline = time.monotonic() + 60
+        while scrape(server)['ringattn_kv_blocks{state="used"}'] < 12:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        waiting_reply = []
+        threads.append(threading.Thread(target=lambda: waiting_reply.append(
+            client.completions.create(model="tiny", prompt=second, max_tokens=8))))  # fmt: skip
+        threads[1].start()
+        while scrape(server)["ringattn_waiting_requests"] < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        with pytest.raises(openai.APIStatusError) as busy:  # the queue holds one: 503
+            client.completions.create(model="tiny", prompt=first, max_tokens=2)
+        assert busy.value.status_code == 503 and busy.value.response.headers["Retry-After"]
+        for t in threads:
+            t.join(120)
+    finally:
+        slow.remove()
+        server.close()
+    assert long_reply[0].choices[0].text == greedy(model, tok, first, new)
+    assert waiting_reply[0].choices[0].text == greedy(model, tok, second, 8)
 
 
 def test_a_cancelled_stream_frees_its_blocks(servers):
