@@ -304,3 +304,14 @@ def test_two_ranks_run_the_steps_chunked_and_shared_as_each_alone(pools):
     small = {**cfg, "kv_cache_gb": gb / 5, "prefix_cache": False}
     again, served, (hits, preempted) = pools(2).run("workers_serve:stepped", prompts, 12, small)[0]
     assert (again, served, hits) == (texts, 3, 0) and preempted > 0
+
+
+def test_a_vision_language_model_is_refused_before_any_rank_communicates(tmp_path):
+    import serve_model
+    import workers_hf_vlm
+    from ringattn.serve.worker import serve_worker
+
+    workers_hf_vlm.build("gemma3").save_pretrained(tmp_path)
+    serve_model.tokenizer().save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="vision-language model .*chunks"):
+        serve_worker(ServeConfig(hf=str(tmp_path), port=0))

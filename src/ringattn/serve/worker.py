@@ -45,6 +45,7 @@ import torch
 import ringattn.hf
 from ringattn.comm import GroupInfo, all_gather_ints, backend_device, resolve_group
 from ringattn.inference.hf.engine import KVEngine
+from ringattn.integrations.hf import vision
 from ringattn.integrations.hf.source import load_model, load_tokenizer, model_source
 from ringattn.integrations.hf.tensor_parallel import split_cp_tp
 from ringattn.runtime.heartbeat import report_progress
@@ -338,6 +339,11 @@ def serve_worker(cfg: ServeConfig) -> dict:
     torch.manual_seed(cfg.seed)  # from_config: the same random weights on every rank
     model = load_model(source, dtype=cfg.dtype).eval()  # on the CPU, before the group exists
     tokenizer = load_tokenizer(source.tokenizer_dir)
+    if vision.is_multimodal(model):  # on every rank, before any collective
+        raise ValueError(f"--hf {cfg.hf} is a vision-language model ({type(model).__name__}); "
+                         f"ringattn serve prefills prompts in chunks, which a VLM's positions "
+                         f"(M-RoPE, merged image embeddings) do not allow; serve its text model, "
+                         f"or use ringattn generate --hf")  # fmt: skip
     device = torch.device("cpu")
     if world_size > 1:
         device = init_distributed()  # NCCL (a GPU per rank) or gloo (the CPU)
