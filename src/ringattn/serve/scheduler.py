@@ -128,6 +128,9 @@ class Scheduler:
                 return self._flush({"op": "idle" if self.http.is_alive() else "stop"})
         for seq in [s for s in self.running if s.job.cancelled]:
             self.end(seq, "stop")
+        for item in [i for i in self.waiting if isinstance(i, Seq) and i.job.cancelled]:
+            self.waiting.remove(item)  # preempted, or held for blocks: its client has gone
+            self._cancelled(item)
         plan = {"op": "step", "open": [], "decode": [], "chunks": [], "new": 0}
         # a sequence whose step failed runs alone until a step of it succeeds: a failure that
         # is its own then fails it alone, and its step-mates go on (Scheduler.failed)
@@ -211,10 +214,14 @@ class Scheduler:
                 self.fail(seq, refusal, 400)
                 continue
             self.waiting.popleft()
-            if seq.out:
-                self.end(seq, "stop")
-            elif self.metrics is not None:
-                self.metrics.ended("cancelled", latency_s=time.monotonic() - seq.job.arrived)
+            self._cancelled(seq)
+
+    def _cancelled(self, seq: Seq) -> None:
+        """A waiting request whose client has gone: ended, counted once."""
+        if seq.out:
+            self.end(seq, "stop")
+        elif self.metrics is not None:
+            self.metrics.ended("cancelled", latency_s=time.monotonic() - seq.job.arrived)
 
     def _never_fits(self, seq: Seq) -> str | None:
         r = self.request_rows(len(seq.request.ids), seq.request.max_new_tokens)
