@@ -21,7 +21,7 @@ import torch
 
 from ringattn.comm import resolve_group
 from ringattn.serve.app import build_app, serve_in_thread
-from ringattn.serve.config import bind
+from ringattn.serve.config import ServeConfig, bind
 from ringattn.serve.metrics import Metrics
 from ringattn.serve.worker import limits, rank_loop
 
@@ -177,9 +177,11 @@ class InProcess:
     """The HTTP layer and one rank's loop in this process (threads): `url`, `jobs`, `close()`.
 
     The same build_app / rank_loop as `ringattn serve --nproc 1`, without a process start;
-    `app`: build_app's keywords (max_queue), and max_body_bytes for its limits."""
+    `cfg`: the engine's ServeConfig (pool, chunks); `app`: build_app's keywords (max_queue),
+    and max_body_bytes for its limits."""
 
-    def __init__(self, directory, api_key: str | None = None, name: str = "tiny", **app):
+    def __init__(self, directory, api_key: str | None = None, name: str = "tiny",
+                 cfg: ServeConfig | None = None, **app):  # fmt: skip
         import transformers
 
         model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
@@ -193,7 +195,7 @@ class InProcess:
         built = build_app(name, tok, self.limits, self.jobs, api_key, metrics=self.metrics, **app)
         self.server, http = serve_in_thread(built, sock)
         args = (self.model, tok, resolve_group(None), "zigzag", self.jobs, http)
-        kwargs = {"metrics": self.metrics}
+        kwargs = {"metrics": self.metrics, "cfg": cfg}
         self.loop = threading.Thread(target=rank_loop, args=args, kwargs=kwargs, daemon=True)
         self.loop.start()
 

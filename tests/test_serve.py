@@ -1,6 +1,7 @@
 """`ringattn serve --nproc 2`, launched as a real process tree, asked by the `openai` client.
 
-Two servers start at once (their start-up overlaps): A (cp 2) serves the answers and then loses
+Two servers start at once (their start-up overlaps): A (cp 2, prompts prefilled in chunks of 8
+tokens, concurrent requests joining each other's steps) serves the answers and then loses
 a rank to SIGKILL; B splits the model over --tp 2, needs an API key and is stopped with SIGTERM.
 Every answer of a two-rank server must equal transformers' greedy `model.generate` of that
 prompt alone (a seeded sampled one: the seeded ringattn.hf.generate on one process), also when
@@ -40,7 +41,8 @@ def servers(tmp_path_factory):
         started[name] = Server(directory, 2, "--model-name", "tiny", *extra)
 
     b_flags = ("b", "--api-key", "k3y", "--tp", "2")
-    threads = [threading.Thread(target=start, args=("a",)),
+    a_flags = ("a", "--max-batch-tokens", "8", "--kv-block-size", "4")  # prompts in chunks
+    threads = [threading.Thread(target=start, args=a_flags),
                threading.Thread(target=start, args=b_flags)]  # fmt: skip
     for t in threads:
         t.start()

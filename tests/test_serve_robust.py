@@ -36,7 +36,7 @@ from ringattn.inference.hf.generate import RESERVE_AHEAD
 from ringattn.inference.sampling import Sampling, next_token
 from ringattn.integrations.hf.source import load_model, model_source
 from ringattn.serve.app import build_app, serve_in_thread
-from ringattn.serve.config import bind
+from ringattn.serve.config import ServeConfig, bind
 from ringattn.serve.metrics import Metrics
 from ringattn.serve.protocol import Request
 from ringattn.serve.worker import Sink, eos_ids, run_isolated
@@ -47,7 +47,8 @@ HELLO = [{"role": "user", "content": "hello world"}]
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    with served_tiny(tmp_path_factory) as (server, client, model, tok, _):
+    with served_tiny(tmp_path_factory) as (server, client, model, tok, directory):
+        server.directory = directory
         yield server, client, model, tok
 
 
@@ -242,16 +243,19 @@ def test_a_closed_stream_ends_its_sequence_and_metrics_count_it(served):
 
 
 def test_clients_that_leave_while_waiting_are_dropped_from_the_queue(served):
-    server, client, _, tok = served
+    first, _, _, tok = served
     ids = tok("the quick brown")["input_ids"]
+    server = InProcess(first.directory, cfg=ServeConfig(max_batch=1))  # one runs, others wait
+    client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=60)
     slow = server.model.register_forward_hook(lambda *_: time.sleep(0.02))  # a torch hook
     key = 'ringattn_requests_total{outcome="cancelled"}'
-    before = scrape(server)
     try:
+        before = scrape(server)
         [running] = concurrently(lambda: _while_running(server, client, ids))
+        after = scrape(server)
     finally:
         slow.remove()
-    after = scrape(server)
+        server.close()
     assert after[key] == before[key] + 2  # the non-streamed and the streamed one
     generated = "ringattn_generation_tokens_total"
     assert after[generated] - before[generated] == running.usage.completion_tokens  # nor ran

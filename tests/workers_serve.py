@@ -45,3 +45,46 @@ def isolated(rank: int, world_size: int, prompts: list[str], fail_at: int | None
     finishes = run_isolated(model, tok, requests, [tok.eos_token_id], "zigzag", sinks)
     texts = ["".join(e[1] for e in s.job.events if e[0] == "text") for s in sinks]
     return [texts, finishes, calls[0]]
+
+
+class _Done:
+    """rank_loop's `http` stand-in: alive until every job has its last event."""
+
+    def __init__(self, jobs: list):
+        self.jobs = jobs
+
+    def is_alive(self) -> bool:
+        return any(not j.events or j.events[-1][0] not in ("done", "error") for j in self.jobs)
+
+
+def stepped(rank: int, world_size: int, prompts: list[str], max_new: int, cfg: dict) -> list:
+    """serve's rank_loop (the step scheduler) over the tiny chat model on every rank, the
+    prompts queued at once on rank 0 with ServeConfig(**cfg): each request's text (rank 0) and
+    the plans' count of new requests (every rank), [prefix-hit tokens, preemptions] (rank 0)."""
+    import queue
+
+    from ringattn.comm import resolve_group
+    from ringattn.serve.config import ServeConfig
+    from ringattn.serve.metrics import Metrics
+    from ringattn.serve.worker import rank_loop
+
+    tok = serve_model.tokenizer()
+    config = transformers.LlamaConfig(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=192,
+    )  # fmt: skip
+    torch.manual_seed(5)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    jobs, recorders = queue.Queue(), []
+    if rank == 0:
+        for p in prompts:
+            recorder = _Recorder()
+            recorder.request = Request(tok(p)["input_ids"], max_new)
+            recorders.append(recorder)
+            jobs.put(recorder)
+    metrics = Metrics() if rank == 0 else None
+    served = rank_loop(model, tok, resolve_group(None), "zigzag", jobs, _Done(recorders),
+                       ServeConfig(**cfg), metrics=metrics)  # fmt: skip
+    texts = ["".join(e[1] for e in r.events if e[0] == "text") for r in recorders]
+    counts = None if metrics is None else [metrics.prefix_hit_tokens, metrics.preemptions]
+    return [texts, served, counts]

@@ -79,21 +79,30 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
         description="Serve a local Hugging Face model (--hf DIR) with the OpenAI API "
         "(GET /v1/models, POST /v1/chat/completions, POST /v1/completions; streaming as "
         "server-sent events). Rank 0 listens; every rank takes part in each request's "
-        "context-parallel prefill and decode. Requests that wait together run as one ragged batch "
-        "(each answer is the one it gets alone). Needs the "
+        "context-parallel prefill and decode. Rank 0 schedules every step (continuous batching: "
+        "decodes first, then prompt chunks under --max-batch-tokens) over a pool of KV blocks "
+        "(--kv-cache-gb) with prefix reuse; each answer is the one it gets alone. Needs the "
         "serve extra (pip install 'ringattn[serve]').",
     )
     # name, type, default and help: ServeConfig's fields. The API key's default comes from the
     # environment: a key on the command line shows in `ps` to every user
     d = replace(d, api_key=os.environ.get(API_KEY_ENV, d.api_key))
     names = ("hf", "nproc", "tp", "ep", "host", "port", "model_name", "api_key", "layout", "seed",
-             "max_batch", "max_queue", "max_body_mb", "dtype")  # fmt: skip
+             "max_batch", "max_batch_tokens", "kv_cache_gb", "kv_block_size", "prefix_cache",
+             "max_queue", "max_body_mb", "dtype")  # fmt: skip
     add_flags(
         p,
         d,
         names,
         choices={"layout": tuple(LAYOUTS), "dtype": tuple(DTYPES)},
-        metavars={"hf": "DIR", "api_key": "KEY", "max_body_mb": "MB"},
+        metavars={
+            "hf": "DIR",
+            "api_key": "KEY",
+            "max_body_mb": "MB",
+            "kv_cache_gb": "G",
+            "max_batch_tokens": "N",
+        },
+        negatable=("prefix_cache",),
         required=("hf",),
     )
     p.set_defaults(run=_run_from_args)

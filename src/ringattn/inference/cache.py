@@ -9,8 +9,9 @@ position (a layout keeps each shard in increasing order, and every later token c
 earlier one), so a sliding window of `left` tokens makes the evictable keys a prefix: a query at
 position p sees keys with position >= p - left, and keys older than that are dropped for good.
 
-Buffers grow by doubling, but `reserve` sizes them up front (the generators reserve this rank's
-share of max_new_tokens right after the prefill, so a planned generation copies nothing);
+Buffers grow by doubling (under the server's KV pool by whole blocks: `granule`), but `reserve`
+sizes them up front (the generators reserve this rank's share of max_new_tokens right after the
+prefill, so a planned generation copies nothing);
 `nbytes` counts the kept tokens, `capacity_bytes` what the buffers hold; `ringattn generate`
 reports both per rank.
 
@@ -49,6 +50,7 @@ class LayerCache:
         self.positions = positions.to(torch.int64).contiguous()  # (capacity,) global positions
         self.host = _on_host(positions, host).clone()  # (capacity,) the same, for eviction
         self.start, self.length = 0, k.shape[2]
+        self.granule: int | None = None  # grow in multiples of this many rows (a KV pool's block)
 
     def reserve(self, extra: int) -> None:
         """Make room for exactly `extra` more tokens (a planned generation: no doubling)."""
@@ -58,7 +60,9 @@ class LayerCache:
     def _grow(self, extra: int) -> None:
         """Room for `extra` more tokens, doubling when unplanned (amortised appends)."""
         need = self.length + extra
-        if need > self.k.shape[2]:
+        if need > self.k.shape[2] and self.granule is not None:  # a pool's blocks: never more
+            self._resize(-(-(need - self.start) // self.granule) * self.granule)
+        elif need > self.k.shape[2]:
             self._resize(max(need - self.start, 2 * self.k.shape[2]))
 
     def _resize(self, capacity: int) -> None:
@@ -234,8 +238,10 @@ class ShardedKVCache:
     the round-robin rank that keeps decoded token number `step` (0, 1, ... after the prompt).
     """
 
-    def __init__(self, n_layers: int, rank: int, world_size: int, window: int | None = None):
+    def __init__(self, n_layers: int, rank: int, world_size: int, window: int | None = None,
+                 granule: int | None = None):  # fmt: skip
         self.layers: list[LayerCache | None] = [None] * n_layers
+        self.granule = granule  # rows each layer's buffer grows by (None: doubling)
         self.rank, self.world_size = rank, world_size
         self.window = window  # left extent in tokens; None: keep everything
         self.decoded = 0  # tokens appended one at a time, for the round-robin
@@ -260,6 +266,7 @@ class ShardedKVCache:
             self.layers[layer] = HostLayerCache(k, v, positions, k.device.type == "cuda", host)
         elif self.layers[layer] is None:
             self.layers[layer] = LayerCache(k, v, positions, host)
+            self.layers[layer].granule = self.granule
         else:
             self.layers[layer].append(k, v, positions, host)
 

@@ -80,7 +80,7 @@ def build_app(model_name: str, tokenizer, limits: Limits, jobs: queue.Queue,
 
     @app.get("/health", summary="200 while the server runs")
     async def health() -> dict:
-        return {"status": "ok", "running": metrics.running, "waiting": jobs.qsize()}
+        return {"status": "ok", "running": metrics.running, "waiting": metrics.waiting()}
 
     @app.get("/metrics", response_class=PlainTextResponse, summary="Prometheus text format")
     async def prometheus():
@@ -107,8 +107,9 @@ def build_app(model_name: str, tokenizer, limits: Limits, jobs: queue.Queue,
             raw = await _read_body(request, limits.max_body_bytes)
             loop = asyncio.get_running_loop()
             body, admitted = await loop.run_in_executor(admission, _admit, raw, body_type)
-            if max_queue is not None and jobs.qsize() >= max_queue:
-                raise APIError(f"the server has {jobs.qsize()} requests waiting (--max-queue "
+            waiting = metrics.waiting()  # the queue and what the scheduler holds back
+            if max_queue is not None and waiting >= max_queue:
+                raise APIError(f"the server has {waiting} requests waiting (--max-queue "
                                f"{max_queue}); retry shortly", code="server_busy", status=503,
                                kind="server_error")  # fmt: skip
             job = Job(admitted, loop)

@@ -48,8 +48,18 @@ class ServeConfig:
     """how each prompt is sharded"""
     seed: int = 0
     """seed of a random init (no weights)"""
-    max_batch: int = 8
-    """requests waiting together run as one ragged batch of up to this many"""
+    max_batch: int = 32
+    """sequences running at once (prefilling or decoding); more wait in the queue"""
+    max_batch_tokens: int = 2048
+    """prompt tokens prefilled per step, beside the running sequences' decodes; a longer prompt
+    goes in chunks of this many tokens (also the prefix cache's unit)"""
+    kv_cache_gb: float | None = None
+    """the KV pool of each rank in GiB (default: 0.8 x the free GPU memory after loading the model,
+    4 GiB on the CPU)"""
+    kv_block_size: int = 16
+    """tokens per KV block (the pool's unit)"""
+    prefix_cache: bool = True
+    """reuse the cached K/V of a shared prompt prefix (whole chunks, by content hash)"""
     max_queue: int = 256
     """requests that may wait for the ranks; beyond, 503 with Retry-After (0: no limit)"""
     max_body_mb: float | None = None
@@ -87,6 +97,10 @@ def check(cfg: ServeConfig) -> None:
     check_at_least("tp", cfg.tp, 1)
     check_at_least("max-batch", cfg.max_batch, 1)
     check_at_least("max-queue", cfg.max_queue, 0)
+    check_at_least("max-batch-tokens", cfg.max_batch_tokens, 1)
+    check_at_least("kv-block-size", cfg.kv_block_size, 1)
+    if cfg.kv_cache_gb is not None and not cfg.kv_cache_gb > 0:
+        raise ValueError(f"--kv-cache-gb must be > 0, got {cfg.kv_cache_gb}")
     check_choice("dtype", cfg.dtype, DTYPES)
     if cfg.max_body_mb is not None and not cfg.max_body_mb > 0:
         raise ValueError(f"--max-body-mb must be > 0, got {cfg.max_body_mb}")

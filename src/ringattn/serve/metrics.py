@@ -8,13 +8,16 @@
     ringattn_time_to_first_token_seconds      histogram, from admission to the first token
     ringattn_inter_token_latency_seconds      histogram, between a sequence's tokens
     ringattn_request_latency_seconds          histogram, from admission to the end
-    ringattn_running_sequences                sequences in the batch now running
+    ringattn_running_sequences                sequences running (prefilling or decoding)
     ringattn_waiting_requests                 admitted requests waiting for the ranks
+    ringattn_kv_blocks{state}                 each rank's KV pool: used (by running sequences),
+                                              cached (prefix chunks, evictable), free
+    ringattn_prefix_cache_hits_total          requests that started from cached prefix chunks
+    ringattn_prefix_cache_hit_tokens_total    prompt tokens they did not compute
+    ringattn_preemptions_total                sequences sent back to recompute (no free block)
 
 Written by hand (a few lines) rather than with prometheus_client: no dependency, no global
 registry. The worker thread records, the HTTP thread renders; a lock keeps each sample whole.
-There is no paged KV pool and no prefix cache yet (issue 32, items 3 and 4), so there are no
-block or prefix-hit series: a series that is always 0 would mislead.
 """
 
 from __future__ import annotations
@@ -63,6 +66,14 @@ class Metrics:
         self.ttft = Histogram(TTFT_BUCKETS)
         self.itl = Histogram(ITL_BUCKETS)
         self.latency = Histogram(LATENCY_BUCKETS)
+        self.blocks = {"used": 0, "cached": 0, "free": 0}
+        self.prefix_hits = self.prefix_hit_tokens = self.preemptions = 0
+
+    def pool(self, pool) -> None:
+        """The KV pool's state now (serve/pool.py's BlockPool)."""
+        with self.lock:
+            self.blocks = {"used": pool.used, "cached": pool.cached_blocks, "free": pool.free}
+            self.prefix_hits, self.prefix_hit_tokens = pool.hits, pool.hit_tokens
 
     def ended(self, outcome: str, prompt_tokens: int = 0, new_tokens: int = 0,
               latency_s: float | None = None) -> None:  # fmt: skip
@@ -93,9 +104,24 @@ class Metrics:
                 ("generation_tokens_total", self.generation_tokens, "counter", "Tokens generated."),
                 ("running_sequences", self.running, "gauge", "Sequences in the running batch."),
                 ("waiting_requests", self.waiting(), "gauge", "Admitted requests waiting."),
+                (
+                    "prefix_cache_hits_total",
+                    self.prefix_hits,
+                    "counter",
+                    "Requests that reused cached prefix chunks.",
+                ),
+                (
+                    "prefix_cache_hit_tokens_total",
+                    self.prefix_hit_tokens,
+                    "counter",
+                    "Prompt tokens reused from the prefix cache.",
+                ),
             ):
                 out += [f"# HELP ringattn_{name} {text}", f"# TYPE ringattn_{name} {kind}",
                         f"ringattn_{name} {value}"]  # fmt: skip
+            out += ["# HELP ringattn_kv_blocks KV blocks of each rank's pool, by state.",
+                    "# TYPE ringattn_kv_blocks gauge"]  # fmt: skip
+            out += [f'ringattn_kv_blocks{{state="{k}"}} {n}' for k, n in self.blocks.items()]
             for name, hist, text in (
                 ("time_to_first_token_seconds", self.ttft, "Admission to the first token."),
                 ("inter_token_latency_seconds", self.itl, "Time between a sequence's tokens."),

@@ -1,19 +1,19 @@
 """What crosses from the HTTP layer to the ranks, and back.
 
 Request   one admitted request: prompt token ids, max_new_tokens, temperature, top_p, seed,
-          stop strings. Rank 0 broadcasts it as JSON (comm.broadcast_json: data, never a
-          pickle) so every rank runs the same prefill and decode and stops at the same token.
-message   what rank 0 broadcasts each turn of the rank loop: {"op": "run", "requests": [...]},
-          {"op": "idle"} when no request came within IDLE_S (the collective keeps the idle
-          ranks inside the process-group timeout), or {"op": "stop"}.
+          stop strings. Rank 0's scheduler runs it; the ranks see only its token ids, in the
+          step plans rank 0 broadcasts as JSON (comm.broadcast_json: data, never a pickle).
+message   what rank 0 broadcasts each turn of the rank loop: {"op": "step", ...} (one step's
+          plan: runner.py), {"op": "idle"} when no request came within IDLE_S (the collective
+          keeps the idle ranks inside the process-group timeout), or {"op": "stop"}.
 Job       rank 0 only: a request plus the asyncio queue of its events, filled from the
           worker thread with `loop.call_soon_threadsafe`:
               ("text", piece)                        streamed text
               ("done", finish_reason, usage dict)    the end ("stop" or "length")
               ("error", message, status)             the request failed: 400 (the ranks
                                                      refused it) or 500 (a server-side failure)
-          and `cancelled`, set by the HTTP thread when the client has gone: the worker drops the
-          job if it still waits, else ends its sequence on every rank at the next step.
+          and `cancelled`, set by the HTTP thread when the client has gone: the scheduler drops
+          the job if it still waits, else ends its sequence on every rank at the next step.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ class Request:
 def exchange(message: dict | None, info: GroupInfo) -> dict:
     """Rank 0's `message` on every rank (the others pass None)."""
     out = broadcast_json(message, info, src=0)
-    assert isinstance(out, dict) and out.get("op") in ("run", "idle", "stop"), out
+    assert isinstance(out, dict) and out.get("op") in ("step", "idle", "stop"), out
     return out
 
 

@@ -1,24 +1,27 @@
-"""One rank of `ringattn serve`: load the model, join the group, and run requests in a loop.
+"""One rank of `ringattn serve`: load the model, join the group, and run steps in a loop.
 
     every rank                                     rank 0 also
     ----------                                     -----------
-    load model + tokenizer, init_distributed       bind the socket, start uvicorn in a thread
-    loop:                                          next message: every Job waiting in the
-      message = exchange(rank 0's message)           queue, oldest first, up to max_batch (a
-      "idle": again; "stop": return                  "run"), or "idle" after IDLE_S, or "stop"
-      "run":  ringattn.hf.generate(the requests      when the HTTP thread has ended
-              as one ragged batch), a TextStream
-              per sequence (a stop string ends     emit each job's text, then ("done", finish,
-              that sequence on every rank at the     usage): the HTTP thread answers
-              same token)
+    load model + tokenizer, init_distributed       bind the socket, start uvicorn in a thread;
+    size the KV pool (--kv-cache-gb, blocks of     the Scheduler (scheduler.py) over the job
+      --kv-block-size tokens; pool_blocks)           queue and the pool's accounting (pool.py)
+    loop:                                          each turn: plan the step (decodes first,
+      plan = exchange(rank 0's plan)                 then prompt chunks under
+      "idle": again; "stop": return                  --max-batch-tokens, admissions while
+      "step": Runner.step(plan) (runner.py):         blocks last), "idle" after IDLE_S without
+              free, open, decode, prefill chunks     work, "stop" when the HTTP thread ended;
+              over this rank's cache               after the step: sample each sequence's next
+                                                     token, emit its text, end the finished
 
-A batch runs to its end before the next starts (no continuous batching): a request that arrives
-meanwhile waits for it. Each answer is the one its request gets alone, batched or not.
+Continuous batching: a request that arrives while others decode joins at the next step, and
+one that finishes (end of sequence, a stop string, max_tokens) or is cancelled (its client
+gone) leaves at once, its blocks freed. Each answer is the one its request gets alone.
 
-Nothing a request does ends the server: a batch that raises is rerun one request at a time and
-the failing request alone gets the error (400 when generate refused it, 500 for a server-side
-failure: an OOM, NaN logits; run_isolated). A cancelled job (its client gone) is dropped while
-it waits, or ends at the next step on every rank (rank 0's verdict rides with its tokens).
+Nothing a request does ends the server: a step that raises (an OOM, the same on every rank)
+sends its sequences back to recompute, each alone until one of its steps succeeds, so a
+failure of one request's own fails that request alone (500, or 400 for a ValueError); NaN
+logits fail their request with a 500 (Scheduler.failed, Scheduler.after). `run_batch` and
+`run_isolated` are the same contract for one ragged batch through `ringattn.hf.generate`.
 
 The idle broadcast keeps the waiting ranks inside the process-group timeout while no request
 comes, and lets a Ctrl-C land within a second. A rank that dies ends the launch: the launcher
@@ -40,7 +43,9 @@ from collections.abc import Callable
 import torch
 
 import ringattn.hf
-from ringattn.comm import GroupInfo, resolve_group
+from ringattn.comm import GroupInfo, all_gather_ints, backend_device, resolve_group
+from ringattn.inference.hf.engine import KVEngine
+from ringattn.integrations.hf import vision
 from ringattn.integrations.hf.experts import split_experts
 from ringattn.integrations.hf.source import load_model, load_tokenizer, model_source
 from ringattn.integrations.hf.tensor_parallel import split_cp_tp
@@ -49,16 +54,19 @@ from ringattn.runtime.launch import init_distributed
 from ringattn.serve.app import build_app, serve_in_thread
 from ringattn.serve.config import ServeConfig, bind, model_name
 from ringattn.serve.metrics import Metrics
-from ringattn.serve.protocol import IDLE_S, Job, Request, exchange
+from ringattn.serve.pool import BlockPool, Shares
+from ringattn.serve.protocol import Job, Request, exchange
+from ringattn.serve.runner import Runner
+from ringattn.serve.scheduler import Scheduler
 from ringattn.serve.schema import Limits
 from ringattn.serve.text import TextStream
 
-__all__ = ["MAX_BATCH", "SAMPLING", "Sink", "eos_ids", "limits", "rank_loop", "run_batch",
-           "run_isolated", "serve_worker"]  # fmt: skip
+__all__ = ["SAMPLING", "Sink", "eos_ids", "kv_token_bytes", "limits", "pool_blocks", "rank_loop",
+           "run_batch", "run_isolated", "serve_worker"]  # fmt: skip
 
 # ringattn.hf.generate samples when it takes do_sample (issue 22's sampling contract)
 SAMPLING = "do_sample" in inspect.signature(ringattn.hf.generate).parameters
-MAX_BATCH = 8  # requests waiting together run as one ragged batch of at most this many
+DEFAULT_CPU_KV_GB = 4.0  # the KV pool per rank on the CPU when --kv-cache-gb is not given
 BODY_BYTES_PER_TOKEN = 32  # the default body limit: a prompt's JSON rarely takes more per token
 
 
@@ -240,56 +248,87 @@ def _free_device_memory() -> None:
         torch.cuda.empty_cache()  # an OOM's partial buffers go back before the next request
 
 
-def _next_message(jobs: queue.Queue, http, max_batch: int,
-                  metrics: Metrics | None = None) -> tuple[dict, list[Job]]:  # fmt: skip
-    """Rank 0: what to broadcast next, and the jobs it runs: every waiting one, up to
-    `max_batch`, in arrival order; a job whose client has gone is dropped here."""
-    batch: list[Job] = []
-    try:
-        batch.append(jobs.get(timeout=IDLE_S))
-        while len(batch) < max_batch:
-            batch.append(jobs.get_nowait())
-    except queue.Empty:
-        pass
-    for job in [job for job in batch if job.cancelled]:
-        batch.remove(job)
-        if metrics is not None:
-            metrics.ended("cancelled", latency_s=time.monotonic() - job.arrived)
-    if not batch:
-        return ({"op": "idle"} if http.is_alive() else {"op": "stop"}), []
-    return {"op": "run", "requests": [job.request.to_json() for job in batch]}, batch
+def kv_token_bytes(model, tp: int = 1) -> int:
+    """Bytes of one token's K and V over every layer on one rank (its heads: 1 / tp of them)."""
+    text = model.config.get_text_config()
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    size = next(model.parameters()).element_size()
+    return 2 * text.num_hidden_layers * -(-kv_heads // tp) * head_dim * size
+
+
+def pool_blocks(model, cfg: ServeConfig, info: GroupInfo, device: torch.device) -> int:
+    """Blocks in each rank's KV pool: --kv-cache-gb (default: 0.8 x free GPU memory, or
+    DEFAULT_CPU_KV_GB) over a block's bytes; the smallest over the ranks (one collective)."""
+    gb = cfg.kv_cache_gb
+    if gb is None and device.type == "cuda":
+        gb = 0.8 * torch.cuda.mem_get_info(device)[0] / (1 << 30)
+    gb = DEFAULT_CPU_KV_GB if gb is None else gb
+    blocks = int(gb * (1 << 30)) // (cfg.kv_block_size * kv_token_bytes(model, cfg.tp))
+    if info.world_size > 1:
+        rows = all_gather_ints([blocks], info, backend_device(info, device))
+        blocks = min(row[0] for row in rows)
+    return blocks
+
+
+def prefix_cacheable(model) -> bool:
+    """Prefix reuse copies whole chunks; a sliding window evicts inside them, so not with one."""
+    text = model.config.get_text_config()
+    windowed = "sliding_attention" in (getattr(text, "layer_types", None) or ())
+    return not windowed and not (getattr(text, "sliding_window", None)
+                                 and getattr(text, "use_sliding_window", True))  # fmt: skip
 
 
 def rank_loop(model, tokenizer, info: GroupInfo, layout: str, jobs: queue.Queue, http,
-              max_batch: int = MAX_BATCH, groups: tuple = (None, None),
+              cfg: ServeConfig | None = None, groups: tuple = (None, None),
               metrics: Metrics | None = None) -> int:  # fmt: skip
-    """Run requests until rank 0 says stop (`http`, its HTTP thread, has ended); the count.
+    """Run steps until rank 0 says stop (`http`, its HTTP thread, has ended); the requests run.
 
-    `info` is the whole world (rank 0 broadcasts each message to it); `groups` the (cp, tp)
-    groups that generation runs over with --tp; `metrics` (rank 0) what /metrics shows. A
-    request's failure is that request's (run_isolated); only a failed collective (a dead rank)
-    raises out of here and ends the server."""
-    eos, served = eos_ids(model, tokenizer), 0
+    `info` is the whole world (rank 0 broadcasts each plan to it); `groups` the (cp, tp) groups
+    that the engine runs over with --tp; `cfg` the engine's settings (max_batch,
+    max_batch_tokens, kv_cache_gb, kv_block_size, prefix_cache); `metrics` (rank 0) what
+    /metrics shows. A step that raises (alike on every rank) sends its sequences back to
+    recompute, and a sequence that fails twice fails alone (Scheduler.failed); only a failed
+    collective (a dead rank) raises out of here and ends the server."""
+    cfg = cfg or ServeConfig()
+    device = next(model.parameters()).device
+    cp_group = groups[0]
+    cp = resolve_group(cp_group).world_size
+    runner = Runner(KVEngine(model, group=cp_group, layout=layout), cfg.kv_block_size)
+    blocks = pool_blocks(model, cfg, info, device)
+    scheduler = None
+    if info.rank == 0:
+        pool = BlockPool(blocks, cfg.kv_block_size)
+        scheduler = Scheduler(jobs, http, tokenizer, eos_ids(model, tokenizer), pool,
+                              Shares(layout, cp), cfg.max_batch_tokens, cfg.max_batch,
+                              cfg.prefix_cache and prefix_cacheable(model), metrics,
+                              lambda job: Sink(job, metrics))  # fmt: skip
+        if metrics is not None:
+            metrics.waiting = lambda: jobs.qsize() + scheduler.held
+            metrics.pool(pool)
+    served = 0
     while True:
-        message, batch = None, []
-        if info.rank == 0:
-            message, batch = _next_message(jobs, http, max_batch, metrics)
-        message = exchange(message, info)
-        if message["op"] == "stop":
+        plan = scheduler.plan() if scheduler is not None else None
+        plan = exchange(plan, info)
+        if plan["op"] == "stop":
             return served
-        if message["op"] == "idle":
+        if plan["op"] == "idle":
             continue
-        requests = [Request.from_json(r) for r in message["requests"]]
-        report_progress(phase="batch", requests=len(requests), served=served)
-        sinks = [Sink(job, metrics) for job in batch] or [Sink() for _ in requests]
-        cancel = (lambda i, jobs=batch: jobs[i].cancelled) if batch else None
-        if metrics is not None:
-            metrics.running = len(requests)
-        run_isolated(model, tokenizer, requests, eos, layout, sinks, groups, cancel)
-        if metrics is not None:
-            metrics.running = 0
-        served += len(requests)
-        report_progress(phase="idle", served=served)
+        try:
+            with torch.no_grad():
+                decoded, chunks = runner.step(plan)
+        except Exception as err:  # noqa: BLE001 - a step's failure is its sequences', not ours
+            _free_device_memory()
+            if scheduler is not None:
+                traceback.print_exception(err, file=sys.stderr)
+                scheduler.failed(err)
+            continue
+        if scheduler is not None:
+            scheduler.after(decoded, chunks)
+        if plan.get("new"):
+            served += plan["new"]
+            report_progress(phase="serving", served=served)
 
 
 def serve_worker(cfg: ServeConfig) -> dict:
@@ -301,6 +340,11 @@ def serve_worker(cfg: ServeConfig) -> dict:
     torch.manual_seed(cfg.seed)  # from_config: the same random weights on every rank
     model = load_model(source, dtype=cfg.dtype).eval()  # on the CPU, before the group exists
     tokenizer = load_tokenizer(source.tokenizer_dir)
+    if vision.is_multimodal(model):  # on every rank, before any collective
+        raise ValueError(f"--hf {cfg.hf} is a vision-language model ({type(model).__name__}); "
+                         f"ringattn serve prefills prompts in chunks, which a VLM's positions "
+                         f"(M-RoPE, merged image embeddings) do not allow; serve its text model, "
+                         f"or use ringattn generate --hf")  # fmt: skip
     device = torch.device("cpu")
     if world_size > 1:
         device = init_distributed()  # NCCL (a GPU per rank) or gloo (the CPU)
@@ -328,6 +372,5 @@ def serve_worker(cfg: ServeConfig) -> dict:
         print(f"[serve] {name} ({type(model).__name__}, {source.describe()}, {dtype}) on "
               f"{ranks}, {cfg.layout}, {device.type}: listening on http://{host}:{port}/v1{key}",
               file=sys.stderr, flush=True)  # fmt: skip
-    served = rank_loop(model, tokenizer, info, cfg.layout, jobs, http, cfg.max_batch, groups,
-                       metrics)  # fmt: skip
+    served = rank_loop(model, tokenizer, info, cfg.layout, jobs, http, cfg, groups, metrics)
     return {"rank": info.rank, "served": served}

@@ -4,13 +4,18 @@
     logits = engine.prefill([p0, p1, p2])        # (3, vocab): the prompts packed as documents
     logits = engine.decode([0, 2], [t0, t2])     # (2, vocab): one token for each live sequence
     logits = engine.extend(0, more)              # (vocab,): a follow-up turn of sequence 0
+    seq = engine.open(); engine.extend(seq, chunk) # a sequence prefilled chunk by chunk (serve)
 
 Every call switches the model to the "ringattn-kv" attention (kv_attention.py) for its forward
 and back afterwards, so the model stays usable in between. The prefill asks the model for the
 logits of the rows that end a prompt only (`logits_to_keep` with those local rows): each prompt's
 last token lives on one rank, whose row is summed into a (n, vocab) buffer of zeros on the others,
-one all-reduce. The decoded tokens of each sequence go round-robin over the ranks, starting at a
-different rank per sequence, so the shards stay balanced across sequences too.
+one all-reduce. A sequence can also start empty (`open`) and take its prompt as turns of
+`extend`, one fixed-size chunk at a time (the server's chunked prefill): each chunk is placed by
+the layout within itself, so a prefix's rows never depend on what follows it, and `rows` /
+`adopt` copy a chunk's K/V out of one sequence and into another (prefix reuse). The decoded
+tokens of each sequence go round-robin over the ranks, starting at a different rank per
+sequence, so the shards stay balanced across sequences too.
 """
 
 from __future__ import annotations
@@ -108,6 +113,36 @@ class KVEngine:
         self.decoded += [0] * len(prompts)
         return self._shared_rows(logits, [d for _, d in keep], len(prompts))
 
+    def open(self) -> int:
+        """A new sequence with nothing cached yet (its tokens come by `extend`); its id."""
+        self.lengths.append(0)
+        self.decoded.append(0)
+        self.shifts.append(0)
+        return len(self.lengths) - 1
+
+    def rows(self, seq: int, start: int, stop: int) -> list[tuple[torch.Tensor, ...]]:
+        """Copies of this rank's K/V of positions [start, stop) of `seq`, per layer: (k, v,
+        positions, host positions) (a prefix chunk kept for reuse; no window: nothing evicted)."""
+        out = []
+        for layer in range(self.n_layers):
+            cache = self.state.caches[(layer, seq)].layers[0]
+            host = cache.host[cache.start : cache.length]
+            lo, hi = (int(torch.searchsorted(host, torch.tensor(x, device="cpu"))) for x in
+                      (start, stop))  # fmt: skip
+            k, v, positions = cache.kept()
+            out.append((k[:, :, lo:hi].clone(), v[:, :, lo:hi].clone(),
+                        positions[lo:hi].clone(), host[lo:hi].clone()))  # fmt: skip
+        return out
+
+    def adopt(self, seq: int, chunks: list[list[tuple[torch.Tensor, ...]]], tokens: int) -> None:
+        """Start the empty sequence `seq` with reused chunks (`rows` of another sequence with the
+        same first `tokens` tokens), in order: their K/V become this sequence's."""
+        assert self.lengths[seq] == 0, "adopt starts an empty sequence"
+        for chunk in chunks:
+            for layer, (k, v, positions, host) in enumerate(chunk):
+                self.state.cache(layer, seq, None).store(0, k, v, positions, host)
+        self.lengths[seq] = tokens
+
     def reserve(self, seqs: list[int], extra: list[int]) -> None:
         """Room in every layer's cache of each sequence for its `extra` decoded tokens."""
         for (_, seq), cache in self.state.caches.items():
@@ -142,11 +177,15 @@ class KVEngine:
         of the last one. `mode`: "pass-kv", "pass-q" or "auto" (turns.choose_mode)."""
         device, info, state = self.device, self.info, self.state
         new, cached = tokens.numel(), self.lengths[seq]
-        caches = [state.cache(layer, seq, None) for layer in range(self.n_layers)]
-        rows = all_gather_ints([c.tokens for c in caches], info, torch.device("cpu"))
+        # a layer's cache is made by the attention call, which knows the layer's window
+        caches = [state.caches.get((layer, seq)) for layer in range(self.n_layers)]
+        counts = [0 if c is None else c.tokens for c in caches]
+        rows = all_gather_ints(counts, info, torch.device("cpu"))
         state.turn_lengths = {layer: [row[layer] for row in rows] for layer in range(len(caches))}
         kept = sum(sum(r) for r in rows) // max(1, len(caches))  # mean over layers, all ranks
-        if mode == "auto":
+        if mode == "auto" and info.world_size == 1:
+            mode = "pass-kv"  # nothing moves on one rank: the plain kernels, no query gather
+        elif mode == "auto":
             mode = choose_mode(new, cached, self.n_heads, self.n_kv_heads, info.world_size,
                                kept_tokens=kept)  # fmt: skip
         common = {"group": self.group, "layout": self.layout, "cu_seqlens": [0, new]}
@@ -154,7 +193,7 @@ class KVEngine:
         index = ringattn.positions(new, device=device, **common)
         positions = torch.where(index >= 0, index + cached, index)  # global; -1 padding
         placement = place(get_layout(self.layout), info.world_size, (0, new))
-        state.phase, state.mode = "extend", mode
+        state.phase, state.mode, state.turn_seq = "extend", mode, seq
         state.turn = Turn(info, self.group, self.layout, placement, cached, None, 1.0, None, [])
         state.turn_rows = (index >= 0).nonzero().flatten()
         state.turn_positions = positions

@@ -11,8 +11,9 @@ a `KVState` put on every module for the call. The state's `phase` says what the 
               to one rank (round-robin per sequence), each rank attends every query over its
               shard of that query's sequence, and the L partials merge across ranks in one
               collective per layer (inference/partials.py)
-    extend    a follow-up turn of one sequence: T new tokens sharded like a prompt at positions
-              P .. P + T - 1, pass-KV or pass-Q over the cache (inference/turns.py)
+    extend    a follow-up turn (or a prefill chunk) of one sequence: T new tokens sharded like a
+              prompt at positions P .. P + T - 1, pass-KV or pass-Q over the cache
+              (inference/turns.py); with nothing cached yet, plain ringattn.attention
 
 A layer's sliding window (`sliding_window = w`: keys with q - k < w) bounds what that layer keeps.
 Attention sinks (gpt-oss's `s_aux`) scale the merged output by sigmoid(lse - sink).
@@ -46,6 +47,7 @@ class KVState:
         self.n_layers = n_layers  # offload: the last layer prefetches layer 0
         self.caches: dict[tuple[int, int], ShardedKVCache] = {}  # by (layer, sequence)
         self.kernel = None
+        self.granule: int | None = None  # a KV pool's block: caches grow by whole blocks
         self.on_layer = None  # progress: on_layer(layer index) after each prefill layer
         self.phase = "prefill"
         # prefill: local rows that are real, their sequence and their position in it
@@ -61,6 +63,7 @@ class KVState:
         self.turn_positions: torch.Tensor | None = None
         self.turn_lengths: dict[int, list[int]] = {}  # by layer: kept tokens per rank
         self.mode = "pass-kv"
+        self.turn_seq = 0  # the sequence the turn extends
         # a VLM's prefill (vision.py's decoder pre-hook reads these): real is not None while
         # the whole prompt goes in, positions the packed index of each local row; the hook
         # notes the first decoded position (M-RoPE numbers images by their grid)
@@ -71,7 +74,7 @@ class KVState:
     def cache(self, layer: int, seq: int, left: int | None) -> ShardedKVCache:
         key = (layer, seq)
         if key not in self.caches:
-            cache = ShardedKVCache(1, self.info.rank, self.info.world_size, left)
+            cache = ShardedKVCache(1, self.info.rank, self.info.world_size, left, self.granule)
             if self.offload:
                 cache.offload()
             self.caches[key] = cache
@@ -138,10 +141,21 @@ def _decode(state: KVState, layer: int, left, query, key, value, scale):
 
 
 def _extend(state: KVState, layer: int, left, query, key, value, scale):
-    cache = state.cache(layer, 0, left)
-    kept = _kept(state, layer, 0, cache, key)
+    cache = state.cache(layer, state.turn_seq, left)
+    kept = _kept(state, layer, state.turn_seq, cache, key)
     lengths = state.turn_lengths[layer]
     positions = None
+    if max(lengths) == 0:  # a sequence's first chunk: nothing cached on any rank
+        turn = state.turn
+        out, lse = ringattn.attention(
+            query, key, value, causal=True, scale=scale, group=state.group, layout=state.layout,
+            cu_seqlens=list(turn.placement.bounds), window=None if left is None else (left, 0),
+            return_lse=True, backend=state.kernel.name,
+        )  # fmt: skip
+        rows = state.turn_rows
+        cache.store(0, key[:, :, rows], value[:, :, rows], state.turn_positions[rows])
+        cache.evict(0, turn.offset + turn.placement.seq_len)
+        return out, lse
     if left is not None:  # pass-KV masks the window by each rank's kept positions
         longest = max(lengths)
         padded = torch.full((longest,), -1, dtype=torch.int64, device=kept[2].device)

@@ -1,0 +1,333 @@
+"""Rank 0's step scheduler: continuous batching with chunked prefill over a KV block pool.
+
+Each step (nano-vllm's scheduler, vLLM's chunked prefill):
+
+    1. cancelled sequences (their client gone) end now: their blocks are freed
+    2. decodes first: every sequence whose prompt is in takes one token; a sequence that needs
+       a new block and finds none preempts the newest running one (its blocks freed; it comes
+       back first in line and prefills prompt + tokens so far again, then goes on)
+    3. prefill chunks of the sequences still prefilling, oldest first, then admissions from the
+       queue, while the step's prefill budget (--max-batch-tokens) and free blocks last; a
+       request that could never fit the pool is refused (400, with the numbers), one that does
+       not fit now waits (at the head of the line: first come, first served)
+
+A prompt goes in chunks at fixed multiples of C = --max-batch-tokens (DESIGN.md §12): chunk c
+holds tokens [cC, (c + 1)C), placed by the layout within itself, so the K/V a rank holds of a
+prefix never depends on what follows it. A full chunk's K/V is kept in every rank's prefix store
+under its chained content hash (pool.py); a request whose first chunks hash the same starts from
+copies of them. The plan (runner.py) goes to every rank as one message; after the step rank 0
+samples every sequence's next token (greedy or seeded, inference/sampling.py) and the next
+plan carries those tokens. Each answer is the one its request gets alone: a sequence's tokens
+depend on its own cache and its own generator only.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from collections import deque
+
+import torch
+
+from ringattn.inference.sampling import Sampling, next_token
+from ringattn.serve.pool import BlockPool, Shares, chunk_hashes
+from ringattn.serve.protocol import IDLE_S, Job
+from ringattn.serve.text import TextStream
+
+__all__ = ["Scheduler", "Seq"]
+
+
+class Seq:
+    """One request as the scheduler runs it: its tokens, its cache id and its progress."""
+
+    def __init__(self, job: Job, sink, tokenizer):
+        self.job, self.request, self.sink = job, job.request, sink
+        self.text = TextStream(tokenizer, self.request.stop)
+        r = self.request
+        self.sampling = Sampling(temperature=r.temperature, top_p=r.top_p, seed=r.seed or 0)
+        self.generator: torch.Generator | None = None  # made on the logits' device
+        self.tokens = list(r.ids)  # what the cache holds once the pending token is fed
+        self.out: list[int] = []
+        self.id, self.done, self.target, self.failures = -1, 0, 0, 0
+        self.hashes: list[str] = []  # chained hash of each full chunk of `tokens`
+        self.started = False  # admitted once (a preempted one comes back started)
+
+    @property
+    def prefilling(self) -> bool:
+        return self.done < self.target
+
+
+class Scheduler:
+    """Rank 0's view of every sequence and of the ranks' pool (module docstring)."""
+
+    def __init__(self, jobs: queue.Queue, http, tokenizer, eos: list[int], pool: BlockPool,
+                 shares: Shares, chunk: int, max_running: int, prefix_cache: bool = True,
+                 metrics=None, make_sink=None):  # fmt: skip
+        self.jobs, self.http, self.tokenizer, self.eos = jobs, http, tokenizer, set(eos)
+        self.pool, self.shares, self.chunk = pool, shares, chunk
+        self.max_running, self.prefix_cache, self.metrics = max_running, prefix_cache, metrics
+        self.make_sink = make_sink
+        self.running: list[Seq] = []
+        self.waiting: deque[Seq | Job] = deque()  # preempted sequences, then a held job
+        self.freed: list[int] = []
+        self.next_id = 0
+        self.step_decode: list[Seq] = []
+        self.step_chunks: list[tuple[Seq, int]] = []
+
+    @property
+    def held(self) -> int:
+        """Requests out of the queue but not running (preempted or waiting for blocks)."""
+        return len(self.waiting)
+
+    def rows(self, seq: Seq, done: int) -> int:
+        """Tokens on the fullest rank when `done` of seq's tokens are in its cache."""
+        prefilled = min(done, seq.target)
+        return self.shares.tokens(prefilled, self.chunk, done - prefilled)
+
+    # ---- ending sequences ----
+
+    def _drop(self, seq: Seq) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        if seq.id >= 0:
+            self.pool.release(seq.id)
+            self.freed.append(seq.id)
+            seq.id = -1
+
+    def end(self, seq: Seq, finish: str) -> None:
+        """Finish `seq`: its last text and ("done", finish, usage)."""
+        self._drop(seq)
+        piece = seq.text.flush()
+        if piece:
+            seq.sink("text", piece)
+        prompt, completion = len(seq.request.ids), len(seq.out)
+        seq.sink("done", finish, {"prompt_tokens": prompt, "completion_tokens": completion,
+                                  "total_tokens": prompt + completion})  # fmt: skip
+
+    def fail(self, seq: Seq, message: str, status: int) -> None:
+        self._drop(seq)
+        seq.sink("error", message, status)
+
+    def preempt(self, seq: Seq) -> None:
+        """Free seq's blocks; it comes back first and recomputes its cache (module doc)."""
+        self._drop(seq)
+        seq.done = seq.target = 0
+        self.waiting.appendleft(seq)
+        if self.metrics is not None:
+            self.metrics.preemptions += 1
+
+    # ---- the plan ----
+
+    def plan(self) -> dict:
+        """The next step's plan (runner.py), "idle" when nothing runs, "stop" at the end."""
+        self.step_decode, self.step_chunks = [], []
+        if not self.running and not self.waiting:
+            try:
+                self.waiting.append(self.jobs.get(timeout=IDLE_S))
+            except queue.Empty:
+                return self._flush({"op": "idle" if self.http.is_alive() else "stop"})
+        for seq in [s for s in self.running if s.job.cancelled]:
+            self.end(seq, "stop")
+        for item in [i for i in self.waiting if isinstance(i, Seq) and i.job.cancelled]:
+            self.waiting.remove(item)  # preempted, or held for blocks: its client has gone
+            self._cancelled(item)
+        plan = {"op": "step", "open": [], "decode": [], "chunks": [], "new": 0}
+        # a sequence whose step failed runs alone until a step of it succeeds: a failure that
+        # is its own then fails it alone, and its step-mates go on (Scheduler.failed)
+        suspect = [s for s in (*self.running, *self.waiting) if isinstance(s, Seq) and s.failures]
+        only = suspect[0] if suspect else None
+        self._decodes(plan, only)
+        budget = self._prefills(plan, self.chunk, only)
+        if only is None or only not in self.running:
+            self._admit(plan, budget, 1 if only is not None else self.max_running)
+        self._gauges()
+        if not (plan["open"] or plan["decode"] or plan["chunks"]):
+            plan = {"op": "idle"}
+            time.sleep(0.01)  # only a held request waits (for blocks): do not spin
+        return self._flush(plan)
+
+    def _gauges(self) -> None:
+        if self.metrics is not None:
+            self.metrics.running = len(self.running)
+            self.metrics.pool(self.pool)
+
+    def _flush(self, plan: dict) -> dict:
+        """Frees and evictions ride on whatever goes out next."""
+        if plan["op"] in ("step", "idle") and (self.freed or self.pool.evicted):
+            plan = {"op": "step", "open": [], "decode": [], "chunks": [], **plan}
+            plan["op"] = "step"
+        if plan["op"] == "step":
+            plan["free"], plan["evict"] = self.freed, self.pool.evicted
+            self.freed, self.pool.evicted = [], []
+        return plan
+
+    def _decodes(self, plan: dict, only: Seq | None) -> None:
+        for seq in list(self.running) if only is None else [only]:
+            if seq.prefilling or seq not in self.running:
+                continue
+            while seq in self.running and not self.pool.grow(seq.id, self.rows(seq, seq.done + 1)):
+                self.preempt(self.running[-1])  # the newest goes back in line
+            if seq in self.running:
+                plan["decode"].append([seq.id, seq.tokens[-1]])
+                self.step_decode.append(seq)
+
+    def _chunk(self, plan: dict, seq: Seq, budget: int, keep: tuple[str, ...] = ()) -> int:
+        """Schedule seq's next prefill chunk if `budget` and the pool allow; tokens used."""
+        n = min(self.chunk - seq.done % self.chunk, seq.target - seq.done)
+        if n > budget or not self.pool.grow(seq.id, self.rows(seq, seq.done + n), keep):
+            return 0
+        ids = seq.tokens[seq.done : seq.done + n]
+        h = None
+        end = seq.done + n
+        if self.prefix_cache and n == self.chunk and end <= len(seq.hashes) * self.chunk:
+            candidate = seq.hashes[end // self.chunk - 1]
+            if self.pool.keep(candidate, self.shares.chunk_rows(self.chunk), end // self.chunk):
+                h = candidate
+        plan["chunks"].append([seq.id, ids, h])
+        self.step_chunks.append((seq, n))
+        return n
+
+    def _prefills(self, plan: dict, budget: int, only: Seq | None) -> int:
+        for seq in [s for s in self.running if s.prefilling and only in (None, s)]:
+            used = self._chunk(plan, seq, budget)
+            if not used:
+                break  # first come, first served: a later prompt does not overtake
+            budget -= used
+        return budget
+
+    def _next(self) -> Seq | None:
+        """The next request in line (a preempted sequence first), cancelled ones dropped."""
+        while True:
+            if not self.waiting:
+                try:
+                    self.waiting.append(self.jobs.get_nowait())
+                except queue.Empty:
+                    return None
+            item = self.waiting[0]
+            seq = item if isinstance(item, Seq) else Seq(item, self.make_sink(item), self.tokenizer)
+            self.waiting[0] = seq
+            if not seq.job.cancelled:
+                refusal = self._never_fits(seq)
+                if refusal is None:
+                    return seq
+                self.waiting.popleft()
+                self.fail(seq, refusal, 400)
+                continue
+            self.waiting.popleft()
+            self._cancelled(seq)
+
+    def _cancelled(self, seq: Seq) -> None:
+        """A waiting request whose client has gone: ended, counted once."""
+        if seq.out:
+            self.end(seq, "stop")
+        elif self.metrics is not None:
+            self.metrics.ended("cancelled", latency_s=time.monotonic() - seq.job.arrived)
+
+    def _never_fits(self, seq: Seq) -> str | None:
+        r = self.request_rows(len(seq.request.ids), seq.request.max_new_tokens)
+        blocks = self.pool.blocks(r)
+        if blocks <= self.pool.n_blocks:
+            return None
+        most = self.pool.n_blocks * self.pool.block_size
+        return (f"this request needs {blocks} KV blocks of {self.pool.block_size} tokens per rank "
+                f"({len(seq.request.ids)} prompt + {seq.request.max_new_tokens} completion "
+                f"tokens: {r} on the fullest of {self.shares.world_size} ranks), but the pool "
+                f"holds {self.pool.n_blocks} blocks ({most} tokens) per rank; lower max_tokens "
+                f"or the prompt, or start the server with a larger --kv-cache-gb")  # fmt: skip
+
+    def request_rows(self, prompt: int, new: int) -> int:
+        return self.shares.tokens(prompt, self.chunk, new)
+
+    def _admit(self, plan: dict, budget: int, most: int) -> None:
+        """Admit requests from the head of the line (at most `most`) while they fit."""
+        while budget > 0 and len(self.running) < self.max_running and most > 0:
+            most -= 1
+            seq = self._next()
+            if seq is None:
+                return
+            seq.target = len(seq.tokens)
+            seq.hashes = chunk_hashes(seq.tokens, self.chunk) if self.prefix_cache else []
+            reuse = self.pool.lookup(seq.hashes)
+            reuse = reuse[: (seq.target - 1) // self.chunk]  # at least one token to compute
+            seq.id, seq.done = self.next_id, len(reuse) * self.chunk
+            if reuse and not self._chunk(plan, seq, budget, tuple(reuse)):
+                reuse, seq.done = [], 0  # the copies do not fit beside their originals
+            if not reuse and not self._chunk(plan, seq, budget):
+                self.pool.release(seq.id)
+                seq.id, seq.done = -1, 0
+                return  # it waits for blocks (or the next step's budget) at the head of the line
+            budget -= self.step_chunks[-1][1]
+            self.next_id += 1
+            self.waiting.popleft()
+            self.running.append(seq)
+            plan["open"].append([seq.id, reuse])
+            plan["new"] += not seq.started
+            seq.started = True
+            if reuse:
+                self.pool.hits += 1
+                self.pool.hit_tokens += seq.done
+
+    # ---- after the step ----
+
+    def after(self, decoded: torch.Tensor | None, chunks: list[torch.Tensor]) -> None:
+        """Sample each sequence's next token from the step's logits; end the finished ones."""
+        rows: list[tuple[Seq, torch.Tensor]] = []
+        for seq in self.step_decode + [seq for seq, _ in self.step_chunks]:
+            seq.failures = 0  # its step went through
+        for j, seq in enumerate(self.step_decode):
+            seq.done += 1
+            rows.append((seq, decoded[j]))
+        for (seq, n), logits in zip(self.step_chunks, chunks):
+            seq.done += n
+            if not seq.prefilling:
+                rows.append((seq, logits))
+        if rows:
+            self._sample(rows)
+        self._gauges()
+
+    def _sample(self, rows: list[tuple[Seq, torch.Tensor]]) -> None:
+        logits = torch.stack([row for _, row in rows])  # (L, vocab)
+        checks = torch.stack([logits.argmax(-1), torch.isfinite(logits).all(-1).long()])
+        greedy, finite = checks.tolist()  # one host sync for the step
+        for j, (seq, row) in enumerate(rows):
+            if not finite[j]:
+                self.fail(seq, "the server failed while generating this request (non-finite "
+                               "logits); the server keeps serving, retry or change the request",
+                          500)  # fmt: skip
+                continue
+            if seq.sampling.greedy:
+                token = greedy[j]
+            else:
+                if seq.generator is None:
+                    seq.generator = seq.sampling.generator(row.device)
+                token = next_token(row, seq.sampling, seq.generator)
+            self._emit(seq, token)
+
+    def _emit(self, seq: Seq, token: int) -> None:
+        seq.tokens.append(token)
+        seq.out.append(token)
+        seq.sink("token")
+        piece = seq.text.push(token)
+        if piece:
+            seq.sink("text", piece)
+        if seq.text.stopped or token in self.eos:
+            self.end(seq, "stop")
+        elif len(seq.out) >= seq.request.max_new_tokens:
+            self.end(seq, "length")
+
+    def failed(self, err: Exception) -> None:
+        """The step raised (on every rank alike): its sequences recompute, each alone until a
+        step of it succeeds; a sequence that fails alone fails (400 for a ValueError, else
+        500) and the others go on."""
+        for seq in {id(s): s for s in self.step_decode + [s for s, _ in self.step_chunks]}.values():
+            seq.failures += 1
+            if seq.failures < 2 and len(self.step_decode) + len(self.step_chunks) > 1:
+                self.preempt(seq)
+            elif isinstance(err, (ValueError, TypeError)):
+                self.fail(seq, str(err), 400)
+            else:
+                self.fail(seq, f"the server failed while generating this request "
+                               f"({type(err).__name__}); the server keeps serving, retry or "
+                               f"change the request", 500)  # fmt: skip
+        self.step_decode, self.step_chunks = [], []
+        self._gauges()
