@@ -23,9 +23,8 @@ pytest.importorskip("uvicorn")
 
 import ringattn.hf
 from ringattn.cli.main import main
-from ringattn.serve.protocol import Request
 from ringattn.serve.text import TextStream
-from ringattn.serve.worker import SAMPLING, eos_ids, run_batch
+from ringattn.serve.worker import SAMPLING
 from serve_model import CONTEXT, InProcess, served_tiny
 
 HELLO = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello world"}]
@@ -241,27 +240,35 @@ def test_text_stream_holds_back_what_may_start_a_stop_string():
     assert "".join(late.push(ord(c)) for c in "axy") == "a" and late.flush() == "xy"
 
 
-def test_a_batch_answers_each_request_as_it_would_alone(served):
-    _, _, model, tok, _ = served
-    eos = eos_ids(model, tok)
-    hello = chat_ids(tok, HELLO)
-    fox = tok("the quick brown fox")["input_ids"]
-    requests = [Request(hello, 10), Request(fox, 7, stop=["e"]), Request(fox[:3], 3),
-                Request(hello, 8, temperature=1.2, top_p=0.9, seed=7)]  # fmt: skip
+def test_requests_running_together_answer_each_as_alone(served):
+    """Greedy, a stop string, a short prompt and a seeded sample sent at once (continuous
+    batching runs them in the same steps): each reply is the one the request gets alone."""
+    from test_serve_robust import concurrently
 
-    def run(batch: list[Request]) -> list[tuple]:
-        events = [[] for _ in batch]
-        finishes = run_batch(model, tok, batch, eos, "zigzag",
-                             [lambda *e, out=out: out.append(e) for out in events])  # fmt: skip
-        texts = ["".join(e[1] for e in out if e[0] == "text") for out in events]
-        return [(t, f, out[-1][2]) for t, f, out in zip(texts, finishes, events)]
+    _, client, model, tok, _ = served
+    fox = tok.decode(tok("the quick brown fox")["input_ids"])
+    sample = {"temperature": 1.2, "top_p": 0.9, "seed": 7}
+    asks = [
+        {"messages": HELLO, "max_tokens": 10},
+        {"prompt": fox, "max_tokens": 7, "stop": ["e"]},
+        {"prompt": fox[:9], "max_tokens": 3},
+        {"messages": HELLO, "max_tokens": 8, **sample},
+    ]
 
-    together = run(requests)
-    assert together == [run([r])[0] for r in requests]
-    for (text, finish, usage), request in zip(together[:3], requests[:3]):
-        want, want_finish, n = reference(model, tok, request.ids, request.max_new_tokens)
-        if request.stop and "e" in want:
-            want, want_finish = want[: want.find("e")], "stop"
-        assert (text, finish) == (want, want_finish)
-        assert usage["prompt_tokens"] == len(request.ids)
-        assert usage["completion_tokens"] <= n
+    def ask(kw: dict):
+        if "messages" in kw:
+            reply = client.chat.completions.create(model="tiny", **kw)
+            return reply.choices[0].message.content, reply.choices[0].finish_reason, reply.usage
+        reply = client.completions.create(model="tiny", **kw)
+        return reply.choices[0].text, reply.choices[0].finish_reason, reply.usage
+
+    together = concurrently(*[lambda kw=kw: ask(kw) for kw in asks])
+    alone = [ask(kw) for kw in asks]
+    assert [(t, f, u.completion_tokens) for t, f, u in together] == [
+        (t, f, u.completion_tokens) for t, f, u in alone
+    ]
+    want, finish, _ = reference(model, tok, chat_ids(tok, HELLO), 10)
+    assert together[0][:2] == (want, finish)
+    assert together[0][2].prompt_tokens == len(chat_ids(tok, HELLO))
+    text, _, _ = reference(model, tok, tok(fox)["input_ids"], 7)
+    assert together[1][0] == (text[: text.find("e")] if "e" in text else text)

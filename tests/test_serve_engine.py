@@ -296,13 +296,14 @@ def test_two_ranks_run_the_steps_chunked_and_shared_as_each_alone(pools):
     gb = 40 * BLOCK * kv_token_bytes(model) / (1 << 30)
     cfg = {"max_batch_tokens": CHUNK, "kv_block_size": BLOCK, "kv_cache_gb": gb}
     results = pools(2).run("workers_serve:stepped", prompts, 12, cfg)
-    texts, _, (hits, _) = results[0]
+    texts, _, (hits, _), _ = results[0]
     assert [r[1] for r in results] == [len(prompts)] * 2  # both ranks ran every request
     assert texts == [greedy(model, tok, tok(p)["input_ids"], 12) for p in prompts]
     shared = len(tok(SYSTEM)["input_ids"])
     assert 2 * CHUNK <= hits <= shared  # the second started from the first one's chunks
     small = {**cfg, "kv_cache_gb": gb / 5, "prefix_cache": False}
-    again, served, (hits, preempted) = pools(2).run("workers_serve:stepped", prompts, 12, small)[0]
+    rerun = pools(2).run("workers_serve:stepped", prompts, 12, small)[0]
+    again, served, (hits, preempted), _ = rerun
     assert (again, served, hits) == (texts, 3, 0) and preempted > 0
 
 

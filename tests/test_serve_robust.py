@@ -37,9 +37,6 @@ from ringattn.inference.sampling import Sampling, next_token
 from ringattn.integrations.hf.source import load_model, model_source
 from ringattn.serve.app import build_app, serve_in_thread
 from ringattn.serve.config import ServeConfig, bind
-from ringattn.serve.metrics import Metrics
-from ringattn.serve.protocol import Request
-from ringattn.serve.worker import Sink, eos_ids, run_isolated
 from serve_model import InProcess, save_chat_model, served_tiny
 
 HELLO = [{"role": "user", "content": "hello world"}]
@@ -117,32 +114,6 @@ def test_tiny_temperature_is_greedy_and_a_bad_seed_fails_alone(served):
         assert isinstance(err, openai.BadRequestError) and err.body["param"] == "seed", err
 
 
-def test_a_request_refused_by_generate_fails_alone_in_its_batch(served):
-    server, _, model, tok = served
-    eos, ids = eos_ids(model, tok), chat_ids(tok, HELLO)
-    good, bad = Request(ids, 6), Request(ids, 6, temperature=0.5, seed=2**64)  # past the schema
-    sinks = [Sink(_Recorder()), Sink(_Recorder())]
-    finishes = run_isolated(server.model, tok, [good, bad], eos, "zigzag", sinks)
-    assert finishes[1] == "error" and sinks[1].job.events[-1][2] == 400
-    assert "seed must be in" in sinks[1].job.events[-1][1]
-    assert sinks[0].job.text() == greedy(model, tok, ids, 6)
-
-
-class _Recorder:
-    """A Job's stand-in for run_isolated: records the events."""
-
-    cancelled = False
-
-    def __init__(self):
-        self.events, self.arrived = [], time.monotonic()
-
-    def emit(self, *event) -> None:
-        self.events.append(event)
-
-    def text(self) -> str:
-        return "".join(e[1] for e in self.events if e[0] == "text")
-
-
 def test_nan_logits_fail_that_request_with_500_and_the_server_serves_on(served):
     server, client, model, tok = served
     poison = tok.pad_token_id  # never in a prompt nor generated here (checked below)
@@ -172,34 +143,6 @@ def test_nan_logits_fail_that_request_with_500_and_the_server_serves_on(served):
     assert after['ringattn_requests_total{outcome="failed"}'] == (
         before['ringattn_requests_total{outcome="failed"}'] + 1
     )
-
-
-def test_a_batch_failing_mid_decode_is_rerun_and_each_text_sent_once(served):
-    server, _, model, tok = served
-    eos = eos_ids(model, tok)
-    prompts = [chat_ids(tok, HELLO), tok("the quick brown fox")["input_ids"]]
-    requests = [Request(prompts[0], 12), Request(prompts[1], 12, stop=["zzz"])]
-    calls = [0]
-
-    def oom_once(module, args, output):  # a documented torch hook: the 4th forward fails once
-        calls[0] += 1
-        if calls[0] == 4:
-            raise torch.OutOfMemoryError("simulated: CUDA out of memory")
-
-    metrics = Metrics()
-    sinks = [Sink(_Recorder(), metrics), Sink(_Recorder(), metrics)]
-    handle = server.model.register_forward_hook(oom_once)
-    try:
-        finishes = run_isolated(server.model, tok, requests, eos, "zigzag", sinks)
-    finally:
-        handle.remove()
-    assert calls[0] > 4 and all(f in ("stop", "length") for f in finishes)
-    for sink, ids in zip(sinks, prompts):
-        assert sink.job.text() == greedy(model, tok, ids, 12)  # nothing sent twice
-        assert sum(1 for e in sink.job.events if e[0] == "done") == 1
-    new = sum(sink.job.events[-1][2]["completion_tokens"] for sink in sinks)
-    assert (metrics.ttft.count, metrics.itl.count) == (2, new - 2)  # no token timed twice
-    assert metrics.requests["stop"] + metrics.requests["length"] == 2
 
 
 def test_a_closed_stream_ends_its_sequence_and_metrics_count_it(served):
@@ -316,12 +259,15 @@ def test_greedy_tokens_and_verdicts_are_rank_0s_on_every_rank(pools):
     assert pools(2).run("workers_generate:first_tokens", tie, True) == [[[], [0]]] * 2
 
 
-def test_a_failed_batch_is_rerun_in_step_on_two_ranks(pools):
+def test_a_failed_step_is_recomputed_in_step_on_two_ranks(pools):
+    """The scheduler on two ranks (workers_serve.stepped), the 4th forward raising once on every
+    rank: the ranks recompute together and every text equals the run that never failed."""
     prompts = ["the quick brown", "hello world, how"]
-    alone, failed = (pools(2).run("workers_serve:isolated", prompts, at) for at in (None, 4))
-    assert alone[0] == alone[1] and failed[0][:2] == failed[1][:2]  # the ranks agree
-    assert failed[0][:2] == alone[0][:2] and failed[0][2] > alone[0][2]  # rerun, same texts
-    assert all(alone[0][0]) and set(alone[0][1]) <= {"stop", "length"}
+    cfg = {"max_batch_tokens": 8, "kv_block_size": 4}
+    alone, failed = (pools(2).run("workers_serve:stepped", prompts, 8, cfg, at) for at in (None, 4))
+    assert [r[1] for r in failed] == [2, 2]  # both ranks ran both requests
+    assert failed[0][0] == alone[0][0] and all(alone[0][0])  # rank 0's texts: the same
+    assert failed[0][3] > alone[0][3] and failed[0][3] == failed[1][3]  # recomputed, in step
 
 
 def test_completions_tokenize_with_the_bos_token(tmp_path):

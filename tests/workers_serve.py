@@ -7,7 +7,6 @@ import transformers
 
 import serve_model
 from ringattn.serve.protocol import Request
-from ringattn.serve.worker import Sink, run_isolated
 
 
 class _Recorder:
@@ -22,9 +21,29 @@ class _Recorder:
         self.events.append(event)
 
 
-def isolated(rank: int, world_size: int, prompts: list[str], fail_at: int | None) -> list:
-    """serve's run_isolated over the tiny chat model on every rank, the `fail_at`-th forward
-    raising once (a torch forward hook, the same call on every rank): each request's text."""
+class _Done:
+    """rank_loop's `http` stand-in: alive until every job has its last event."""
+
+    def __init__(self, jobs: list):
+        self.jobs = jobs
+
+    def is_alive(self) -> bool:
+        return any(not j.events or j.events[-1][0] not in ("done", "error") for j in self.jobs)
+
+
+def stepped(rank: int, world_size: int, prompts: list[str], max_new: int, cfg: dict,
+            fail_at: int | None = None) -> list:  # fmt: skip
+    """serve's rank_loop (the step scheduler) over the tiny chat model on every rank, the
+    prompts queued at once on rank 0 with ServeConfig(**cfg), the `fail_at`-th forward raising
+    once on every rank (a torch forward hook): each request's text (rank 0), the plans' count
+    of new requests (every rank), [prefix-hit tokens, preemptions] (rank 0), forwards run."""
+    import queue
+
+    from ringattn.comm import resolve_group
+    from ringattn.serve.config import ServeConfig
+    from ringattn.serve.metrics import Metrics
+    from ringattn.serve.worker import rank_loop
+
     tok = serve_model.tokenizer()
     config = transformers.LlamaConfig(
         vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -40,41 +59,6 @@ def isolated(rank: int, world_size: int, prompts: list[str], fail_at: int | None
             raise torch.OutOfMemoryError("simulated")
 
     model.register_forward_hook(fail_once)
-    requests = [Request(tok(p)["input_ids"], 8) for p in prompts]
-    sinks = [Sink(_Recorder()) for _ in requests]
-    finishes = run_isolated(model, tok, requests, [tok.eos_token_id], "zigzag", sinks)
-    texts = ["".join(e[1] for e in s.job.events if e[0] == "text") for s in sinks]
-    return [texts, finishes, calls[0]]
-
-
-class _Done:
-    """rank_loop's `http` stand-in: alive until every job has its last event."""
-
-    def __init__(self, jobs: list):
-        self.jobs = jobs
-
-    def is_alive(self) -> bool:
-        return any(not j.events or j.events[-1][0] not in ("done", "error") for j in self.jobs)
-
-
-def stepped(rank: int, world_size: int, prompts: list[str], max_new: int, cfg: dict) -> list:
-    """serve's rank_loop (the step scheduler) over the tiny chat model on every rank, the
-    prompts queued at once on rank 0 with ServeConfig(**cfg): each request's text (rank 0) and
-    the plans' count of new requests (every rank), [prefix-hit tokens, preemptions] (rank 0)."""
-    import queue
-
-    from ringattn.comm import resolve_group
-    from ringattn.serve.config import ServeConfig
-    from ringattn.serve.metrics import Metrics
-    from ringattn.serve.worker import rank_loop
-
-    tok = serve_model.tokenizer()
-    config = transformers.LlamaConfig(
-        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=192,
-    )  # fmt: skip
-    torch.manual_seed(5)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     jobs, recorders = queue.Queue(), []
     if rank == 0:
         for p in prompts:
@@ -87,4 +71,4 @@ def stepped(rank: int, world_size: int, prompts: list[str], max_new: int, cfg: d
                        ServeConfig(**cfg), metrics=metrics)  # fmt: skip
     texts = ["".join(e[1] for e in r.events if e[0] == "text") for r in recorders]
     counts = None if metrics is None else [metrics.prefix_hit_tokens, metrics.preemptions]
-    return [texts, served, counts]
+    return [texts, served, counts, calls[0]]

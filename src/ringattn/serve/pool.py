@@ -128,6 +128,11 @@ class BlockPool:
             found.append(h)
         return found
 
+    def forget(self, h: str) -> None:
+        """Drop chunk `h` from the cache now (a failed step never stored it on every rank)."""
+        if self.cached.pop(h, None) is not None:
+            self.evicted.append(h)
+
     def keep(self, h: str, tokens: int, depth: int = 0) -> bool:
         """Cache chunk number `depth` of a prefix, `tokens` rows per rank, if the pool has room
         for it now (free blocks only: a prefix never evicts another); True when it is kept."""

@@ -73,6 +73,7 @@ class Scheduler:
         self.next_id = 0
         self.step_decode: list[Seq] = []
         self.step_chunks: list[tuple[Seq, int]] = []
+        self.step_kept: list[str] = []  # prefix hashes this step's chunks store on every rank
 
     @property
     def held(self) -> int:
@@ -120,7 +121,7 @@ class Scheduler:
 
     def plan(self) -> dict:
         """The next step's plan (runner.py), "idle" when nothing runs, "stop" at the end."""
-        self.step_decode, self.step_chunks = [], []
+        self.step_decode, self.step_chunks, self.step_kept = [], [], []
         if not self.running and not self.waiting:
             try:
                 self.waiting.append(self.jobs.get(timeout=IDLE_S))
@@ -183,6 +184,7 @@ class Scheduler:
             candidate = seq.hashes[end // self.chunk - 1]
             if self.pool.keep(candidate, self.shares.chunk_rows(self.chunk), end // self.chunk):
                 h = candidate
+                self.step_kept.append(h)
         plan["chunks"].append([seq.id, ids, h])
         self.step_chunks.append((seq, n))
         return n
@@ -318,7 +320,10 @@ class Scheduler:
     def failed(self, err: Exception) -> None:
         """The step raised (on every rank alike): its sequences recompute, each alone until a
         step of it succeeds; a sequence that fails alone fails (400 for a ValueError, else
-        500) and the others go on."""
+        500) and the others go on. The chunks the step was to keep in the prefix store are
+        forgotten on every rank (the store may hold some, not all: the step stopped midway)."""
+        for h in self.step_kept:
+            self.pool.forget(h)
         for seq in {id(s): s for s in self.step_decode + [s for s, _ in self.step_chunks]}.values():
             seq.failures += 1
             if seq.failures < 2 and len(self.step_decode) + len(self.step_chunks) > 1:
@@ -329,5 +334,5 @@ class Scheduler:
                 self.fail(seq, f"the server failed while generating this request "
                                f"({type(err).__name__}); the server keeps serving, retry or "
                                f"change the request", 500)  # fmt: skip
-        self.step_decode, self.step_chunks = [], []
+        self.step_decode, self.step_chunks, self.step_kept = [], [], []
         self._gauges()

@@ -20,8 +20,7 @@ gone) leaves at once, its blocks freed. Each answer is the one its request gets 
 Nothing a request does ends the server: a step that raises (an OOM, the same on every rank)
 sends its sequences back to recompute, each alone until one of its steps succeeds, so a
 failure of one request's own fails that request alone (500, or 400 for a ValueError); NaN
-logits fail their request with a 500 (Scheduler.failed, Scheduler.after). `run_batch` and
-`run_isolated` are the same contract for one ragged batch through `ringattn.hf.generate`.
+logits fail their request with a 500 (Scheduler.failed, Scheduler.after).
 
 The idle broadcast keeps the waiting ranks inside the process-group timeout while no request
 comes, and lets a Ctrl-C land within a second. A rank that dies ends the launch: the launcher
@@ -38,7 +37,6 @@ import signal
 import sys
 import time
 import traceback
-from collections.abc import Callable
 
 import torch
 
@@ -55,14 +53,13 @@ from ringattn.serve.app import build_app, serve_in_thread
 from ringattn.serve.config import ServeConfig, bind, model_name
 from ringattn.serve.metrics import Metrics
 from ringattn.serve.pool import BlockPool, Shares
-from ringattn.serve.protocol import Job, Request, exchange
+from ringattn.serve.protocol import Job, exchange
 from ringattn.serve.runner import Runner
 from ringattn.serve.scheduler import Scheduler
 from ringattn.serve.schema import Limits
-from ringattn.serve.text import TextStream
 
 __all__ = ["SAMPLING", "Sink", "eos_ids", "kv_token_bytes", "limits", "pool_blocks", "rank_loop",
-           "run_batch", "run_isolated", "serve_worker"]  # fmt: skip
+           "serve_worker"]  # fmt: skip
 
 # ringattn.hf.generate samples when it takes do_sample (issue 22's sampling contract)
 SAMPLING = "do_sample" in inspect.signature(ringattn.hf.generate).parameters
@@ -102,45 +99,26 @@ def limits(model, tokenizer=None, max_body_bytes: int | None = None) -> Limits:
 
 
 class Sink:
-    """Where one request's events go on this rank: its Job on rank 0 (elsewhere nowhere).
-
-    Counts the text sent, so that a replay (the request rerun alone after its batch failed)
-    sends only what the client has not seen: the rerun's tokens are the same (each answer is
-    the one the request gets alone), so its first `sent` characters are the same too. On rank 0
-    it also times the tokens and counts the outcome (`metrics`)."""
+    """Where one request's events go on this rank: its Job on rank 0 (elsewhere nowhere). On
+    rank 0 it also times the tokens and counts the outcome (`metrics`). The scheduler emits
+    each token once, also when a sequence recomputes after a failed step or a preemption (it
+    keeps the tokens already sent), so nothing here is ever replayed."""
 
     def __init__(self, job: Job | None = None, metrics: Metrics | None = None):
         self.job, self.metrics = job, metrics
-        self.sent = self.skip = 0  # characters sent; characters a replay must not send again
-        self.tokens = self.timed = 0  # tokens seen in this run; tokens timed already
-        self.last: float | None = None  # when the last timed token came
-
-    def replay(self) -> None:
-        """The request runs again from its start: what was sent and timed is not again."""
-        self.skip, self.tokens = self.sent, 0
+        self.last: float | None = None  # when the last token came
 
     def __call__(self, kind: str, *event: object) -> None:
         if kind == "token":
             self._timed()
             return
-        if kind == "text":
-            piece = str(event[0])
-            drop = min(len(piece), self.skip)
-            self.skip, piece = self.skip - drop, piece[drop:]
-            if not piece:
-                return
-            self.sent += len(piece)
-            event = (piece,)
         if self.metrics is not None and self.job is not None and kind in ("done", "error"):
             self._ended(kind, *event)
         if self.job is not None:
             self.job.emit(kind, *event)
 
     def _timed(self) -> None:
-        self.tokens += 1
-        if self.tokens <= self.timed:  # a replayed token, timed in the run that failed
-            return
-        now, self.timed = time.monotonic(), self.tokens
+        now = time.monotonic()
         if self.metrics is not None and self.job is not None:
             first = now - self.job.arrived if self.last is None else None
             self.metrics.token(first, None if self.last is None else now - self.last)
@@ -155,92 +133,6 @@ class Sink:
         finish, usage = event
         outcome = "cancelled" if self.job.cancelled else str(finish)
         self.metrics.ended(outcome, usage["prompt_tokens"], usage["completion_tokens"], latency)
-
-
-def run_batch(model, tokenizer, requests: list[Request], eos: list[int], layout: str,
-              emits: list | None = None, groups: tuple = (None, None),
-              cancel: Callable[[int], bool] | None = None) -> list[str]:  # fmt: skip
-    """Generate `requests` as one ragged batch on this rank (all ranks together); `emits`
-    (rank 0: one per request) get the events. Each answer is the one its request gets alone
-    (ringattn.hf.generate's ragged-batch contract; each sequence samples from its own seed).
-    `groups`: the (cp, tp) process groups with --tp, else (None, None): the default group.
-    `cancel(i)` (rank 0's answer counts) True ends request i at the next step.
-
-    Returns each finish reason: "stop" (end of sequence or a stop string) or "length"."""
-    texts = [TextStream(tokenizer, r.stop) for r in requests]
-    emits = emits or [lambda *event: None] * len(requests)
-
-    def on_token(index: int, token: int) -> bool:
-        emits[index]("token")
-        piece = texts[index].push(token)
-        if piece:
-            emits[index]("text", piece)
-        return texts[index].stopped  # True: this sequence leaves the batch
-
-    device = next(model.parameters()).device
-    prompts = [torch.tensor(r.ids, dtype=torch.int64, device=device) for r in requests]  # (S_i,)
-    sampling = {}
-    if SAMPLING:  # temperature 0 is greedy for its sequence; a seed per sequence
-        sampling = {"do_sample": True, "temperature": [r.temperature for r in requests],
-                    "top_p": [r.top_p for r in requests],
-                    "seed": [r.seed or 0 for r in requests]}  # fmt: skip
-    group, tp_group = groups
-    ringattn.hf.generate(model, prompts, [r.max_new_tokens for r in requests], group=group,
-                         layout=layout, eos_token_id=eos, on_token=on_token, tp_group=tp_group,
-                         cancel=cancel, **sampling)  # fmt: skip
-    finishes = []
-    for text, request, emit in zip(texts, requests, emits):
-        ended = text.stopped or bool(text.ids and text.ids[-1] in eos)
-        finishes.append("stop" if ended else "length")
-        piece = text.flush()
-        if piece:
-            emit("text", piece)
-        prompt, completion = len(request.ids), len(text.ids)
-        emit("done", finishes[-1], {"prompt_tokens": prompt, "completion_tokens": completion,
-                                    "total_tokens": prompt + completion})  # fmt: skip
-    return finishes
-
-
-def _fail(sink: Sink, err: Exception) -> None:
-    """End one request with its error: 400 when generate refused it (the same ValueError or
-    TypeError on every rank), else 500 (a server-side failure: OOM, non-finite logits)."""
-    if isinstance(err, (ValueError, TypeError)):
-        sink("error", str(err), 400)
-        return
-    if sink.job is not None:  # rank 0 says what failed; the client gets no traceback
-        traceback.print_exception(err, file=sys.stderr)
-    sink("error", f"the server failed while generating this request ({type(err).__name__}); "
-                  f"the server keeps serving, retry or change the request", 500)  # fmt: skip
-
-
-def run_isolated(model, tokenizer, requests: list[Request], eos: list[int], layout: str,
-                 sinks: list[Sink], groups: tuple = (None, None),
-                 cancel: Callable[[int], bool] | None = None) -> list[str]:  # fmt: skip
-    """run_batch, where one request's failure fails that request alone: a batch that raises is
-    run again one request at a time (each replays only what its client has not seen yet), and
-    a request that raises alone gets its error. Every rank takes the same path as long as the
-    failure is the same on every rank (generate's checks, non-finite logits: rank 0's verdict
-    is broadcast); a failure on one rank only (an OOM mid-collective) leaves the others waiting
-    in a collective until the process-group timeout ends the server. Finish reasons, "error"
-    for a failed request."""
-    try:
-        return run_batch(model, tokenizer, requests, eos, layout, sinks, groups, cancel)
-    except Exception as err:  # noqa: BLE001 - a batch's failure is its requests', not the server's
-        _free_device_memory()
-        if len(requests) == 1:
-            _fail(sinks[0], err)
-            return ["error"]
-    finishes = []
-    for i, (request, sink) in enumerate(zip(requests, sinks)):
-        sink.replay()
-        alone = None if cancel is None else (lambda _, i=i: cancel(i))
-        try:
-            finishes += run_batch(model, tokenizer, [request], eos, layout, [sink], groups, alone)
-        except Exception as err:  # noqa: BLE001 - this request's failure alone
-            _free_device_memory()
-            _fail(sink, err)
-            finishes.append("error")
-    return finishes
 
 
 def _free_device_memory() -> None:
@@ -315,6 +207,9 @@ def rank_loop(model, tokenizer, info: GroupInfo, layout: str, jobs: queue.Queue,
             return served
         if plan["op"] == "idle":
             continue
+        if plan.get("new"):  # taken on, whether or not this step succeeds
+            served += plan["new"]
+            report_progress(phase="serving", served=served)
         try:
             with torch.no_grad():
                 decoded, chunks = runner.step(plan)
@@ -326,9 +221,6 @@ def rank_loop(model, tokenizer, info: GroupInfo, layout: str, jobs: queue.Queue,
             continue
         if scheduler is not None:
             scheduler.after(decoded, chunks)
-        if plan.get("new"):
-            served += plan["new"]
-            report_progress(phase="serving", served=served)
 
 
 def serve_worker(cfg: ServeConfig) -> dict:
