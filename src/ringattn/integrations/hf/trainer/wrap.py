@@ -10,6 +10,8 @@ What a hand-wired Trainer gets wrong, and the documented hook that puts it right
     the model sees whole sequences            __init__: ringattn.hf.parallelize on the cp group
                                               (a PeftModel's base model); compute_loss: the
                                               batch -> one row (batch.py) -> shard_batch
+    the loss keeps (tokens, vocab) logits     chunked.py: transformers.Trainer's training loss
+                                              through lm_head a chunk of rows at a time
     num_items_in_batch counts every rank      get_cp_size: the Trainer divides its all-rank
                                               count by it, giving the global batch's count
     DDP averages gradients over all W ranks   the Trainer already multiplies a token-normalised
@@ -38,6 +40,7 @@ import torch.distributed as dist
 from ringattn.integrations.hf.batch import shard_batch
 from ringattn.integrations.hf.model import parallelize
 from ringattn.integrations.hf.trainer.batch import one_row
+from ringattn.integrations.hf.trainer.chunked import install_chunked_loss
 from ringattn.integrations.hf.trainer.config import ContextParallelConfig, split_world
 from ringattn.integrations.hf.trainer.router import gather_router_logits
 
@@ -97,6 +100,15 @@ def _by_data_parallel_rank(loader: object, dp: int, dp_rank: int) -> object:
     )
 
 
+def _own_compute_loss(cls: type) -> bool:
+    """Whether `cls`'s compute_loss below ours is transformers.Trainer's own."""
+    import transformers
+
+    below = cls.__mro__[cls.__mro__.index(_ContextParallel) + 1 :]
+    owner = next(c for c in below if "compute_loss" in vars(c))
+    return owner is transformers.Trainer
+
+
 class _ContextParallel:
     """The overrides; `with_context_parallel` puts this class first in the subclass's MRO."""
 
@@ -121,6 +133,8 @@ class _ContextParallel:
                     backend=context_parallel.backend)  # fmt: skip
         if getattr(self, "aux_loss_enabled", False):  # SFTTrainer's own MoE router loss
             gather_router_logits(base)
+        if _own_compute_loss(type(self)):  # a subclass's compute_loss may read the logits
+            install_chunked_loss(base, context_parallel.loss_chunk)
         if self.cp_split.cp > 1:
             self.gather_function = self._gather_by_dp_group
 
