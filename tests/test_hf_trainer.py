@@ -115,6 +115,17 @@ def test_trainer_bf16_autocast_cp2(pools, tmp_path):
         assert abs(got - want) <= max(2 * abs(one - want), 1e-2), (step, got, one, want)
 
 
+def test_trainer_fsdp2_cp2_equals_one_process(pools, tmp_path):
+    """FSDP2 as the Trainer's own arguments (fsdp="full_shard", fsdp_config version 2) over the
+    cp group, on CPU gloo: the losses and the gathered weights equal one plain process's.
+    (FSDP1 is refused by accelerate itself on CPU: "no available devices".)"""
+    fsdp = {"fsdp": "full_shard", "fsdp_config": {"version": 2}}
+    case = {"kind": "trainer", "cp": 2, "args": fsdp}
+    results = pools(2).run("workers_hf_trainer:run", case, str(tmp_path / "cp"), timeout=600)
+    _ranks_agree(results)
+    _same(results[0], _reference({**case, "args": {}}, tmp_path), "Trainer + FSDP2")
+
+
 def test_dp2_cp2_equals_plain_dp2(pools, tmp_path):
     """4 ranks as 2 data-parallel groups of 2 CP ranks = plain DDP on 2 ranks."""
     case = {"kind": "sft", "cp": 2}
@@ -217,9 +228,20 @@ def test_one_row_turns_batches_into_documents():
         one_row({"input_ids": ids, "token_type_ids": ids})
 
 
-def test_example_runs_under_torchrun(tmp_path):
-    """examples/trl_sft_context_parallel.py as the docs launch it (2 steps), then its saved model
-    loads with from_pretrained."""
+def test_one_process_cp1_equals_plain(tmp_path):
+    """One process (`accelerate launch --cpu` runs one): cp=1, accelerate's unsharded loader."""
+    case = {"kind": "trainer", "cp": 1, "steps": 2}
+    got, want = run(0, 1, case, str(tmp_path / "cp1")), _reference(case, tmp_path)
+    assert (
+        got["losses"] == pytest.approx(want["losses"], abs=LOSS_ATOL) and len(want["losses"]) == 2
+    )
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "accelerate"])
+def test_example_runs_launched(tmp_path, launcher):
+    """examples/trl_sft_context_parallel.py as the docs launch it (2 steps) with torchrun or
+    `accelerate launch --multi_gpu` (its multi-process launcher; on CPU too), then its saved
+    model loads with from_pretrained."""
     import os
     import subprocess
     import sys
@@ -230,8 +252,14 @@ def test_example_runs_under_torchrun(tmp_path):
     script = os.path.join(root, "examples", "trl_sft_context_parallel.py")
     out = str(tmp_path / "out")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.join(root, "src")}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node=2", script, "--steps", "2", "--out", out]  # fmt: skip
+    if launcher == "torchrun":
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   "--nproc-per-node=2"]  # fmt: skip
+    else:
+        command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu",
+                   "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
+                   "--dynamo_backend", "no", "--main_process_port", "0"]  # fmt: skip
+    command += [script, "--steps", "2", "--out", out]
     proc = subprocess.run(
         command, env=env, capture_output=True, text=True, timeout=600, check=False
     )

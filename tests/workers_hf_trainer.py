@@ -162,7 +162,13 @@ def _history(trainer) -> dict:
 
 
 def _params(trainer) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    """The trainable weights, whole (FSDP2's DTensor shards gathered: every rank calls this)."""
+    out = {}
+    for name, param in trainer.model.named_parameters():
+        if param.requires_grad:
+            value = param.detach()
+            out[name] = (value.full_tensor() if hasattr(value, "full_tensor") else value).clone()
+    return out
 
 
 def run(rank: int, world_size: int, case: dict, out_dir: str) -> dict:
@@ -186,6 +192,7 @@ def _run(rank: int, world_size: int, case: dict, out_dir: str) -> dict:
         result["final_eval"] = trainer.evaluate()["eval_loss"]
     if case.get("save"):
         trainer.save_model(case["save"])
+    params = _params(trainer)
     if rank == 0:
-        result["params"] = _params(trainer)
+        result["params"] = params
     return result

@@ -84,9 +84,12 @@ def _refuse(trainer: object, extra_settings: dict) -> None:
             raise ValueError(f"ringattn.hf Trainer: {setting} is not supported: {fix}")
 
 
-def _by_data_parallel_rank(loader: object, dp: int, dp_rank: int) -> object:
+def _by_data_parallel_rank(loader: object, dp: int, dp_rank: int, world: int) -> object:
     """Make an accelerate-prepared loader shard its batches over dp groups instead of ranks."""
     from accelerate.data_loader import BatchSamplerShard, IterableDatasetShard
+
+    if world == 1:  # one process (e.g. `accelerate launch --cpu`): accelerate shards nothing
+        return loader
 
     for attribute in ("batch_sampler", "sampler", "dataset"):
         shard = getattr(loader, attribute, None)
@@ -142,17 +145,21 @@ class _ContextParallel:
         """The Trainer divides its all-rank token count and its dp world size by this."""
         return self.cp_split.cp
 
+    @property
+    def _grid(self) -> tuple[int, int, int]:
+        return self.cp_split.dp, self.cp_split.dp_rank, self.accelerator.num_processes
+
     def get_train_dataloader(self):
         loader = super().get_train_dataloader()
-        return _by_data_parallel_rank(loader, self.cp_split.dp, self.cp_split.dp_rank)
+        return _by_data_parallel_rank(loader, *self._grid)
 
     def get_eval_dataloader(self, eval_dataset=None):
         loader = super().get_eval_dataloader(eval_dataset)
-        return _by_data_parallel_rank(loader, self.cp_split.dp, self.cp_split.dp_rank)
+        return _by_data_parallel_rank(loader, *self._grid)
 
     def get_test_dataloader(self, test_dataset):
         loader = super().get_test_dataloader(test_dataset)
-        return _by_data_parallel_rank(loader, self.cp_split.dp, self.cp_split.dp_rank)
+        return _by_data_parallel_rank(loader, *self._grid)
 
     def _shard(self, inputs: dict, count: object) -> dict:
         row, flags = one_row(inputs)
