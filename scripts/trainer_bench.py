@@ -14,7 +14,12 @@ path on one unpacked sequence):
     cp    W=2     ringattn.hf.Trainer, cp=2 under torchrun               (1 sequence a step)
 
 Memory: each rank's peak RSS during `trainer.train()` above its RSS just before (runtime/meter.py);
-RSS counts everything a process touches, so it is an upper bound on the tensors. Speed: tokens
+RSS counts everything a process touches, so it is an upper bound on the tensors. glibc's mmap
+threshold is fixed (--mmap-threshold, 64 KiB): its default grows with the largest block freed, after
+which freed tensors stay in the heap and the RSS peak varies by tens of MB from run to run; fixed,
+every tensor above it is its own mapping, returned when freed, so the RSS follows the live tensors.
+The DDP runs set ddp_find_unused_parameters=False (every parameter is used): with the Trainer's
+default (True) DDP also copies the logits to find unused ones. Speed: tokens
 per second over the steps after the first (median step time). On a CPU shared with other jobs
 absolute times are noise: read the ratios. Writes JSON with the machine, the versions and the
 command, and prints a table.
@@ -100,7 +105,9 @@ def worker(seq_len: int, steps: int, cp: int, loss_chunk: int, result: str) -> N
             json.dump(rows, f)
 
 
-def _launch(world: int, seq_len: int, steps: int, cp: int, loss_chunk: int) -> list[dict]:
+def _launch(
+    world: int, seq_len: int, steps: int, cp: int, loss_chunk: int, mmap_threshold: int
+) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         result = os.path.join(tmp, "rows.json")
         args = [__file__, "--worker", "--seq-len", str(seq_len), "--steps", str(steps),
@@ -111,6 +118,8 @@ def _launch(world: int, seq_len: int, steps: int, cp: int, loss_chunk: int) -> l
         else:
             command = [sys.executable, *args]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        if mmap_threshold:
+            env["MALLOC_MMAP_THRESHOLD_"] = str(mmap_threshold)
         subprocess.run(command, check=True, env=env, cwd=ROOT)
         with open(result) as f:
             return json.load(f)
@@ -127,22 +136,26 @@ def main() -> None:
     parser.add_argument(
         "--loss-chunk",
         type=int,
-        default=256,
-        help="ContextParallelConfig.loss_chunk of the last run (rows of logits)",
+        default=-1,
+        help="the cp run's ContextParallelConfig.loss_chunk (-1: from the vocab)",
+    )
+    parser.add_argument(
+        "--mmap-threshold",
+        type=int,
+        default=65536,
+        help="glibc's MALLOC_MMAP_THRESHOLD_ in the runs (0: glibc's dynamic one)",
     )
     args = parser.parse_args()
     if args.worker:
         worker(args.seq_len, args.steps, args.cp, args.loss_chunk, args.result)
         return
     runs = {}
-    for name, world, cp, sequences, chunk in (
-        ("plain W=1", 1, 0, 1, -1), ("plain W=2 (DDP)", 2, 0, 2, -1), ("cp=2 W=2", 2, 2, 1, -1),
-        (f"cp=2 W=2 chunk {args.loss_chunk}", 2, 2, 1, args.loss_chunk),
-    ):  # fmt: skip
-        rows = _launch(world, args.seq_len, args.steps, cp, chunk)
+    for name, world, cp, sequences in (("plain W=1", 1, 0, 1), ("plain W=2 (DDP)", 2, 0, 2),
+                                       ("cp=2 W=2", 2, 2, 1)):  # fmt: skip
+        rows = _launch(world, args.seq_len, args.steps, cp, args.loss_chunk, args.mmap_threshold)
         step = statistics.median(t for row in rows for t in row["step_seconds"])
         runs[name] = {"world_size": world, "cp": cp, "sequences_per_step": sequences,
-                      "loss_chunk": chunk if cp else None,
+                      "loss_chunk": args.loss_chunk if cp else None,
                       "peak_mb_per_rank": [row["peak_mb"] for row in rows],
                       "median_step_seconds": step,
                       "tokens_per_second": sequences * args.seq_len / step,
@@ -165,6 +178,7 @@ def main() -> None:
         "seq_len": args.seq_len,
         "steps": args.steps,
         "memory_method": "peak RSS during trainer.train() above the RSS just before",
+        "malloc_mmap_threshold": args.mmap_threshold or "glibc dynamic",
         "runs": runs,
     }
     print(f"{'run':<24}{'peak MB/rank':>14}{'vs W=1':>8}{'tokens/s':>10}{'vs W=1':>8}")
