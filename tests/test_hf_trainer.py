@@ -180,6 +180,7 @@ def test_chunked_loss_equals_the_models_own():
     not installed for a MoE model (its forward adds the router loss) or loss_chunk=0."""
     import inspect
 
+    import ringattn.hf
     from ringattn.integrations.hf.trainer.chunked import install_chunked_loss
     from workers_hf_trainer import model
 
@@ -206,6 +207,17 @@ def test_chunked_loss_equals_the_models_own():
         assert net(**batch).logits.shape == (1, 30, 40)
     assert not install_chunked_loss(model("qwen3_moe", 40), 8)
     assert not install_chunked_loss(model("llama", 40), 0)
+    import transformers
+
+    from ringattn.integrations.hf.trainer.wrap import _own_compute_loss
+
+    class Mine(ringattn.hf.Trainer):  # its own compute_loss may read outputs.logits
+        def compute_loss(self, *args, **kwargs):
+            return super().compute_loss(*args, **kwargs)
+
+    assert _own_compute_loss(ringattn.hf.Trainer) and not _own_compute_loss(Mine)
+    assert not _own_compute_loss(ringattn.hf.with_context_parallel(trl.SFTTrainer))
+    assert _own_compute_loss(ringattn.hf.with_context_parallel(transformers.Seq2SeqTrainer))
 
 
 def test_one_row_turns_batches_into_documents():

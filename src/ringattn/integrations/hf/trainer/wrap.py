@@ -104,12 +104,12 @@ def _by_data_parallel_rank(loader: object, dp: int, dp_rank: int, world: int) ->
 
 
 def _own_compute_loss(cls: type) -> bool:
-    """Whether `cls`'s compute_loss below ours is transformers.Trainer's own."""
+    """Whether, ours aside, `cls` computes the loss with transformers.Trainer's own compute_loss
+    (a subclass's, above or below ours, may read the logits)."""
     import transformers
 
-    below = cls.__mro__[cls.__mro__.index(_ContextParallel) + 1 :]
-    owner = next(c for c in below if "compute_loss" in vars(c))
-    return owner is transformers.Trainer
+    owners = [c for c in cls.__mro__ if "compute_loss" in vars(c) and c is not _ContextParallel]
+    return owners[0] is transformers.Trainer
 
 
 class _ContextParallel:
