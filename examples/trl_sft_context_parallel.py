@@ -5,6 +5,7 @@ sliding window, launched like any Trainer script.
     torchrun --standalone --nproc-per-node 4 examples/trl_sft_context_parallel.py --cp 2  # 2 x 2
     torchrun --standalone --nproc-per-node 2 examples/trl_sft_context_parallel.py \\
         --model DIR --data chats.jsonl --max-length 32768 --lora                          # yours
+    accelerate launch --multi_gpu --num_processes 2 examples/trl_sft_context_parallel.py  # cp 2
 
 By default a tiny Llama (random weights) and tiny chat data are built here, so it runs on a CPU
 with gloo in seconds; `--model DIR` is any local causal-LM directory with a chat template in its

@@ -14,7 +14,12 @@ path on one unpacked sequence):
     cp    W=2     ringattn.hf.Trainer, cp=2 under torchrun               (1 sequence a step)
 
 Memory: each rank's peak RSS during `trainer.train()` above its RSS just before (runtime/meter.py);
-RSS counts everything a process touches, so it is an upper bound on the tensors. Speed: tokens
+RSS counts everything a process touches, so it is an upper bound on the tensors. glibc's mmap
+threshold is fixed (--mmap-threshold, 64 KiB): its default grows with the largest block freed, after
+which freed tensors stay in the heap and the RSS peak varies by tens of MB from run to run; fixed,
+every tensor above it is its own mapping, returned when freed, so the RSS follows the live tensors.
+The DDP runs set ddp_find_unused_parameters=False (every parameter is used): with the Trainer's
+default (True) DDP also copies the logits to find unused ones. Speed: tokens
 per second over the steps after the first (median step time). On a CPU shared with other jobs
 absolute times are noise: read the ratios. Writes JSON with the machine, the versions and the
 command, and prints a table.
@@ -38,7 +43,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _trainer(seq_len: int, steps: int, cp: int, out_dir: str):
+def _trainer(seq_len: int, steps: int, cp: int, out_dir: str, loss_chunk: int = -1):
     import transformers
 
     import ringattn.hf
@@ -56,17 +61,17 @@ def _trainer(seq_len: int, steps: int, cp: int, out_dir: str):
     args = transformers.TrainingArguments(
         output_dir=out_dir, max_steps=steps, per_device_train_batch_size=1, learning_rate=1e-4,
         logging_steps=1, report_to="none", use_cpu=True, save_strategy="no", disable_tqdm=True,
-        seed=0,
+        seed=0, ddp_find_unused_parameters=False,
     )  # fmt: skip
     if cp:
-        parallel = ringattn.hf.ContextParallelConfig(cp=cp)
+        parallel = ringattn.hf.ContextParallelConfig(cp=cp, loss_chunk=loss_chunk)
         return ringattn.hf.Trainer(
             model=model, args=args, train_dataset=data, context_parallel=parallel
         )
     return transformers.Trainer(model=model, args=args, train_dataset=data)
 
 
-def worker(seq_len: int, steps: int, cp: int, result: str) -> None:
+def worker(seq_len: int, steps: int, cp: int, loss_chunk: int, result: str) -> None:
     """One rank: train, measure, and (rank 0) write every rank's figures to `result`."""
     import torch.distributed as dist
     import transformers
@@ -81,7 +86,7 @@ def worker(seq_len: int, steps: int, cp: int, result: str) -> None:
             marks.append(time.perf_counter())
 
     with tempfile.TemporaryDirectory() as out:
-        trainer = _trainer(seq_len, steps, cp, out)
+        trainer = _trainer(seq_len, steps, cp, out, loss_chunk)
         trainer.add_callback(Clock())
         start = time.perf_counter()
         with Meter("cpu") as meter:
@@ -100,17 +105,21 @@ def worker(seq_len: int, steps: int, cp: int, result: str) -> None:
             json.dump(rows, f)
 
 
-def _launch(world: int, seq_len: int, steps: int, cp: int) -> list[dict]:
+def _launch(
+    world: int, seq_len: int, steps: int, cp: int, loss_chunk: int, mmap_threshold: int
+) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         result = os.path.join(tmp, "rows.json")
         args = [__file__, "--worker", "--seq-len", str(seq_len), "--steps", str(steps),
-                "--cp", str(cp), "--result", result]  # fmt: skip
+                "--cp", str(cp), "--loss-chunk", str(loss_chunk), "--result", result]  # fmt: skip
         if world > 1:
             command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                        f"--nproc-per-node={world}", *args]  # fmt: skip
         else:
             command = [sys.executable, *args]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        if mmap_threshold:
+            env["MALLOC_MMAP_THRESHOLD_"] = str(mmap_threshold)
         subprocess.run(command, check=True, env=env, cwd=ROOT)
         with open(result) as f:
             return json.load(f)
@@ -124,16 +133,29 @@ def main() -> None:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--cp", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--loss-chunk",
+        type=int,
+        default=-1,
+        help="the cp run's ContextParallelConfig.loss_chunk (-1: from the vocab)",
+    )
+    parser.add_argument(
+        "--mmap-threshold",
+        type=int,
+        default=65536,
+        help="glibc's MALLOC_MMAP_THRESHOLD_ in the runs (0: glibc's dynamic one)",
+    )
     args = parser.parse_args()
     if args.worker:
-        worker(args.seq_len, args.steps, args.cp, args.result)
+        worker(args.seq_len, args.steps, args.cp, args.loss_chunk, args.result)
         return
     runs = {}
     for name, world, cp, sequences in (("plain W=1", 1, 0, 1), ("plain W=2 (DDP)", 2, 0, 2),
                                        ("cp=2 W=2", 2, 2, 1)):  # fmt: skip
-        rows = _launch(world, args.seq_len, args.steps, cp)
+        rows = _launch(world, args.seq_len, args.steps, cp, args.loss_chunk, args.mmap_threshold)
         step = statistics.median(t for row in rows for t in row["step_seconds"])
         runs[name] = {"world_size": world, "cp": cp, "sequences_per_step": sequences,
+                      "loss_chunk": args.loss_chunk if cp else None,
                       "peak_mb_per_rank": [row["peak_mb"] for row in rows],
                       "median_step_seconds": step,
                       "tokens_per_second": sequences * args.seq_len / step,
@@ -156,12 +178,13 @@ def main() -> None:
         "seq_len": args.seq_len,
         "steps": args.steps,
         "memory_method": "peak RSS during trainer.train() above the RSS just before",
+        "malloc_mmap_threshold": args.mmap_threshold or "glibc dynamic",
         "runs": runs,
     }
-    print(f"{'run':<18}{'peak MB/rank':>14}{'vs W=1':>8}{'tokens/s':>10}{'vs W=1':>8}")
+    print(f"{'run':<24}{'peak MB/rank':>14}{'vs W=1':>8}{'tokens/s':>10}{'vs W=1':>8}")
     for name, run in runs.items():
         peak, speed = max(run["peak_mb_per_rank"]), run["tokens_per_second"]
-        print(f"{name:<18}{peak:>14.0f}{run['peak_mb_vs_plain_w1']:>8.2f}"
+        print(f"{name:<24}{peak:>14.0f}{run['peak_mb_vs_plain_w1']:>8.2f}"
               f"{speed:>10.0f}{run['tokens_per_second_vs_plain_w1']:>8.2f}")  # fmt: skip
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:

@@ -69,10 +69,11 @@ def test_sft_moe_router_loss_cp2(pools, tmp_path):
 
 def test_trainer_flattening_accumulation_eval_cp2(pools, tmp_path):
     """transformers.Trainer + DataCollatorWithFlattening, gradient accumulation 2, an eval set;
-    Mistral's sliding window (6 tokens, shorter than the chats) with GQA 4/2."""
+    Mistral's sliding window (6 tokens, shorter than the chats) with GQA 4/2; the training loss
+    through lm_head 16 rows at a time (chunked.py)."""
     evals = {"eval_strategy": "steps", "eval_steps": 2, "per_device_eval_batch_size": 2}
     case = {"kind": "trainer", "cp": 2, "arch": "mistral", "accumulation": 2, "eval": True,
-            "args": evals}  # fmt: skip
+            "args": evals, "loss_chunk": 16}  # fmt: skip
     results = pools(2).run("workers_hf_trainer:run", case, str(tmp_path / "cp"), timeout=600)
     _ranks_agree(results)
     want = _reference(case, tmp_path)
@@ -87,6 +88,42 @@ def test_trainer_padded_moe_router_loss_cp2(pools, tmp_path):
     results = pools(2).run("workers_hf_trainer:run", case, str(tmp_path / "cp"), timeout=600)
     _ranks_agree(results)
     _same(results[0], _reference(case, tmp_path), "Trainer + MoE, padded")
+
+
+def test_trainer_gemma3_gradient_checkpointing_cp2(pools, tmp_path):
+    """Gemma 3 (a sliding-window layer and a global one, soft-capped logits) through
+    transformers.Trainer with gradient_checkpointing=True (attention recomputed in backward, its
+    ring exchanges too) and the loss through lm_head 16 rows at a time."""
+    case = {"kind": "trainer", "cp": 2, "arch": "gemma3", "loss_chunk": 16,
+            "args": {"gradient_checkpointing": True}}  # fmt: skip
+    results = pools(2).run("workers_hf_trainer:run", case, str(tmp_path / "cp"), timeout=600)
+    _ranks_agree(results)
+    _same(results[0], _reference(case, tmp_path), "Trainer + Gemma 3 + checkpointing")
+
+
+def test_trainer_bf16_autocast_cp2(pools, tmp_path):
+    """Trainer(bf16=True): under autocast RoPE leaves q, k float32 beside a bf16 v (our attention
+    used to crash on that). The losses stay as close to one float32 process's as one bf16
+    process's are."""
+    case = {"kind": "trainer", "cp": 2, "args": {"bf16": True}}
+    results = pools(2).run("workers_hf_trainer:run", case, str(tmp_path / "cp"), timeout=600)
+    _ranks_agree(results)
+    fp32 = run(0, 1, {**case, "cp": 0, "args": {}}, str(tmp_path / "fp32"))["losses"]
+    bf16 = run(0, 1, {**case, "cp": 0}, str(tmp_path / "bf16"))["losses"]
+    assert len(results[0]["losses"]) == len(fp32) >= 5
+    for step, (got, one, want) in enumerate(zip(results[0]["losses"], bf16, fp32), 1):
+        assert abs(got - want) <= max(2 * abs(one - want), 1e-2), (step, got, one, want)
+
+
+def test_trainer_fsdp2_cp2_equals_one_process(pools, tmp_path):
+    """FSDP2 as the Trainer's own arguments (fsdp="full_shard", fsdp_config version 2) over the
+    cp group, on CPU gloo: the losses and the gathered weights equal one plain process's.
+    (FSDP1 is refused by accelerate itself on CPU: "no available devices".)"""
+    fsdp = {"fsdp": "full_shard", "fsdp_config": {"version": 2}}
+    case = {"kind": "trainer", "cp": 2, "args": fsdp}
+    results = pools(2).run("workers_hf_trainer:run", case, str(tmp_path / "cp"), timeout=600)
+    _ranks_agree(results)
+    _same(results[0], _reference({**case, "args": {}}, tmp_path), "Trainer + FSDP2")
 
 
 def test_dp2_cp2_equals_plain_dp2(pools, tmp_path):
@@ -137,6 +174,52 @@ def test_checkpoint_resumes_equal_and_save_model_loads(pools, tmp_path):
         assert torch.equal(state[name], value), f"saved {name} differs"
 
 
+def test_chunked_loss_equals_the_models_own():
+    """The training loss through lm_head 8 rows at a time (chunked.py): the model's own loss and
+    gradients, its signature kept (the Trainer picks dataset columns by it), eval untouched;
+    not installed for a MoE model (its forward adds the router loss) or loss_chunk=0."""
+    import inspect
+
+    import ringattn.hf
+    from ringattn.integrations.hf.trainer.chunked import install_chunked_loss
+    from workers_hf_trainer import model
+
+    net = model("gemma3", 40)
+    signature = inspect.signature(net.forward)
+    assert install_chunked_loss(net, 8)
+    assert inspect.signature(net.forward) == signature
+    ids = torch.randint(0, 40, (1, 30), generator=torch.Generator().manual_seed(0))
+    shifted = torch.cat([ids[:, 1:], torch.full((1, 1), -100)], 1)
+    batch = {"input_ids": ids, "labels": ids, "shift_labels": shifted,
+             "num_items_in_batch": torch.tensor(29)}  # fmt: skip
+    grads, losses = [], []
+    for forward in (net.forward, net._ringattn_forward):
+        net.zero_grad()
+        out = forward(**batch)
+        out.loss.backward()
+        grads.append([p.grad.clone() for p in net.parameters()])
+        losses.append(out.loss.item())
+        assert (out.logits is None) == (forward == net.forward)
+    assert losses[0] == pytest.approx(losses[1], abs=1e-6)
+    for got, want in zip(*grads):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    with torch.no_grad():
+        assert net(**batch).logits.shape == (1, 30, 40)
+    assert not install_chunked_loss(model("qwen3_moe", 40), 8)
+    assert not install_chunked_loss(model("llama", 40), 0)
+    import transformers
+
+    from ringattn.integrations.hf.trainer.wrap import _own_compute_loss
+
+    class Mine(ringattn.hf.Trainer):  # its own compute_loss may read outputs.logits
+        def compute_loss(self, *args, **kwargs):
+            return super().compute_loss(*args, **kwargs)
+
+    assert _own_compute_loss(ringattn.hf.Trainer) and not _own_compute_loss(Mine)
+    assert not _own_compute_loss(ringattn.hf.with_context_parallel(trl.SFTTrainer))
+    assert _own_compute_loss(ringattn.hf.with_context_parallel(transformers.Seq2SeqTrainer))
+
+
 def test_one_row_turns_batches_into_documents():
     """Right-padded rows become documents with their own positions; padding-free rows keep the
     collator's; left padding and unknown keys are refused."""
@@ -157,9 +240,20 @@ def test_one_row_turns_batches_into_documents():
         one_row({"input_ids": ids, "token_type_ids": ids})
 
 
-def test_example_runs_under_torchrun(tmp_path):
-    """examples/trl_sft_context_parallel.py as the docs launch it (2 steps), then its saved model
-    loads with from_pretrained."""
+def test_one_process_cp1_equals_plain(tmp_path):
+    """One process (`accelerate launch --cpu` runs one): cp=1, accelerate's unsharded loader."""
+    case = {"kind": "trainer", "cp": 1, "steps": 2}
+    got, want = run(0, 1, case, str(tmp_path / "cp1")), _reference(case, tmp_path)
+    assert (
+        got["losses"] == pytest.approx(want["losses"], abs=LOSS_ATOL) and len(want["losses"]) == 2
+    )
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "accelerate"])
+def test_example_runs_launched(tmp_path, launcher):
+    """examples/trl_sft_context_parallel.py as the docs launch it (2 steps) with torchrun or
+    `accelerate launch --multi_gpu` (its multi-process launcher; on CPU too), then its saved
+    model loads with from_pretrained."""
     import os
     import subprocess
     import sys
@@ -170,8 +264,14 @@ def test_example_runs_under_torchrun(tmp_path):
     script = os.path.join(root, "examples", "trl_sft_context_parallel.py")
     out = str(tmp_path / "out")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.join(root, "src")}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node=2", script, "--steps", "2", "--out", out]  # fmt: skip
+    if launcher == "torchrun":
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   "--nproc-per-node=2"]  # fmt: skip
+    else:
+        command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu",
+                   "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
+                   "--dynamo_backend", "no", "--main_process_port", "0"]  # fmt: skip
+    command += [script, "--steps", "2", "--out", out]
     proc = subprocess.run(
         command, env=env, capture_output=True, text=True, timeout=600, check=False
     )

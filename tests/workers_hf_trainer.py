@@ -7,7 +7,8 @@ ringattn, the plain trainer class) on one process, or on a pool without CP (plai
 
 Everything is built here, offline and seeded: a character-level ChatML tokenizer whose template
 marks the assistant's turns ({% generation %}, for TRL's assistant_only_loss), tiny chat data, and
-tiny float32 models (Llama with GQA, Mistral with a sliding window, Qwen3-MoE with its router loss).
+tiny float32 models (Llama with GQA, Mistral with a sliding window, Gemma 3 with sliding and global
+layers, Qwen3-MoE with its router loss).
 """
 
 from __future__ import annotations
@@ -67,6 +68,10 @@ def model(arch: str, vocab: int):
         config = tf.LlamaConfig(**common)
     elif arch == "mistral":  # a sliding window shorter than most documents
         config = tf.MistralConfig(sliding_window=6, **common)
+    elif arch == "gemma3":  # sliding (6 tokens) and global layers, logit soft-capping
+        config = tf.Gemma3TextConfig(sliding_window=6, head_dim=8, query_pre_attn_scalar=8,
+                                     layer_types=["sliding_attention", "full_attention"],
+                                     final_logit_softcapping=30.0, **common)  # fmt: skip
     elif arch == "qwen3_moe":  # the router load-balancing loss in out.loss
         config = tf.Qwen3MoeConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
                                    head_dim=8, output_router_logits=True,
@@ -144,7 +149,7 @@ def _trainer(case: dict, out_dir: str):
         cls = ringattn.hf.with_context_parallel(cls)
         layout, strategy = case.get("layout", "zigzag"), case.get("strategy", "ring")
         kwargs["context_parallel"] = ringattn.hf.ContextParallelConfig(
-            cp=case["cp"], layout=layout, strategy=strategy
+            cp=case["cp"], layout=layout, strategy=strategy, loss_chunk=case.get("loss_chunk", -1)
         )
     torch.manual_seed(0)  # LoRA's initial A, the same in every process
     return cls(model=net, args=args, **kwargs)
@@ -157,7 +162,13 @@ def _history(trainer) -> dict:
 
 
 def _params(trainer) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    """The trainable weights, whole (FSDP2's DTensor shards gathered: every rank calls this)."""
+    out = {}
+    for name, param in trainer.model.named_parameters():
+        if param.requires_grad:
+            value = param.detach()
+            out[name] = (value.full_tensor() if hasattr(value, "full_tensor") else value).clone()
+    return out
 
 
 def run(rank: int, world_size: int, case: dict, out_dir: str) -> dict:
@@ -181,6 +192,7 @@ def _run(rank: int, world_size: int, case: dict, out_dir: str) -> dict:
         result["final_eval"] = trainer.evaluate()["eval_loss"]
     if case.get("save"):
         trainer.save_model(case["save"])
+    params = _params(trainer)
     if rank == 0:
-        result["params"] = _params(trainer)
+        result["params"] = params
     return result

@@ -36,11 +36,18 @@ class ContextParallelConfig:
     """How the ranks exchange keys and values: "ring", "allgather" or "ulysses"."""
     backend: str = "auto"
     """The attention kernel of `ringattn.attention` ("auto" picks per device)."""
+    loss_chunk: int = -1
+    """Rows of logits at a time in the training loss of transformers.Trainer (chunked.py): -1
+    picks them from the vocabulary (256 MiB of float32 logits), 0 keeps the model's own whole
+    logits."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.cp, int) or isinstance(self.cp, bool) or self.cp < 1:
             raise ValueError(f"ContextParallelConfig(cp={self.cp!r}): cp must be an int >= 1")
         get_layout(self.layout)
+        if not isinstance(self.loss_chunk, int) or isinstance(self.loss_chunk, bool):
+            raise TypeError(f"ContextParallelConfig(loss_chunk={self.loss_chunk!r}): an int "
+                             f"(-1: from the vocabulary, 0: whole logits, > 0: rows)")  # fmt: skip
         if self.strategy == "hybrid":
             raise ValueError(
                 "ContextParallelConfig(strategy='hybrid') needs a 2-D mesh, which the Trainer "

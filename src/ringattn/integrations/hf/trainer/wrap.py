@@ -10,6 +10,8 @@ What a hand-wired Trainer gets wrong, and the documented hook that puts it right
     the model sees whole sequences            __init__: ringattn.hf.parallelize on the cp group
                                               (a PeftModel's base model); compute_loss: the
                                               batch -> one row (batch.py) -> shard_batch
+    the loss keeps (tokens, vocab) logits     chunked.py: transformers.Trainer's training loss
+                                              through lm_head a chunk of rows at a time
     num_items_in_batch counts every rank      get_cp_size: the Trainer divides its all-rank
                                               count by it, giving the global batch's count
     DDP averages gradients over all W ranks   the Trainer already multiplies a token-normalised
@@ -38,6 +40,7 @@ import torch.distributed as dist
 from ringattn.integrations.hf.batch import shard_batch
 from ringattn.integrations.hf.model import parallelize
 from ringattn.integrations.hf.trainer.batch import one_row
+from ringattn.integrations.hf.trainer.chunked import install_chunked_loss
 from ringattn.integrations.hf.trainer.config import ContextParallelConfig, split_world
 from ringattn.integrations.hf.trainer.router import gather_router_logits
 
@@ -81,9 +84,12 @@ def _refuse(trainer: object, extra_settings: dict) -> None:
             raise ValueError(f"ringattn.hf Trainer: {setting} is not supported: {fix}")
 
 
-def _by_data_parallel_rank(loader: object, dp: int, dp_rank: int) -> object:
+def _by_data_parallel_rank(loader: object, dp: int, dp_rank: int, world: int) -> object:
     """Make an accelerate-prepared loader shard its batches over dp groups instead of ranks."""
     from accelerate.data_loader import BatchSamplerShard, IterableDatasetShard
+
+    if world == 1:  # one process (e.g. `accelerate launch --cpu`): accelerate shards nothing
+        return loader
 
     for attribute in ("batch_sampler", "sampler", "dataset"):
         shard = getattr(loader, attribute, None)
@@ -95,6 +101,15 @@ def _by_data_parallel_rank(loader: object, dp: int, dp_rank: int) -> object:
         f"loader ({type(loader).__name__} over {type(getattr(loader, 'dataset', None)).__name__}"
         f"); use a map-style dataset or a torch IterableDataset"
     )
+
+
+def _own_compute_loss(cls: type) -> bool:
+    """Whether, ours aside, `cls` computes the loss with transformers.Trainer's own compute_loss
+    (a subclass's, above or below ours, may read the logits)."""
+    import transformers
+
+    owners = [c for c in cls.__mro__ if "compute_loss" in vars(c) and c is not _ContextParallel]
+    return owners[0] is transformers.Trainer
 
 
 class _ContextParallel:
@@ -121,6 +136,8 @@ class _ContextParallel:
                     backend=context_parallel.backend)  # fmt: skip
         if getattr(self, "aux_loss_enabled", False):  # SFTTrainer's own MoE router loss
             gather_router_logits(base)
+        if _own_compute_loss(type(self)):  # a subclass's compute_loss may read the logits
+            install_chunked_loss(base, context_parallel.loss_chunk)
         if self.cp_split.cp > 1:
             self.gather_function = self._gather_by_dp_group
 
@@ -128,17 +145,21 @@ class _ContextParallel:
         """The Trainer divides its all-rank token count and its dp world size by this."""
         return self.cp_split.cp
 
+    @property
+    def _grid(self) -> tuple[int, int, int]:
+        return self.cp_split.dp, self.cp_split.dp_rank, self.accelerator.num_processes
+
     def get_train_dataloader(self):
         loader = super().get_train_dataloader()
-        return _by_data_parallel_rank(loader, self.cp_split.dp, self.cp_split.dp_rank)
+        return _by_data_parallel_rank(loader, *self._grid)
 
     def get_eval_dataloader(self, eval_dataset=None):
         loader = super().get_eval_dataloader(eval_dataset)
-        return _by_data_parallel_rank(loader, self.cp_split.dp, self.cp_split.dp_rank)
+        return _by_data_parallel_rank(loader, *self._grid)
 
     def get_test_dataloader(self, test_dataset):
         loader = super().get_test_dataloader(test_dataset)
-        return _by_data_parallel_rank(loader, self.cp_split.dp, self.cp_split.dp_rank)
+        return _by_data_parallel_rank(loader, *self._grid)
 
     def _shard(self, inputs: dict, count: object) -> dict:
         row, flags = one_row(inputs)
