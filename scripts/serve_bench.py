@@ -1,35 +1,15 @@
 """Serving under a bounded load: `ringattn serve` (W = 1, 2) beside `transformers serve`, one run.
 
-    python scripts/serve_bench.py --hf /tmp/smollm2            # full: results/serve_bench_cpu.json
-    python scripts/serve_bench.py --hf /tmp/smollm2 --quick    # smaller prompts, fewer requests
+    python scripts/serve_bench.py --hf /tmp/smollm2 [--quick]  # results/serve_bench_cpu*.json
     python scripts/serve_bench.py --hf DIR --serve-args "--max-batch-tokens 512 --kv-cache-gb 1"
 
-Each server starts fresh on loopback (the same model, the same cores with --cpus, the same
-OMP_NUM_THREADS per process: the cores / W), gets one untimed warm-up chat, then four phases of
-the same requests, every one streamed through the official `openai` client (temperature 0), each
-content chunk's arrival time recorded:
-
-    alone   the long prompt (8k tokens) on an idle server: its TTFT is the prefill's time
-    prefix  two chats sharing a 4k-token system prompt, one after the other: TTFT 2nd / 1st
-    burst   --burst short chats at once: tokens/s = generated tokens / (last chunk - first send)
-    mixed   --streams short streams; once each has its first token, a second long prompt (other
-            text) arrives, and --late short chats 1 s after it. The longest gap between two
-            chunks of a short stream that overlaps the long prompt's wait for its first token
-            is the stall the long prefill causes; the late chats' TTFT is how long a newcomer
-            waits behind it. KV block series (any /metrics line naming kv and block) are sampled
-            every second meanwhile: the largest value of each, or null without such series.
-
-TTFT and inter-token (chunk) latency p50/p99 are over every short chat of burst and mixed.
-Tokens are the final chunk's usage.completion_tokens (the chunks counted when a server sends no
-usage). The targets (issue 32) are ratios measured side by side in this run:
-
-    throughput   ringattn W=1 burst tokens/s / transformers serve's           >= 1.0
-    stall        ringattn longest gap in mixed / its long prompt's TTFT there  <= 0.25
-    prefix       ringattn TTFT of the 2nd chat sharing the prefix / the 1st's  <= 0.3
-    W=2 prefill  ringattn W=2 alone TTFT / W=1's                               <= 0.65
-
-`transformers serve --continuous-batching` loads the directory offline (HF_HUB_OFFLINE=1) as its
-forced model. The servers run one after the other, never together.
+Each server in turn, fresh on loopback (same model, cores, OMP_NUM_THREADS = cores / W), gets a
+warm-up, then the same chats streamed through the `openai` client (temperature 0), every chunk's
+arrival timed. alone: the 8k prompt on an idle server; prefix: two chats sharing a 4k system
+prompt, in turn; burst: short chats at once (tokens/s); mixed: short streams, another 8k prompt
+once each has its first token, late short chats 1 s after it: the longest gap of a stream that
+overlaps the 8k prompt's wait for its first token is the stall its prefill causes (/metrics KV
+block series sampled meanwhile). Targets and the table: docs/serving.md#the-serving-benchmark.
 """
 
 from __future__ import annotations
@@ -38,6 +18,7 @@ import argparse
 import itertools
 import json
 import os
+import pathlib
 import platform
 import random
 import re
@@ -50,7 +31,7 @@ import tempfile
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, replace
+from types import SimpleNamespace
 
 TARGETS = {"throughput": (">=", 1.0), "stall": ("<=", 0.25), "prefix": ("<=", 0.3),
            "w2_prefill": ("<=", 0.65)}  # fmt: skip
@@ -60,42 +41,22 @@ WORDS = ("river", "stone", "quiet", "lantern", "orbit", "velvet", "harbor", "mea
          "forest", "ladder", "marble", "ocean", "pepper", "saddle", "tunnel")  # fmt: skip
 TOPICS = ("a lighthouse keeper", "a robot gardener", "a lost map", "a mountain village",
           "a clockmaker", "a desert caravan", "a sleepy dragon", "a river boat")  # fmt: skip
-
-
-@dataclass
-class Sizes:
-    long_tokens: int = 8000  # the long prompt, chat template included (SmolLM2: 8192 positions)
-    long_new: int = 8
-    prefix_tokens: int = 4000  # the shared system prompt
-    prefix_new: int = 8
-    burst: int = 8
-    burst_new: int = 64
-    streams: int = 4
-    stream_new: int = 128
-    late: int = 2
-    late_new: int = 16
-
-
-QUICK = Sizes(long_tokens=512, prefix_tokens=256, burst=4, burst_new=8, streams=2,
-              stream_new=16, late=1, late_new=4)  # fmt: skip
-
-
-# --- statistics and targets (pure: tests/test_serve_bench.py) --------------------------------
+# prompt tokens (the long one's with its template: SmolLM2 has 8192 positions), requests, and
+# tokens to generate (*_new) per phase
+FULL = SimpleNamespace(long_tokens=8000, long_new=8, prefix_tokens=4000, prefix_new=8, burst=8,
+                       burst_new=64, streams=4, stream_new=128, late=2, late_new=16)  # fmt: skip
+QUICK = SimpleNamespace(**{**vars(FULL), "long_tokens": 512, "prefix_tokens": 256, "burst": 4,
+                           "burst_new": 8, "streams": 2, "stream_new": 16, "late": 1,
+                           "late_new": 4})  # fmt: skip
 
 
 def percentile(values: list[float], q: float) -> float | None:
     """The q-th percentile (0..100), linear between the closest ranks (numpy's default)."""
     if not values:
         return None
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100
-    lo = int(pos)
-    hi = min(lo + 1, len(xs) - 1)
+    xs, pos = sorted(values), (len(values) - 1) * q / 100
+    lo, hi = int(pos), min(int(pos) + 1, len(values) - 1)
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-
-def gaps(times: list[float]) -> list[float]:
-    return [b - a for a, b in itertools.pairwise(times)]
 
 
 def longest_stall(streams: list[dict], start: float, end: float) -> float | None:
@@ -109,10 +70,8 @@ def longest_stall(streams: list[dict], start: float, end: float) -> float | None
 def throughput(records: list[dict]) -> float | None:
     """Generated tokens / (the last chunk's arrival - the first request's send)."""
     done = [r for r in records if r["times"]]
-    if not done:
-        return None
-    wall = max(r["times"][-1] for r in done) - min(r["sent"] for r in records)
-    return sum(r["tokens"] for r in done) / wall if wall > 0 else None
+    wall = max((r["times"][-1] for r in done), default=0) - min(r["sent"] for r in records)
+    return sum(r["tokens"] for r in done) / wall if done and wall > 0 else None
 
 
 def ttft(record: dict) -> float | None:
@@ -124,7 +83,7 @@ def summarize(phases: dict) -> dict:
     """One server's figures from its phases' records (times are time.perf_counter seconds)."""
     shorts = [*phases["burst"], *phases["mixed"]["streams"], *phases["mixed"]["late"]]
     firsts = [t for t in map(ttft, shorts) if t is not None]
-    itl = [g for r in shorts for g in gaps(r["times"])]
+    itl = [b - a for r in shorts for a, b in itertools.pairwise(r["times"])]
     mixed = phases["mixed"]
     long_sent, long_ttft = mixed["long"]["sent"], ttft(mixed["long"])
     long_first = mixed["long"]["first"] if long_ttft is not None else float("inf")
@@ -147,27 +106,18 @@ def summarize(phases: dict) -> dict:
     }  # fmt: skip
 
 
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
-
-
 def targets(summaries: dict[str, dict]) -> list[dict]:
-    """Issue 32's targets from the servers' summaries ("ringattn W=1", "ringattn W=2",
-    "transformers"): one row each, pass None where a figure is missing."""
+    """Issue 32's targets from the summaries by server: one row each, pass None if not measured."""
     w1, w2 = summaries.get("ringattn W=1", {}), summaries.get("ringattn W=2", {})
     hf = summaries.get("transformers", {})
-    values = {
-        "throughput": _ratio(w1.get("burst_tokens_per_s"), hf.get("burst_tokens_per_s")),
-        "stall": w1.get("stall_ratio"),
-        "prefix": w1.get("prefix_ratio"),
-        "w2_prefill": _ratio(w2.get("long_alone_ttft_s"), w1.get("long_alone_ttft_s")),
-    }
-    rows = []
-    for name, (op, bound) in TARGETS.items():
-        value = values[name]
-        ok = None if value is None else value >= bound if op == ">=" else value <= bound
-        rows.append({"target": name, "value": value, "bound": f"{op} {bound}", "pass": ok})
-    return rows
+    ratio = lambda a, b: a / b if a is not None and b else None
+    values = {"throughput": ratio(w1.get("burst_tokens_per_s"), hf.get("burst_tokens_per_s")),
+              "stall": w1.get("stall_ratio"), "prefix": w1.get("prefix_ratio"),
+              "w2_prefill": ratio(w2.get("long_alone_ttft_s"),
+                                   w1.get("long_alone_ttft_s"))}  # fmt: skip
+    ok = lambda v, op, b: None if v is None else v >= b if op == ">=" else v <= b
+    return [{"target": n, "value": values[n], "bound": f"{op} {b}", "pass": ok(values[n], op, b)}
+            for n, (op, b) in TARGETS.items()]  # fmt: skip
 
 
 def _fmt(x, spec: str = ".2f") -> str:
@@ -183,26 +133,21 @@ def table(summaries: dict[str, dict], rows: list[dict]) -> str:
             ("prefix_ratio", "prefix x")]  # fmt: skip
     lines = [f"{'server':<14}" + "".join(f"{h:>11}" for _, h in cols) + f"{'KV blocks':>11}"]
     for name, s in summaries.items():
-        kv = s.get("kv_blocks")
-        kv = "null" if kv is None else ",".join(f"{v:g}" for v in kv.values())
+        kv = ",".join(f"{v:g}" for v in s["kv_blocks"].values()) if s.get("kv_blocks") else "null"
         cells = "".join(f"{_fmt(s.get(k)):>11}" for k, _ in cols)
         lines.append(f"{name:<14}{cells}{kv:>11}")
-    lines.append("")
+    lines.append("")  # then the targets
     for r in rows:
         verdict = {True: "pass", False: "FAIL", None: "n/a"}[r["pass"]]
         lines.append(f"{r['target']:<12} {_fmt(r['value'], '.3f'):>8} {r['bound']:<8} {verdict}")
     return "\n".join(lines)
 
 
-# --- prompts ---------------------------------------------------------------------------------
-
-
 def filler(tokenizer, n_tokens: int, seed: int) -> str:
     """Seeded words cut to about n_tokens tokens of this tokenizer (decode of the first n)."""
     rng = random.Random(seed)
-    text = " ".join(rng.choice(WORDS) for _ in range(n_tokens + 16))
-    ids = tokenizer.encode(text, add_special_tokens=False)[: max(n_tokens, 0)]
-    return tokenizer.decode(ids)
+    words = " ".join(rng.choice(WORDS) for _ in range(n_tokens + 16))
+    return tokenizer.decode(tokenizer.encode(words, add_special_tokens=False)[: max(n_tokens, 0)])
 
 
 def prompt_tokens(tokenizer, messages: list[dict]) -> int:
@@ -228,9 +173,6 @@ def short_chat(i: int) -> list[dict]:
     return [{"role": "user", "content": f"Tell me a long story about {TOPICS[i % len(TOPICS)]}."}]
 
 
-# --- one server under the load ---------------------------------------------------------------
-
-
 def stream(client, model: str, messages: list[dict], max_tokens: int, record: dict) -> dict:
     """One streamed chat; fills `record` as chunks arrive (sent, times, tokens)."""
     record.update(sent=time.perf_counter(), first=None, times=[], tokens=0)
@@ -250,22 +192,23 @@ def stream(client, model: str, messages: list[dict], max_tokens: int, record: di
     return record
 
 
-def scrape_kv(metrics_url: str) -> dict[str, float] | None:
-    """{series: value} of every /metrics line naming kv and block; None without any."""
+def kv_series(text: str) -> dict[str, float] | None:
+    """{series: value} of every Prometheus sample whose name names kv and block; None if none."""
+    samples = (re.fullmatch(r"(\S*kv\S*block\S*)\s+(\S+)", line.strip(), flags=re.IGNORECASE)
+               for line in text.splitlines() if not line.startswith("#"))  # fmt: skip
+    return {m[1]: float(m[2]) for m in samples if m} or None
+
+
+def get(url: str) -> str | None:
     try:
-        with urllib.request.urlopen(metrics_url, timeout=5) as r:
-            text = r.read().decode()
-    except OSError:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return r.read().decode()
+    except OSError:  # not served (404) or no answer
         return None
-    found = {}
-    for line in text.splitlines():
-        m = re.fullmatch(r"(\S*kv\S*block\S*)\s+(\S+)", line.strip(), flags=re.IGNORECASE)
-        if m and not line.startswith("#"):
-            found[m[1]] = float(m[2])
-    return found or None
 
 
-def run_phases(client, model: str, sizes: Sizes, prompts: dict, metrics_url: str) -> dict:
+def run_phases(client, model: str, sizes: SimpleNamespace, prompts: dict, metrics_url: str,
+               late_after_s: float = 1.0) -> dict:  # fmt: skip
     """The four phases of the module docstring against one running server."""
     one = lambda messages, new: stream(client, model, messages, new, {})
     one(short_chat(0), 4)  # warm-up, untimed
@@ -282,11 +225,11 @@ def run_phases(client, model: str, sizes: Sizes, prompts: dict, metrics_url: str
         long_record: dict = {}
         futures.append(pool.submit(stream, client, model, prompts["long_mixed"], sizes.long_new,
                                    long_record))  # fmt: skip
-        time.sleep(1.0)
+        time.sleep(late_after_s)
         late = [pool.submit(one, short_chat(i + 4), sizes.late_new) for i in range(sizes.late)]
         kv: dict[str, float] | None = None
         while not all(f.done() for f in [*futures, *late]):
-            for key, value in (scrape_kv(metrics_url) or {}).items():
+            for key, value in (kv_series(get(metrics_url) or "") or {}).items():
                 kv = kv or {}
                 kv[key] = max(kv.get(key, value), value)
             time.sleep(1.0)
@@ -298,27 +241,13 @@ def run_phases(client, model: str, sizes: Sizes, prompts: dict, metrics_url: str
 
 
 def relative(phases: dict) -> dict:
-    """The records with times relative to the first send, in ms (for the JSON)."""
-    records = [*phases["burst"], *phases["prefix"], phases["alone"], phases["mixed"]["long"],
-               *phases["mixed"]["streams"], *phases["mixed"]["late"]]  # fmt: skip
-    t0 = min(r["sent"] for r in records)
-    ms = lambda r: {"sent_ms": round((r["sent"] - t0) * 1e3, 1), "tokens": r["tokens"],
-                    "first_ms": None if r["first"] is None else round((r["first"] - t0) * 1e3, 1),
-                    "chunk_ms": [round((t - t0) * 1e3, 1) for t in r["times"]]}  # fmt: skip
-    out = {k: [ms(r) for r in v] if isinstance(v, list) else ms(v)
-           for k, v in phases.items() if k != "mixed"}  # fmt: skip
-    out["mixed"] = {k: [ms(r) for r in v] if isinstance(v, list) else ms(v)
-                    for k, v in phases["mixed"].items() if k != "kv_blocks"}  # fmt: skip
-    return out
-
-
-# --- the servers -----------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """The records with times in ms after the first send (alone's), for the JSON."""
+    ms = lambda t: None if t is None else round((t - phases["alone"]["sent"]) * 1e3, 1)
+    each = lambda r: [each(x) for x in r] if isinstance(r, list) else {
+        "sent_ms": ms(r["sent"]), "first_ms": ms(r["first"]), "tokens": r["tokens"],
+        "usage": r["usage"], "chunk_ms": [ms(t) for t in r["times"]]}  # fmt: skip
+    return {k: {m: each(x) for m, x in v.items() if m != "kv_blocks"} if k == "mixed" else each(v)
+            for k, v in phases.items()}  # fmt: skip
 
 
 class Server:
@@ -340,8 +269,7 @@ class Server:
         raise RuntimeError(f"{shlex.join(argv)} did not start:\n{self.output()[-4000:]}")
 
     def output(self) -> str:
-        with open(self.log.name) as f:
-            return f.read()
+        return pathlib.Path(self.log.name).read_text()
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -359,19 +287,13 @@ def ringattn_ready(server: Server) -> str | None:
     return found[1] if found else None
 
 
-def http_ok(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=5) as r:
-            return r.status == 200
-    except OSError:
-        return False
-
-
 def server_argv(kind: str, args: argparse.Namespace) -> tuple[list[str], int, str | None]:
     """(argv, processes, port or None) for "transformers" or "ringattn:W"."""
     pin = ["taskset", "-c", args.cpus] if args.cpus else []
     if kind == "transformers":
-        port = free_port()
+        with socket.socket() as sock:  # a free port (transformers serve takes no port 0)
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
         exe = os.path.join(os.path.dirname(sys.executable), "transformers")
         argv = [exe, "serve", args.hf, "--continuous-batching", "--host", "127.0.0.1", "--port",
                 str(port), "--device", "cpu", *shlex.split(args.transformers_args)]  # fmt: skip
@@ -382,7 +304,7 @@ def server_argv(kind: str, args: argparse.Namespace) -> tuple[list[str], int, st
     return pin + argv, nproc, None
 
 
-def measure(kind: str, args: argparse.Namespace, sizes: Sizes, prompts: dict) -> dict:
+def measure(kind: str, args: argparse.Namespace, sizes: SimpleNamespace, prompts: dict) -> dict:
     """Start one server, run the phases, stop it: {"argv", "summary", "records"}."""
     import openai
 
@@ -390,12 +312,9 @@ def measure(kind: str, args: argparse.Namespace, sizes: Sizes, prompts: dict) ->
     cores = len(args.cpus.split(",")) if args.cpus else len(os.sched_getaffinity(0))
     threads = str(max(1, cores // nproc))
     env = {**os.environ, "OMP_NUM_THREADS": threads, "HF_HUB_OFFLINE": "1"}
-    if port is None:
-        ready = ringattn_ready
-    else:
-        base = f"http://127.0.0.1:{port}"
-        ready = lambda s: f"{base}/v1" if http_ok(f"{base}/health") else None
-    server = Server(argv, env, ready)
+    base = f"http://127.0.0.1:{port}"  # transformers serve: ready once /health answers
+    ready = lambda s: f"{base}/v1" if get(f"{base}/health") is not None else None
+    server = Server(argv, env, ringattn_ready if port is None else ready)
     try:
         client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=3600)
         model = args.hf if port is not None else client.models.list().data[0].id
@@ -407,50 +326,40 @@ def measure(kind: str, args: argparse.Namespace, sizes: Sizes, prompts: dict) ->
             "records": relative(phases)}  # fmt: skip
 
 
-def label(kind: str) -> str:
-    return "transformers" if kind == "transformers" else f"ringattn W={kind.split(':')[1]}"
-
-
 def versions() -> dict:
     import openai
     import torch
     import transformers
 
-    here = os.path.dirname(os.path.abspath(__file__))
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                            check=False, cwd=here)  # fmt: skip
+    git = ["git", "-C", os.path.dirname(os.path.abspath(__file__)), "rev-parse", "HEAD"]
+    commit = subprocess.run(git, capture_output=True, text=True, check=False)
     return {"python": platform.python_version(), "torch": torch.__version__,
             "transformers": transformers.__version__, "openai": openai.__version__,
             "ringattn_commit": commit.stdout.strip() or None}  # fmt: skip
 
 
-def parse_sizes(base: Sizes, text: str) -> Sizes:
+def parse_sizes(base: SimpleNamespace, text: str) -> SimpleNamespace:
     """--sizes "burst=2,long_tokens=120" over the preset."""
-    if not text:
-        return base
-    pairs = dict(item.split("=", 1) for item in text.split(","))
-    unknown = set(pairs) - set(asdict(base))
-    if unknown:
-        raise SystemExit(f"--sizes: unknown {sorted(unknown)}; the sizes are {list(asdict(base))}")
-    return replace(base, **{k: int(v) for k, v in pairs.items()})
+    pairs = dict(item.split("=", 1) for item in text.split(",") if item)
+    if unknown := set(pairs) - set(vars(base)):
+        raise SystemExit(f"--sizes: unknown {sorted(unknown)}; the sizes are {list(vars(base))}")
+    return SimpleNamespace(**{**vars(base), **{k: int(v) for k, v in pairs.items()}})
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--hf", required=True, help="the model directory (both servers load it)")
     p.add_argument("--quick", action="store_true", help="smaller prompts, fewer requests")
-    p.add_argument("--sizes", default="", help="k=v,... over the preset (fields of Sizes)")
-    p.add_argument("--servers", default="transformers,ringattn:1,ringattn:2",
-                   help="comma-separated: transformers, ringattn:W")  # fmt: skip
+    p.add_argument("--sizes", default="", help="k=v,... over the preset (FULL's names)")
+    p.add_argument("--servers", default="transformers,ringattn:1,ringattn:2", help="in order")
     p.add_argument("--serve-args", default="", help="extra `ringattn serve` flags (one string)")
     p.add_argument("--transformers-args", default="", help="extra `transformers serve` flags")
     p.add_argument("--cpus", default="", help="pin every server with taskset -c CPUS (e.g. 0,1)")
     p.add_argument("--json", default=None, help="default results/serve_bench_cpu[_quick].json")
     args = p.parse_args(argv)
-    sizes = parse_sizes(QUICK if args.quick else Sizes(), args.sizes)
+    sizes = parse_sizes(QUICK if args.quick else FULL, args.sizes)
     kinds = args.servers.split(",")
-    bad = [k for k in kinds if k != "transformers" and not re.fullmatch(r"ringattn:[1-9]\d*", k)]
-    if bad:
+    if bad := [k for k in kinds if not re.fullmatch(r"transformers|ringattn:[1-9]\d*", k)]:
         raise SystemExit(f"--servers: unknown {bad}; use transformers, ringattn:1, ringattn:2 ...")
     from transformers import AutoTokenizer
 
@@ -458,33 +367,30 @@ def main(argv: list[str] | None = None) -> int:
     prompts = {"long_alone": long_chat(tok, sizes.long_tokens, seed=1),
                "long_mixed": long_chat(tok, sizes.long_tokens, seed=2),
                "prefix": prefix_chats(tok, sizes.prefix_tokens, seed=3)}  # fmt: skip
-    counts = {"long_alone": prompt_tokens(tok, prompts["long_alone"]),
-              "long_mixed": prompt_tokens(tok, prompts["long_mixed"]),
-              "prefix": [prompt_tokens(tok, m) for m in prompts["prefix"]]}  # fmt: skip
-    print(f"prompt tokens {counts}; sizes {asdict(sizes)}", flush=True)
+    counts = {k: [prompt_tokens(tok, m) for m in v] if k == "prefix" else prompt_tokens(tok, v)
+              for k, v in prompts.items()}  # fmt: skip
+    print(f"prompt tokens {counts}; sizes {vars(sizes)}", flush=True)
     load_before, servers = os.getloadavg()[0], {}
-    for kind in kinds:
-        start = time.perf_counter()
-        try:
-            servers[label(kind)] = measure(kind, args, sizes, prompts)
-        except Exception as err:  # noqa: BLE001 (one server's failure is recorded, the rest run)
-            servers[label(kind)] = {"error": f"{type(err).__name__}: {err}"[-4000:]}
-        error = servers[label(kind)].get("error", "")
-        print(f"{label(kind)}: {time.perf_counter() - start:.0f} s {error}", flush=True)
-    summaries = {k: v["summary"] for k, v in servers.items() if "summary" in v}
-    rows = targets(summaries)
-    print(table(summaries, rows))
-    out = {"command": shlex.join([sys.executable, *sys.argv]), "sizes": asdict(sizes),
-           "prompt_tokens": counts, "targets": rows, "servers": servers,
-           "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                       "affinity": sorted(os.sched_getaffinity(0)), "pinned": args.cpus or None,
-                       "load_avg_1m_before": load_before, "load_avg_1m_after": os.getloadavg()[0]},
-           "versions": versions()}  # fmt: skip
     path = args.json or f"results/serve_bench_cpu{'_quick' if args.quick else ''}.json"
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(out, f, indent=1)
-    print(f"wrote {path}")
+    for kind in kinds:  # the JSON is rewritten after each server: a cut-short run keeps its part
+        start, name = time.perf_counter(), kind.replace("ringattn:", "ringattn W=")
+        try:
+            servers[name] = measure(kind, args, sizes, prompts)
+        except Exception as err:  # noqa: BLE001 (one server's failure is recorded, the rest run)
+            servers[name] = {"error": f"{type(err).__name__}: {err}"[-4000:]}
+        print(f"{name}: {time.perf_counter() - start:.0f} s {servers[name].get('error', '')}",
+              flush=True)  # fmt: skip
+        summaries = {k: v["summary"] for k, v in servers.items() if "summary" in v}
+        out = {"command": shlex.join([sys.executable, *sys.argv]), "sizes": vars(sizes),
+               "prompt_tokens": counts, "targets": targets(summaries), "servers": servers,
+               "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+                           "affinity": sorted(os.sched_getaffinity(0)), "pinned": args.cpus or None,
+                           "load_avg_1m_before": load_before,
+                           "load_avg_1m_after": os.getloadavg()[0]},
+               "versions": versions()}  # fmt: skip
+        pathlib.Path(path).write_text(json.dumps(out, indent=1))
+    print(f"{table(summaries, out['targets'])}\nwrote {path}")
     return 1 if any("error" in v for v in servers.values()) else 0
 
 
