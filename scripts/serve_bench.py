@@ -310,7 +310,7 @@ def measure(kind: str, args: argparse.Namespace, sizes: SimpleNamespace, prompts
 
     argv, nproc, port = server_argv(kind, args)
     cores = len(args.cpus.split(",")) if args.cpus else len(os.sched_getaffinity(0))
-    threads = str(max(1, cores // nproc))
+    threads = str(args.threads or max(1, cores // nproc))
     env = {**os.environ, "OMP_NUM_THREADS": threads, "HF_HUB_OFFLINE": "1"}
     base = f"http://127.0.0.1:{port}"  # transformers serve: ready once /health answers
     ready = lambda s: f"{base}/v1" if get(f"{base}/health") is not None else None
@@ -355,6 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--serve-args", default="", help="extra `ringattn serve` flags (one string)")
     p.add_argument("--transformers-args", default="", help="extra `transformers serve` flags")
     p.add_argument("--cpus", default="", help="pin every server with taskset -c CPUS (e.g. 0,1)")
+    p.add_argument("--threads", type=int, default=0, help="OMP_NUM_THREADS (0: cores / W)")
     p.add_argument("--json", default=None, help="default results/serve_bench_cpu[_quick].json")
     args = p.parse_args(argv)
     sizes = parse_sizes(QUICK if args.quick else FULL, args.sizes)
