@@ -1,0 +1,399 @@
+"""Serving under a bounded load: `ringattn serve` (W = 1, 2) beside `transformers serve`, one run.
+
+    python scripts/serve_bench.py --hf /tmp/smollm2 [--quick]  # results/serve_bench_cpu*.json
+    python scripts/serve_bench.py --hf DIR --serve-args "--max-batch-tokens 512 --kv-cache-gb 1"
+
+Each server in turn, fresh on loopback (same model, cores, OMP_NUM_THREADS = cores / W), gets a
+warm-up, then the same chats streamed through the `openai` client (temperature 0), every chunk's
+arrival timed. alone: the 8k prompt on an idle server; prefix: two chats sharing a 4k system
+prompt, in turn; burst: short chats at once (tokens/s); mixed: short streams, another 8k prompt
+once each has its first token, late short chats 1 s after it: the longest gap of a stream that
+overlaps the 8k prompt's wait for its first token is the stall its prefill causes (/metrics KV
+block series sampled meanwhile). Targets and the table: docs/serving.md#the-serving-benchmark.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import pathlib
+import platform
+import random
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
+
+TARGETS = {"throughput": (">=", 1.0), "stall": ("<=", 0.25), "prefix": ("<=", 0.3),
+           "w2_prefill": ("<=", 0.65)}  # fmt: skip
+WORDS = ("river", "stone", "quiet", "lantern", "orbit", "velvet", "harbor", "meadow", "signal",
+         "copper", "winter", "garden", "paper", "thunder", "silver", "market", "canyon", "violet",
+         "engine", "feather", "island", "mirror", "planet", "echo", "summer", "rocket", "candle",
+         "forest", "ladder", "marble", "ocean", "pepper", "saddle", "tunnel")  # fmt: skip
+TOPICS = ("a lighthouse keeper", "a robot gardener", "a lost map", "a mountain village",
+          "a clockmaker", "a desert caravan", "a sleepy dragon", "a river boat")  # fmt: skip
+# prompt tokens (the long one's with its template: SmolLM2 has 8192 positions), requests, and
+# tokens to generate (*_new) per phase
+FULL = SimpleNamespace(long_tokens=8000, long_new=8, prefix_tokens=4000, prefix_new=8, burst=8,
+                       burst_new=64, streams=4, stream_new=128, late=2, late_new=16)  # fmt: skip
+QUICK = SimpleNamespace(**{**vars(FULL), "long_tokens": 512, "prefix_tokens": 256, "burst": 4,
+                           "burst_new": 8, "streams": 2, "stream_new": 16, "late": 1,
+                           "late_new": 4})  # fmt: skip
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """The q-th percentile (0..100), linear between the closest ranks (numpy's default)."""
+    if not values:
+        return None
+    xs, pos = sorted(values), (len(values) - 1) * q / 100
+    lo, hi = int(pos), min(int(pos) + 1, len(values) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def longest_stall(streams: list[dict], start: float, end: float) -> float | None:
+    """The longest gap between two chunks of one stream that overlaps (start, end); None when no
+    stream had two chunks around or inside that window."""
+    overlapping = [b - a for s in streams for a, b in itertools.pairwise(s["times"])
+                   if b > start and a < end]  # fmt: skip
+    return max(overlapping, default=None)
+
+
+def throughput(records: list[dict]) -> float | None:
+    """Generated tokens / (the last chunk's arrival - the first request's send)."""
+    done = [r for r in records if r["times"]]
+    wall = max((r["times"][-1] for r in done), default=0) - min(r["sent"] for r in records)
+    return sum(r["tokens"] for r in done) / wall if done and wall > 0 else None
+
+
+def ttft(record: dict) -> float | None:
+    """Send to the first chunk with text or a finish reason (an answer may start with its end)."""
+    return record["first"] - record["sent"] if record.get("first") is not None else None
+
+
+def summarize(phases: dict) -> dict:
+    """One server's figures from its phases' records (times are time.perf_counter seconds)."""
+    shorts = [*phases["burst"], *phases["mixed"]["streams"], *phases["mixed"]["late"]]
+    firsts = [t for t in map(ttft, shorts) if t is not None]
+    itl = [b - a for r in shorts for a, b in itertools.pairwise(r["times"])]
+    mixed = phases["mixed"]
+    long_sent, long_ttft = mixed["long"]["sent"], ttft(mixed["long"])
+    long_first = mixed["long"]["first"] if long_ttft is not None else float("inf")
+    running = [*mixed["streams"], *mixed["late"]]
+    stall = longest_stall(running, long_sent, long_first)
+    first, second = (ttft(r) for r in phases["prefix"])
+    late = [t for t in map(ttft, mixed["late"]) if t is not None]
+    return {
+        "ttft_p50_s": percentile(firsts, 50), "ttft_p99_s": percentile(firsts, 99),
+        "itl_p50_s": percentile(itl, 50), "itl_p99_s": percentile(itl, 99),
+        "burst_tokens_per_s": throughput(phases["burst"]),
+        "mixed_tokens_per_s": throughput([*running, mixed["long"]]),
+        "long_alone_ttft_s": ttft(phases["alone"]), "long_mixed_ttft_s": long_ttft,
+        "longest_stall_s": stall,
+        "stall_ratio": None if stall is None or not long_ttft else stall / long_ttft,
+        "late_ttft_max_s": max(late, default=None),
+        "prefix_first_ttft_s": first, "prefix_second_ttft_s": second,
+        "prefix_ratio": second / first if first and second is not None else None,
+        "kv_blocks": mixed.get("kv_blocks"),
+    }  # fmt: skip
+
+
+def targets(summaries: dict[str, dict]) -> list[dict]:
+    """Issue 32's targets from the summaries by server: one row each, pass None if not measured."""
+    w1, w2 = summaries.get("ringattn W=1", {}), summaries.get("ringattn W=2", {})
+    hf = summaries.get("transformers", {})
+    ratio = lambda a, b: a / b if a is not None and b else None
+    values = {"throughput": ratio(w1.get("burst_tokens_per_s"), hf.get("burst_tokens_per_s")),
+              "stall": w1.get("stall_ratio"), "prefix": w1.get("prefix_ratio"),
+              "w2_prefill": ratio(w2.get("long_alone_ttft_s"),
+                                   w1.get("long_alone_ttft_s"))}  # fmt: skip
+    ok = lambda v, op, b: None if v is None else v >= b if op == ">=" else v <= b
+    return [{"target": n, "value": values[n], "bound": f"{op} {b}", "pass": ok(values[n], op, b)}
+            for n, (op, b) in TARGETS.items()]  # fmt: skip
+
+
+def _fmt(x, spec: str = ".2f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def table(summaries: dict[str, dict], rows: list[dict]) -> str:
+    """The side-by-side table and the targets' pass/fail, as printed."""
+    cols = [("ttft_p50_s", "TTFT p50"), ("ttft_p99_s", "TTFT p99"), ("itl_p50_s", "ITL p50"),
+            ("itl_p99_s", "ITL p99"), ("burst_tokens_per_s", "tok/s"),
+            ("long_alone_ttft_s", "long alone"), ("long_mixed_ttft_s", "long mixed"),
+            ("longest_stall_s", "max gap"), ("late_ttft_max_s", "late TTFT"),
+            ("prefix_ratio", "prefix x")]  # fmt: skip
+    lines = [f"{'server':<14}" + "".join(f"{h:>11}" for _, h in cols) + f"{'KV blocks':>11}"]
+    for name, s in summaries.items():
+        kv = ",".join(f"{v:g}" for v in s["kv_blocks"].values()) if s.get("kv_blocks") else "null"
+        cells = "".join(f"{_fmt(s.get(k)):>11}" for k, _ in cols)
+        lines.append(f"{name:<14}{cells}{kv:>11}")
+    lines.append("")  # then the targets
+    for r in rows:
+        verdict = {True: "pass", False: "FAIL", None: "n/a"}[r["pass"]]
+        lines.append(f"{r['target']:<12} {_fmt(r['value'], '.3f'):>8} {r['bound']:<8} {verdict}")
+    return "\n".join(lines)
+
+
+def filler(tokenizer, n_tokens: int, seed: int) -> str:
+    """Seeded words cut to about n_tokens tokens of this tokenizer (decode of the first n)."""
+    rng = random.Random(seed)
+    words = " ".join(rng.choice(WORDS) for _ in range(n_tokens + 16))
+    return tokenizer.decode(tokenizer.encode(words, add_special_tokens=False)[: max(n_tokens, 0)])
+
+
+def prompt_tokens(tokenizer, messages: list[dict]) -> int:
+    return len(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                             return_dict=True)["input_ids"])  # fmt: skip
+
+
+def long_chat(tokenizer, n_tokens: int, seed: int) -> list[dict]:
+    """A user message whose templated prompt has about n_tokens tokens."""
+    ask = "\n\nTell me a long story that uses these words."
+    overhead = prompt_tokens(tokenizer, [{"role": "user", "content": "Words: " + ask}])
+    words = filler(tokenizer, n_tokens - overhead, seed)
+    return [{"role": "user", "content": "Words: " + words + ask}]
+
+
+def prefix_chats(tokenizer, n_tokens: int, seed: int) -> list[list[dict]]:
+    system = "You answer questions about these notes:\n" + filler(tokenizer, n_tokens, seed)
+    return [[{"role": "system", "content": system}, {"role": "user", "content": q}]
+            for q in ("Which word comes first?", "Which word appears most often?")]  # fmt: skip
+
+
+def short_chat(i: int) -> list[dict]:
+    return [{"role": "user", "content": f"Tell me a long story about {TOPICS[i % len(TOPICS)]}."}]
+
+
+def stream(client, model: str, messages: list[dict], max_tokens: int, record: dict) -> dict:
+    """One streamed chat; fills `record` as chunks arrive (sent, times, tokens)."""
+    record.update(sent=time.perf_counter(), first=None, times=[], tokens=0)
+    usage = None
+    chunks = client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens,
+        temperature=0, stream=True, stream_options={"include_usage": True})  # fmt: skip
+    for chunk in chunks:
+        now = time.perf_counter()
+        usage = chunk.usage or usage
+        choice = chunk.choices[0] if chunk.choices else None
+        if choice and (choice.delta.content or choice.finish_reason):
+            record["first"] = now if record["first"] is None else record["first"]
+        if choice and choice.delta.content:
+            record["times"].append(now)
+    record["tokens"] = usage.completion_tokens if usage else len(record["times"])
+    record["usage"] = usage is not None
+    return record
+
+
+def kv_series(text: str) -> dict[str, float] | None:
+    """{series: value} of every Prometheus sample whose name names kv and block; None if none."""
+    samples = (re.fullmatch(r"(\S*kv\S*block\S*)\s+(\S+)", line.strip(), flags=re.IGNORECASE)
+               for line in text.splitlines() if not line.startswith("#"))  # fmt: skip
+    return {m[1]: float(m[2]) for m in samples if m} or None
+
+
+def get(url: str) -> str | None:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return r.read().decode()
+    except OSError:  # not served (404) or no answer
+        return None
+
+
+def run_phases(client, model: str, sizes: SimpleNamespace, prompts: dict, metrics_url: str,
+               late_after_s: float = 1.0) -> dict:  # fmt: skip
+    """The four phases of the module docstring against one running server."""
+    one = lambda messages, new: stream(client, model, messages, new, {})
+    one(short_chat(0), 4)  # warm-up, untimed
+    phases = {"alone": one(prompts["long_alone"], sizes.long_new)}
+    phases["prefix"] = [one(m, sizes.prefix_new) for m in prompts["prefix"]]
+    with ThreadPoolExecutor(max(sizes.burst, sizes.streams + sizes.late + 1)) as pool:
+        burst = [pool.submit(one, short_chat(i), sizes.burst_new) for i in range(sizes.burst)]
+        phases["burst"] = [f.result() for f in burst]
+        records = [{} for _ in range(sizes.streams)]
+        futures = [pool.submit(stream, client, model, short_chat(i), sizes.stream_new, rec)
+                   for i, rec in enumerate(records)]  # fmt: skip
+        while not all(r.get("times") or f.done() for r, f in zip(records, futures)):
+            time.sleep(0.02)
+        long_record: dict = {}
+        futures.append(pool.submit(stream, client, model, prompts["long_mixed"], sizes.long_new,
+                                   long_record))  # fmt: skip
+        time.sleep(late_after_s)
+        late = [pool.submit(one, short_chat(i + 4), sizes.late_new) for i in range(sizes.late)]
+        kv: dict[str, float] | None = None
+        while not all(f.done() for f in [*futures, *late]):
+            for key, value in (kv_series(get(metrics_url) or "") or {}).items():
+                kv = kv or {}
+                kv[key] = max(kv.get(key, value), value)
+            time.sleep(1.0)
+        for f in [*futures, *late]:
+            f.result()  # raise what a stream raised
+        phases["mixed"] = {"streams": records, "long": long_record,
+                           "late": [f.result() for f in late], "kv_blocks": kv}  # fmt: skip
+    return phases
+
+
+def relative(phases: dict) -> dict:
+    """The records with times in ms after the first send (alone's), for the JSON."""
+    ms = lambda t: None if t is None else round((t - phases["alone"]["sent"]) * 1e3, 1)
+    each = lambda r: [each(x) for x in r] if isinstance(r, list) else {
+        "sent_ms": ms(r["sent"]), "first_ms": ms(r["first"]), "tokens": r["tokens"],
+        "usage": r["usage"], "chunk_ms": [ms(t) for t in r["times"]]}  # fmt: skip
+    return {k: {m: each(x) for m, x in v.items() if m != "kv_blocks"} if k == "mixed" else each(v)
+            for k, v in phases.items()}  # fmt: skip
+
+
+class Server:
+    """A server as a child process in its own session, its output in a log file; `url` (…/v1)
+    once ready. `stop()` ends its whole process group (SIGTERM, then SIGKILL after 30 s)."""
+
+    def __init__(self, argv: list[str], env: dict, ready, timeout_s: float = 900.0):
+        # the log lives as long as the server: stop() closes (and so deletes) it
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="serve_bench_", suffix=".log")  # noqa: SIM115
+        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)  # fmt: skip
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            self.url = ready(self)
+            if self.url:
+                return
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"{shlex.join(argv)} did not start:\n{self.output()[-4000:]}")
+
+    def output(self) -> str:
+        return pathlib.Path(self.log.name).read_text()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(30)
+        self.log.close()
+
+
+def ringattn_ready(server: Server) -> str | None:
+    found = re.search(r"listening on (http://127\.0\.0\.1:\d+/v1)", server.output())
+    return found[1] if found else None
+
+
+def server_argv(kind: str, args: argparse.Namespace) -> tuple[list[str], int, str | None]:
+    """(argv, processes, port or None) for "transformers" or "ringattn:W"."""
+    pin = ["taskset", "-c", args.cpus] if args.cpus else []
+    if kind == "transformers":
+        with socket.socket() as sock:  # a free port (transformers serve takes no port 0)
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        exe = os.path.join(os.path.dirname(sys.executable), "transformers")
+        argv = [exe, "serve", args.hf, "--continuous-batching", "--host", "127.0.0.1", "--port",
+                str(port), "--device", "cpu", *shlex.split(args.transformers_args)]  # fmt: skip
+        return pin + argv, 1, port
+    nproc = int(kind.split(":")[1])
+    argv = [sys.executable, "-m", "ringattn", "serve", "--hf", args.hf, "--nproc", str(nproc),
+            "--port", "0", *shlex.split(args.serve_args)]  # fmt: skip
+    return pin + argv, nproc, None
+
+
+def measure(kind: str, args: argparse.Namespace, sizes: SimpleNamespace, prompts: dict) -> dict:
+    """Start one server, run the phases, stop it: {"argv", "summary", "records"}."""
+    import openai
+
+    argv, nproc, port = server_argv(kind, args)
+    cores = len(args.cpus.split(",")) if args.cpus else len(os.sched_getaffinity(0))
+    threads = str(args.threads or max(1, cores // nproc))
+    env = {**os.environ, "OMP_NUM_THREADS": threads, "HF_HUB_OFFLINE": "1"}
+    base = f"http://127.0.0.1:{port}"  # transformers serve: ready once /health answers
+    ready = lambda s: f"{base}/v1" if get(f"{base}/health") is not None else None
+    server = Server(argv, env, ringattn_ready if port is None else ready)
+    try:
+        client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=3600)
+        model = args.hf if port is not None else client.models.list().data[0].id
+        metrics_url = server.url.removesuffix("/v1") + "/metrics"
+        phases = run_phases(client, model, sizes, prompts, metrics_url)
+    finally:
+        server.stop()
+    return {"argv": argv, "omp_num_threads": int(threads), "summary": summarize(phases),
+            "records": relative(phases)}  # fmt: skip
+
+
+def versions() -> dict:
+    import openai
+    import torch
+    import transformers
+
+    git = ["git", "-C", os.path.dirname(os.path.abspath(__file__)), "rev-parse", "HEAD"]
+    commit = subprocess.run(git, capture_output=True, text=True, check=False)
+    return {"python": platform.python_version(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "openai": openai.__version__,
+            "ringattn_commit": commit.stdout.strip() or None}  # fmt: skip
+
+
+def parse_sizes(base: SimpleNamespace, text: str) -> SimpleNamespace:
+    """--sizes "burst=2,long_tokens=120" over the preset."""
+    pairs = dict(item.split("=", 1) for item in text.split(",") if item)
+    if unknown := set(pairs) - set(vars(base)):
+        raise SystemExit(f"--sizes: unknown {sorted(unknown)}; the sizes are {list(vars(base))}")
+    return SimpleNamespace(**{**vars(base), **{k: int(v) for k, v in pairs.items()}})
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--hf", required=True, help="the model directory (both servers load it)")
+    p.add_argument("--quick", action="store_true", help="smaller prompts, fewer requests")
+    p.add_argument("--sizes", default="", help="k=v,... over the preset (FULL's names)")
+    p.add_argument("--servers", default="transformers,ringattn:1,ringattn:2", help="in order")
+    p.add_argument("--serve-args", default="", help="extra `ringattn serve` flags (one string)")
+    p.add_argument("--transformers-args", default="", help="extra `transformers serve` flags")
+    p.add_argument("--cpus", default="", help="pin every server with taskset -c CPUS (e.g. 0,1)")
+    p.add_argument("--threads", type=int, default=0, help="OMP_NUM_THREADS (0: cores / W)")
+    p.add_argument("--json", default=None, help="default results/serve_bench_cpu[_quick].json")
+    args = p.parse_args(argv)
+    sizes = parse_sizes(QUICK if args.quick else FULL, args.sizes)
+    kinds = args.servers.split(",")
+    if bad := [k for k in kinds if not re.fullmatch(r"transformers|ringattn:[1-9]\d*", k)]:
+        raise SystemExit(f"--servers: unknown {bad}; use transformers, ringattn:1, ringattn:2 ...")
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(args.hf)
+    prompts = {"long_alone": long_chat(tok, sizes.long_tokens, seed=1),
+               "long_mixed": long_chat(tok, sizes.long_tokens, seed=2),
+               "prefix": prefix_chats(tok, sizes.prefix_tokens, seed=3)}  # fmt: skip
+    counts = {k: [prompt_tokens(tok, m) for m in v] if k == "prefix" else prompt_tokens(tok, v)
+              for k, v in prompts.items()}  # fmt: skip
+    print(f"prompt tokens {counts}; sizes {vars(sizes)}", flush=True)
+    load_before, servers = os.getloadavg()[0], {}
+    path = args.json or f"results/serve_bench_cpu{'_quick' if args.quick else ''}.json"
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    for kind in kinds:  # the JSON is rewritten after each server: a cut-short run keeps its part
+        start, name = time.perf_counter(), kind.replace("ringattn:", "ringattn W=")
+        try:
+            servers[name] = measure(kind, args, sizes, prompts)
+        except Exception as err:  # noqa: BLE001 (one server's failure is recorded, the rest run)
+            servers[name] = {"error": f"{type(err).__name__}: {err}"[-4000:]}
+        print(f"{name}: {time.perf_counter() - start:.0f} s {servers[name].get('error', '')}",
+              flush=True)  # fmt: skip
+        summaries = {k: v["summary"] for k, v in servers.items() if "summary" in v}
+        out = {"command": shlex.join([sys.executable, *sys.argv]), "sizes": vars(sizes),
+               "prompt_tokens": counts, "targets": targets(summaries), "servers": servers,
+               "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+                           "affinity": sorted(os.sched_getaffinity(0)), "pinned": args.cpus or None,
+                           "load_avg_1m_before": load_before,
+                           "load_avg_1m_after": os.getloadavg()[0]},
+               "versions": versions()}  # fmt: skip
+        pathlib.Path(path).write_text(json.dumps(out, indent=1))
+    print(f"{table(summaries, out['targets'])}\nwrote {path}")
+    return 1 if any("error" in v for v in servers.values()) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,139 @@
+"""scripts/serve_bench.py: its statistics, targets and table on synthetic timings, and its load's
+phases against the tests' tiny chat model served in process (ringattn only; no timing asserted).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import sys
+
+import pytest
+
+SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "serve_bench.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("serve_bench", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["serve_bench"] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    yield module
+    del sys.modules["serve_bench"]
+
+
+def record(sent: float, times: list[float], first: float | None = None, tokens=None) -> dict:
+    first = times[0] if first is None and times else first
+    return {"sent": sent, "first": first, "times": times,
+            "tokens": len(times) if tokens is None else tokens}  # fmt: skip
+
+
+def test_percentile_interpolates_between_ranks(bench):
+    assert bench.percentile([], 50) is None
+    assert bench.percentile([3.0], 99) == 3.0
+    assert bench.percentile([4.0, 1.0, 3.0, 2.0], 50) == pytest.approx(2.5)
+    assert bench.percentile([1.0, 2.0, 3.0, 4.0], 99) == pytest.approx(3.97)
+    assert bench.percentile(list(map(float, range(101))), 99) == pytest.approx(99.0)
+
+
+def test_longest_stall_counts_only_gaps_overlapping_the_window(bench):
+    a = record(0.0, [0.5, 1.0, 5.0, 5.5])  # the 4 s gap (1, 5) spans the window (2, 4)
+    b = record(0.0, [3.0, 3.2, 3.3])  # inside it: 0.2 and 0.1
+    c = record(0.0, [6.0, 9.0])  # after it: a 3 s gap that must not count
+    assert bench.longest_stall([a, b, c], 2.0, 4.0) == pytest.approx(4.0)
+    assert bench.longest_stall([b], 2.0, 4.0) == pytest.approx(0.2)
+    assert bench.longest_stall([c], 2.0, 4.0) is None
+    assert bench.longest_stall([record(0.0, [3.0])], 2.0, 4.0) is None  # one chunk: no gap
+
+
+def test_ttft_counts_an_answer_that_starts_with_its_end(bench):
+    assert bench.ttft(record(1.0, [], first=3.5, tokens=1)) == pytest.approx(2.5)
+    assert bench.ttft(record(1.0, [])) is None
+    assert bench.throughput([record(0.0, [1.0, 2.0], tokens=4), record(1.0, [3.0, 4.0])]) == 1.5
+
+
+def phases(prefix_second: float, stall_at: float) -> dict:
+    """Synthetic phases: a 10 s long prompt sent at t=100 beside a stream that waits `stall_at`
+    once, then chunks every 0.5 s."""
+    resumed = [100.2 + stall_at + 0.5 * k for k in range(int((111 - 100.2 - stall_at) / 0.5))]
+    return {
+        "alone": record(0.0, [8.0, 8.5]),
+        "prefix": [record(10.0, [14.0]), record(20.0, [20.0 + 4.0 * prefix_second])],
+        "burst": [record(30.0, [31.0, 31.5, 32.0]), record(30.0, [32.0, 32.5, 33.0])],
+        "mixed": {
+            "streams": [record(99.0, [99.5, 100.2, *resumed])],
+            "long": record(100.0, [110.0]),
+            "late": [record(101.0, [110.5, 111.5])],
+            "kv_blocks": {"ringattn_kv_blocks_used": 12.0},
+        },
+    }
+
+
+def test_summary_and_targets_from_synthetic_timings(bench):
+    w1 = bench.summarize(phases(prefix_second=0.25, stall_at=2.0))
+    assert w1["long_alone_ttft_s"] == 8.0 and w1["long_mixed_ttft_s"] == 10.0
+    assert w1["longest_stall_s"] == pytest.approx(2.0) and w1["stall_ratio"] == pytest.approx(0.2)
+    assert w1["prefix_ratio"] == pytest.approx(0.25) and w1["late_ttft_max_s"] == 9.5
+    assert w1["burst_tokens_per_s"] == pytest.approx(6 / 3.0)
+    # TTFTs of the short chats: burst 1, 2; stream 0.5; late 9.5
+    assert w1["ttft_p50_s"] == pytest.approx(1.5)
+    assert w1["itl_p50_s"] == pytest.approx(0.5)
+    w2 = {**w1, "long_alone_ttft_s": 4.0}
+    hf = {**w1, "burst_tokens_per_s": 2.5}
+    rows = {r["target"]: r for r in bench.targets({"ringattn W=1": w1, "ringattn W=2": w2,
+                                                    "transformers": hf})}  # fmt: skip
+    assert rows["throughput"]["value"] == pytest.approx(0.8) and rows["throughput"]["pass"] is False
+    assert rows["stall"]["pass"] is True and rows["prefix"]["pass"] is True
+    assert rows["w2_prefill"]["value"] == pytest.approx(0.5) and rows["w2_prefill"]["pass"] is True
+    stalled = bench.summarize(phases(prefix_second=1.0, stall_at=9.0))
+    rows = {r["target"]: r for r in bench.targets({"ringattn W=1": stalled})}
+    assert rows["stall"]["pass"] is False and rows["prefix"]["pass"] is False
+    assert rows["throughput"]["pass"] is None and rows["w2_prefill"]["pass"] is None
+    text = bench.table({"ringattn W=1": stalled}, list(rows.values()))
+    assert "ringattn W=1" in text and "FAIL" in text and "n/a" in text and "12" in text
+
+
+def test_kv_series_reads_block_samples_only(bench):
+    text = ("# HELP ringattn_kv_blocks_used blocks\n# TYPE ringattn_kv_blocks_used gauge\n"
+            "ringattn_kv_blocks_used 7\nringattn_kv_blocks_free 25\n"
+            "ringattn_running_sequences 2\n")  # fmt: skip
+    assert bench.kv_series(text) == {
+        "ringattn_kv_blocks_used": 7.0,
+        "ringattn_kv_blocks_free": 25.0,
+    }
+    assert bench.kv_series("ringattn_running_sequences 2\n") is None
+
+
+def test_sizes_override_names_the_fields(bench):
+    sizes = bench.parse_sizes(bench.QUICK, "burst=2,long_tokens=100")
+    assert sizes.burst == 2 and sizes.long_tokens == 100 and sizes.late == bench.QUICK.late
+    with pytest.raises(SystemExit, match="unknown \\['bursts'\\]"):
+        bench.parse_sizes(bench.QUICK, "bursts=2")
+
+
+def test_the_load_against_the_tiny_served_model(bench, tmp_path_factory):
+    """Every phase streams through the openai client and the summary has each figure (main's
+    server exposes no KV block series: null)."""
+    from serve_model import served_tiny
+
+    sizes = bench.parse_sizes(
+        bench.QUICK,
+        "long_tokens=100,long_new=4,prefix_tokens=60,"
+        "prefix_new=3,burst=2,burst_new=4,stream_new=6,late_new=3",
+    )
+    with served_tiny(tmp_path_factory) as (server, client, _, tok, _):
+        prompts = {"long_alone": bench.long_chat(tok, sizes.long_tokens, seed=1),
+                   "long_mixed": bench.long_chat(tok, sizes.long_tokens, seed=2),
+                   "prefix": bench.prefix_chats(tok, sizes.prefix_tokens, seed=3)}  # fmt: skip
+        assert abs(bench.prompt_tokens(tok, prompts["long_alone"]) - 100) <= 3
+        metrics_url = server.url.removesuffix("/v1") + "/metrics"
+        phases = bench.run_phases(client, "tiny", sizes, prompts, metrics_url, late_after_s=0.2)
+    summary = bench.summarize(phases)
+    for key in ("ttft_p50_s", "ttft_p99_s", "burst_tokens_per_s", "long_alone_ttft_s",
+                "long_mixed_ttft_s", "prefix_ratio", "late_ttft_max_s"):  # fmt: skip
+        assert summary[key] is not None and summary[key] > 0, key
+    assert summary["kv_blocks"] is None
+    assert all(r["tokens"] >= 1 for r in phases["burst"])
+    relative = bench.relative(phases)
+    assert len(relative["mixed"]["streams"]) == 2 and relative["alone"]["first_ms"] > 0
