@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import pathlib
 import sys
+import urllib.request
 
 import pytest
 
@@ -113,8 +114,8 @@ def test_sizes_override_names_the_fields(bench):
 
 
 def test_the_load_against_the_tiny_served_model(bench, tmp_path_factory):
-    """Every phase streams through the openai client and the summary has each figure (main's
-    server exposes no KV block series: null)."""
+    """Every phase streams through the openai client and the summary has each figure, the KV
+    pool's block series scraped from /metrics among them."""
     from serve_model import served_tiny
 
     sizes = bench.parse_sizes(
@@ -129,11 +130,15 @@ def test_the_load_against_the_tiny_served_model(bench, tmp_path_factory):
         assert abs(bench.prompt_tokens(tok, prompts["long_alone"]) - 100) <= 3
         metrics_url = server.url.removesuffix("/v1") + "/metrics"
         phases = bench.run_phases(client, "tiny", sizes, prompts, metrics_url, late_after_s=0.2)
+        after = bench.kv_series(urllib.request.urlopen(metrics_url, timeout=30).read().decode())
     summary = bench.summarize(phases)
     for key in ("ttft_p50_s", "ttft_p99_s", "burst_tokens_per_s", "long_alone_ttft_s",
                 "long_mixed_ttft_s", "prefix_ratio", "late_ttft_max_s"):  # fmt: skip
         assert summary[key] is not None and summary[key] > 0, key
-    assert summary["kv_blocks"] is None
+    used, free = 'ringattn_kv_blocks{state="used"}', 'ringattn_kv_blocks{state="free"}'
+    assert after[used] == 0 and after[free] > 0  # every request's blocks are back
+    if summary["kv_blocks"] is not None:  # polled each second while the mixed phase ran
+        assert summary["kv_blocks"][free] > 0 and summary["kv_blocks"][used] >= 0
     assert all(r["tokens"] >= 1 for r in phases["burst"])
     relative = bench.relative(phases)
     assert len(relative["mixed"]["streams"]) == 2 and relative["alone"]["first_ms"] > 0
