@@ -283,15 +283,9 @@ def test_two_ranks_run_the_steps_chunked_and_shared_as_each_alone(pools):
     per rank, two prompts sharing a prefix and one not; every text is transformers' greedy.
     Again without the prefix cache in a pool of 8 blocks, where sequences are preempted and
     recompute."""
-    import serve_model
+    from workers_serve import tiny_model
 
-    tok = serve_model.tokenizer()
-    config = transformers.LlamaConfig(
-        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=192,
-    )  # fmt: skip
-    torch.manual_seed(5)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    tok, model = tiny_model()
     prompts = [SYSTEM + " hello world", SYSTEM + " the lazy dog", "how are you today?"]
     gb = 40 * BLOCK * kv_token_bytes(model) / (1 << 30)
     cfg = {"max_batch_tokens": CHUNK, "kv_block_size": BLOCK, "kv_cache_gb": gb}

@@ -31,6 +31,18 @@ class _Done:
         return any(not j.events or j.events[-1][0] not in ("done", "error") for j in self.jobs)
 
 
+def tiny_model() -> tuple:
+    """The served tiny chat model's tokenizer and a random 2-layer Llama over it (seed 5): the
+    same weights on every rank and in the test that checks the ranks' answers."""
+    tok = serve_model.tokenizer()
+    config = transformers.LlamaConfig(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=192,
+    )  # fmt: skip
+    torch.manual_seed(5)
+    return tok, transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
 def stepped(rank: int, world_size: int, prompts: list[str], max_new: int, cfg: dict,
             fail_at: int | None = None) -> list:  # fmt: skip
     """serve's rank_loop (the step scheduler) over the tiny chat model on every rank, the
@@ -44,13 +56,7 @@ def stepped(rank: int, world_size: int, prompts: list[str], max_new: int, cfg: d
     from ringattn.serve.metrics import Metrics
     from ringattn.serve.worker import rank_loop
 
-    tok = serve_model.tokenizer()
-    config = transformers.LlamaConfig(
-        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=192,
-    )  # fmt: skip
-    torch.manual_seed(5)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    tok, model = tiny_model()
     calls = [0]
 
     def fail_once(module, args, output):
