@@ -139,3 +139,29 @@ def test_the_cache_reserves_the_generation_once_and_reports_what_it_holds():
     _, offloaded = ringattn.hf.generate(model, prompt, 9, eos_token_id=[], return_stats=True,
                                         offload_kv=True)  # fmt: skip
     assert offloaded.cache_capacity_bytes == stats.cache_capacity_bytes
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_opened_sequences_prefill_packed_then_extend_and_decode_as_alone(pools, world_size, arch):
+    """The server's packed first chunks (`KVEngine.prefill(seqs=...)`, the model held on the
+    engine's attention): each stage's logits equal the model's full forward of that prefix
+    (sliding layers included), on every rank."""
+    model = workers_hf.build(arch)
+    prompts = [_prompt(11, 31)[0], _prompt(14, 32)[0]]
+    split = 6
+    with torch.no_grad():
+
+        def last(ids):
+            return model(ids[None], use_cache=False).logits[0, -1].float()
+
+        first = torch.stack([last(p[:split]) for p in prompts])
+        rest = torch.stack([last(p) for p in prompts])
+        tokens = [int(r.argmax()) for r in rest]
+        step = torch.stack(
+            [last(torch.cat([p, torch.tensor([t])])) for p, t in zip(prompts, tokens)]
+        )
+    for got in pools(world_size).run("workers_generate:opened_prefill", arch, prompts, split,
+                                     timeout=600):  # fmt: skip
+        for stage, (g, w) in enumerate(zip(got, [first, rest, step])):
+            assert torch.allclose(g, w, rtol=1e-4, atol=1e-4), (arch, stage, (g - w).abs().max())

@@ -82,3 +82,22 @@ class _NoEngine:
 
     def release(self, seq: int) -> None:
         pass
+
+
+def opened_prefill(rank: int, world_size: int, arch: str, prompts: list, split: int) -> list:
+    """The server's way in: sequences opened empty, their first `split` tokens packed into one
+    `prefill(seqs=...)` (one left empty in between), the rest by `extend`, then one decode step
+    inside `holding()`; the logits of each stage (every rank's copy)."""
+    from ringattn.inference.hf.engine import KVEngine
+
+    model = workers_hf.build(arch)
+    engine = KVEngine(model, layout="zigzag")
+    with engine.holding(), torch.no_grad():
+        seqs = [engine.open() for _ in prompts]
+        idle = engine.open()  # an opened sequence the packed prefill must leave empty
+        first = engine.prefill([p[:split] for p in prompts], seqs=seqs)
+        assert engine.lengths[idle] == 0 and engine.lengths[: len(seqs)] == [split] * len(seqs)
+        rest = [engine.extend(s, p[split:]) for s, p in zip(seqs, prompts)]
+        step = engine.decode(seqs, [int(r.argmax()) for r in rest])
+    assert model.config._attn_implementation != "ringattn-kv"  # holding() gave the model back
+    return [first, torch.stack(rest), step]

@@ -91,6 +91,16 @@ class LayerCache:
         self.host[rows] = _on_host(positions, host)
         self.length += n
 
+    def append_one(self, k: torch.Tensor, v: torch.Tensor, position: int) -> None:
+        """`append` of one token (B, Hkv, 1, D) at `position`: scalar fills, no index tensors."""
+        self._grow(1)
+        row = self.length
+        self.k[:, :, row] = k[:, :, 0]
+        self.v[:, :, row] = v[:, :, 0]
+        self.positions[row] = position  # a device fill from a Python int: no sync
+        self.host[row] = position
+        self.length += 1
+
     def evict_before(self, position: int) -> None:
         """Drop every kept token whose position is below `position` (a prefix, see module doc);
         searched on the host copy of the positions: no device sync in the decode loop."""
@@ -279,10 +289,15 @@ class ShardedKVCache:
     ) -> None:
         """Append one decoded token's k, v (B, Hkv, 1, D) on its owner only. The position is a
         fill on the device and a host tensor: no copy from the host, no sync."""
-        if owner == self.rank:
-            on_device = torch.full((1,), position, dtype=torch.int64, device=k.device)
-            on_host = torch.full((1,), position, dtype=torch.int64, device="cpu")
-            self.store(layer, k, v, on_device, on_host)
+        if owner != self.rank:
+            return
+        cache = self.layers[layer]
+        if isinstance(cache, LayerCache):  # the common case: one row written in place
+            cache.append_one(k, v, position)
+            return
+        on_device = torch.full((1,), position, dtype=torch.int64, device=k.device)
+        on_host = torch.full((1,), position, dtype=torch.int64, device="cpu")
+        self.store(layer, k, v, on_device, on_host)
 
     def evict(self, layer: int, next_query: int) -> None:
         """With a window, drop what a query at `next_query` or later can no longer see."""

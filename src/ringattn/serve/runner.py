@@ -12,8 +12,10 @@
 The ranks never decide anything: rank 0's scheduler (scheduler.py) made the plan, so every
 rank frees, opens, decodes and prefills the same sequences in the same order, and the
 collectives inside the forwards line up. The decode step comes first (one forward for all
-running sequences), then each prefill chunk (one forward each: `KVEngine.extend`, the chunk
-attending the sequence's cached chunks). Only rank 0 reads the logits (it samples for all).
+running sequences), then the first chunks of sequences with nothing cached, packed as documents
+into one forward (`KVEngine.prefill`: each placed by the layout within itself), then each later
+chunk (one forward each: `KVEngine.extend`, the chunk attending the sequence's cached chunks).
+Only rank 0 reads the logits (it samples for all).
 """
 
 from __future__ import annotations
@@ -52,12 +54,21 @@ class Runner:
         if plan["decode"]:
             seqs, tokens = zip(*plan["decode"])
             decoded = engine.decode(list(seqs), list(tokens))
-        chunks = []
-        for seq, ids, h in plan["chunks"]:
-            start = engine.lengths[seq]
-            tokens = torch.tensor(ids, dtype=torch.int64, device=engine.device)
-            chunks.append(engine.extend(seq, tokens))
+        chunks: list[torch.Tensor | None] = [None] * len(plan["chunks"])
+        first = [j for j, (seq, _, _) in enumerate(plan["chunks"]) if engine.lengths[seq] == 0]
+        if first:  # sequences with nothing cached: their chunks packed into one forward
+            prompts = [self._ids(plan["chunks"][j][1]) for j in first]
+            logits = engine.prefill(prompts, seqs=[plan["chunks"][j][0] for j in first])
+            for row, j in enumerate(first):
+                chunks[j] = logits[row]
+        for j, (seq, ids, h) in enumerate(plan["chunks"]):
+            start = engine.lengths[seq] - (len(ids) if chunks[j] is not None else 0)
+            if chunks[j] is None:  # a later chunk: it attends the sequence's cached ones
+                chunks[j] = engine.extend(seq, self._ids(ids))
             if h is not None:
                 self.store[h] = engine.rows(seq, start, start + len(ids))
                 self.chunk_tokens[h] = start + len(ids)
         return decoded, chunks
+
+    def _ids(self, ids: list[int]) -> torch.Tensor:
+        return torch.tensor(ids, dtype=torch.int64, device=self.engine.device)

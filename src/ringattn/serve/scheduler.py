@@ -291,7 +291,14 @@ class Scheduler:
         logits = torch.stack([row for _, row in rows])  # (L, vocab)
         checks = torch.stack([logits.argmax(-1), torch.isfinite(logits).all(-1).long()])
         greedy, finite = checks.tolist()  # one host sync for the step
+        shared = len(self.step_decode) + len(self.step_chunks) > 1
         for j, (seq, row) in enumerate(rows):
+            if not finite[j] and shared and not seq.failures:
+                # a NaN of one packed prompt reaches the others' rows (0 x NaN in a masked
+                # kernel); recomputed alone, a sequence whose own input is sane comes out clean
+                seq.failures = 1
+                self.preempt(seq)
+                continue
             if not finite[j]:
                 self.fail(seq, "the server failed while generating this request (non-finite "
                                "logits); the server keeps serving, retry or change the request",

@@ -19,8 +19,9 @@ gone) leaves at once, its blocks freed. Each answer is the one its request gets 
 
 Nothing a request does ends the server: a step that raises (an OOM, the same on every rank)
 sends its sequences back to recompute, each alone until one of its steps succeeds, so a
-failure of one request's own fails that request alone (500, or 400 for a ValueError); NaN
-logits fail their request with a 500 (Scheduler.failed, Scheduler.after).
+failure of one request's own fails that request alone (500, or 400 for a ValueError). NaN
+logits the same way: a sequence that shared its step recomputes alone (prompts packed into one
+forward can pass a NaN on), and NaN alone fails its request with a 500 (Scheduler.after).
 
 The idle broadcast keeps the waiting ranks inside the process-group timeout while no request
 comes, and lets a Ctrl-C land within a second. A rank that dies ends the launch: the launcher
@@ -199,6 +200,12 @@ def rank_loop(model, tokenizer, info: GroupInfo, layout: str, jobs: queue.Queue,
         if metrics is not None:
             metrics.waiting = lambda: jobs.qsize() + scheduler.held
             metrics.pool(pool)
+    with runner.engine.holding():  # the model runs nothing else while the server steps
+        return _steps(runner, scheduler, info)
+
+
+def _steps(runner: Runner, scheduler: Scheduler | None, info: GroupInfo) -> int:
+    """rank_loop's loop: plan (rank 0), share the plan, run it, sample (rank 0)."""
     served = 0
     while True:
         plan = scheduler.plan() if scheduler is not None else None

@@ -5,9 +5,13 @@
     logits = engine.decode([0, 2], [t0, t2])     # (2, vocab): one token for each live sequence
     logits = engine.extend(0, more)              # (vocab,): a follow-up turn of sequence 0
     seq = engine.open(); engine.extend(seq, chunk) # a sequence prefilled chunk by chunk (serve)
+    a, b = engine.open(), engine.open()
+    logits = engine.prefill([c0, c1], seqs=[a, b])  # opened sequences' first chunks, one forward
 
 Every call switches the model to the "ringattn-kv" attention (kv_attention.py) for its forward
-and back afterwards, so the model stays usable in between. The prefill asks the model for the
+and back afterwards, so the model stays usable in between; an owner that runs nothing else on
+the model (the server's loop) runs inside `with engine.holding():`, which switches once (the
+switch walks every module: a few milliseconds per step). The prefill asks the model for the
 logits of the rows that end a prompt only (`logits_to_keep` with those local rows): each prompt's
 last token lives on one rank, whose row is summed into a (n, vocab) buffer of zeros on the others,
 one all-reduce. A sequence can also start empty (`open`) and take its prompt as turns of
@@ -20,8 +24,9 @@ sequence, so the shards stay balanced across sequences too.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -48,12 +53,26 @@ class KVEngine:
         self.lengths: list[int] = []  # tokens in each sequence so far
         self.decoded: list[int] = []  # tokens decoded one at a time per sequence (round-robin)
         self.shifts: list[int] = []  # RoPE position - cache position (a VLM's images: vision.py)
+        self.held = False  # holding(): the model stays on "ringattn-kv" between calls
 
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
+    @contextlib.contextmanager
+    def holding(self) -> Iterator[None]:
+        """Keep the model on this engine's attention inside the block (its only user then)."""
+        previous = attach(self.model, self.state)
+        self.held = True
+        try:
+            yield
+        finally:
+            self.held = False
+            restore(self.model, previous)
+
     def _forward(self, **kwargs) -> torch.Tensor:
+        if self.held:
+            return self.model(use_cache=False, **kwargs).logits
         previous = attach(self.model, self.state)
         try:
             return self.model(use_cache=False, **kwargs).logits
@@ -69,11 +88,18 @@ class KVEngine:
         return all_reduce(out, self.info)
 
     def prefill(self, prompts: list[torch.Tensor], on_layer: Callable[[int], None] | None = None,
-                multimodal: dict | None = None) -> torch.Tensor:  # fmt: skip
+                multimodal: dict | None = None,
+                seqs: list[int] | None = None) -> torch.Tensor:  # fmt: skip
         """Start one sequence per prompt (S_i,); logits (n, vocab) of each prompt's last token.
         `multimodal` (one prompt only): a VLM's image inputs; the prompt then goes in whole and
-        the decoder's pre-hook cuts this rank's rows (vision.py)."""
+        the decoder's pre-hook cuts this rank's rows (vision.py). `seqs`: sequences already
+        opened and still empty to start instead of new ones (the server's first chunks of
+        several requests in one forward; each prompt is placed by the layout within itself)."""
         device, first = self.device, len(self.lengths)
+        if seqs is not None:
+            assert multimodal is None and len(seqs) == len(prompts), "seqs: text prompts, one each"
+            assert all(self.lengths[s] == 0 for s in seqs), f"sequences {seqs} are not empty"
+        ids_of = list(range(first, first + len(prompts))) if seqs is None else list(seqs)
         lengths = [p.numel() for p in prompts]
         bounds = [0, *itertools.accumulate(lengths)]
         total = bounds[-1]
@@ -90,7 +116,7 @@ class KVEngine:
         state.rows = []
         for d, length in enumerate(lengths):
             rows = ((doc == d) & (index >= 0)).nonzero().flatten()
-            state.rows.append((first + d, rows, within[rows], length))
+            state.rows.append((ids_of[d], rows, within[rows], length))
         ends = {bounds[d + 1] - 1: d for d in range(len(prompts))}
         keep = [(row, ends[i]) for row, i in enumerate(index.tolist()) if i in ends]
         lengths_kw = {"cu_seq_lens_q": bounds_t, "cu_seq_lens_k": bounds_t,
@@ -107,10 +133,14 @@ class KVEngine:
             logits = self._forward(
                 input_ids=local, position_ids=within.clamp(min=0)[None], **lengths_kw
             )
-            self.shifts += [0] * len(prompts)
+            self.shifts += [0] * len(prompts) if seqs is None else []
         state.on_layer = None
-        self.lengths += lengths
-        self.decoded += [0] * len(prompts)
+        if seqs is None:
+            self.lengths += lengths
+            self.decoded += [0] * len(prompts)
+        else:
+            for seq, length in zip(seqs, lengths):
+                self.lengths[seq] = length
         return self._shared_rows(logits, [d for _, d in keep], len(prompts))
 
     def open(self) -> int:
