@@ -6,8 +6,8 @@ Here in-process servers (serve_model.InProcess) over the tiny chat model: `plain
 defaults (prompts in one chunk), `small` with chunks of 8 tokens and a pool of a few blocks
 of 4 tokens, where long prompts prefill in chunks, prefixes are reused, and requests wait for
 blocks or are preempted, and `roomy` with chunks of 32 and blocks of 4 in a pool that evicts
-nothing, where the tokens a prefix hit reuses are exact. Every answer must equal transformers' greedy `model.generate` of that
-prompt alone (no chunks, no cache, no batch).
+nothing, where the tokens a prefix hit reuses are exact. Every answer must equal transformers'
+greedy `model.generate` of that prompt alone (no chunks, no cache, no batch).
 """
 
 from __future__ import annotations
@@ -139,27 +139,30 @@ def test_a_prefix_ending_mid_chunk_or_shorter_than_one_is_reused_by_blocks(serve
     _, _, model, tok = servers
     server, client = roomy
     sent: list[list[int]] = []
+
+    def ask(messages: list[dict]) -> tuple[str, int, list[int]]:
+        """The answer (checked), the prompt tokens it reused (checked: whole blocks of its
+        longest prefix sent before), its longest prefix sent before, its prompt."""
+        ids = chat_ids(tok, messages)
+        shared = max((_common(ids, earlier) for earlier in sent), default=0)
+        before = scrape(server)
+        answer = _ask(client, messages, 4)
+        after = scrape(server)
+        assert answer == greedy(model, tok, ids, 4)
+        reused = min(shared, len(ids) - 1) // BLOCK * BLOCK
+        assert after[HIT_TOKENS] - before[HIT_TOKENS] == reused
+        assert after[HITS] - before[HITS] == (reused > 0)
+        sent.append(ids)
+        return answer, reused, ids
+
     for system, longer in ((SYSTEM, True), ("a long context", False)):
-        first = [{"role": "system", "content": system}, {"role": "user", "content": "the lazy dog"}]
-        second = [{"role": "system", "content": system}, {"role": "user", "content": "hello world"}]
-        third = [*second, None, {"role": "user", "content": "fine, thank you"}]
-        for messages in (first, second, third):
-            if messages is third:
-                third[2] = {"role": "assistant", "content": answer}
-            ids = chat_ids(tok, messages)
-            shared = max((_common(ids, earlier) for earlier in sent), default=0)
-            before = scrape(server)
-            answer = _ask(client, messages, 4)
-            after = scrape(server)
-            assert answer == greedy(model, tok, ids, 4)
-            reused = min(shared, len(ids) - 1) // BLOCK * BLOCK
-            assert after[HIT_TOKENS] - before[HIT_TOKENS] == reused
-            assert after[HITS] - before[HITS] == (reused > 0)
-            if messages is second:
-                assert (shared > 32 and shared % 32) if longer else 4 <= shared < 32
-            if messages is third:
-                assert reused >= (len(sent[-1]) - 1) // BLOCK * BLOCK  # the whole second turn
-            sent.append(ids)
+        ask([{"role": "system", "content": system}, {"role": "user", "content": "the lazy dog"}])
+        second = [{"role": "system", "content": system}, {"role": "user", "content": "hello"}]
+        answer, reused, ids = ask(second)
+        assert (reused > 32 and reused % 32) if longer else 4 <= reused < 32
+        turn = [{"role": "assistant", "content": answer}, {"role": "user", "content": "fine"}]
+        _, again, _ = ask([*second, *turn])
+        assert again >= (len(ids) - 1) // BLOCK * BLOCK  # the whole second prompt
 
 
 def test_a_request_too_large_for_the_pool_is_refused_with_the_numbers(servers):
