@@ -84,12 +84,14 @@ def adopted(rank: int, world_size: int, chunk: int, cuts: list[int]) -> list:
     """KVEngine over the tiny model: a sequence of 3 chunks prefilled chunk by chunk and its
     chunks' rows kept (`rows`), then per cut a sequence sharing its first `cut` tokens (then
     others, 2 chunks + 3 tokens in all) that adopts the rows below `cut` and extends the rest
-    in the server's pieces; [cut, max |logits - a plain prefill's|, the same with the row at
-    position `cut` (the first sequence's token there) adopted too] per cut."""
+    in the server's pieces (caches growing by blocks of 4 rows); [cut, max |logits - a plain
+    prefill's|, the same with the row at position `cut` (the first sequence's token there)
+    adopted too, the rows and the buffer rows this rank holds of the right one] per cut."""
     from ringattn.inference.hf.engine import KVEngine
 
     _, model = tiny_model()
     engine = KVEngine(model, layout="zigzag")
+    engine.state.granule = 4  # as under the server's pool (Runner)
     g = torch.Generator(device="cpu").manual_seed(3)
     vocab = model.config.vocab_size
     first = torch.randint(vocab, (3 * chunk,), generator=g, device="cpu")
@@ -113,5 +115,8 @@ def adopted(rank: int, world_size: int, chunk: int, cuts: list[int]) -> list:
                     logits = engine.extend(seq, second[at:stop])
                     at = stop
                 results.append(float((logits - plain).abs().max()))
-            out.append([cut, *results])
+                if bound == cut:
+                    caches = [engine.state.caches[layer, seq].layers[0] for layer in range(2)]
+                    held = [max(c.tokens for c in caches), max(c.k.shape[2] for c in caches)]
+            out.append([cut, *results, *held])
     return out

@@ -261,11 +261,11 @@ class Scheduler:
             if seq is None:
                 return
             seq.target = len(seq.tokens)
-            seq.id = self.next_id
+            seq.id, pinned = self.next_id, set(self.pool.pinned)
             reuse = self._reuse(seq)
             if reuse and not self._chunk(plan, seq, budget):
                 # the copies do not fit beside their originals: compute it all instead
-                self.pool.pinned -= {entry for entry, _ in reuse}
+                self.pool.pinned = pinned  # (an entry pinned by another stays pinned)
                 reuse, seq.done, seq.rows, seq.pieces = [], 0, 0, []
             if not reuse and not self._chunk(plan, seq, budget):
                 self.pool.release(seq.id)
