@@ -94,6 +94,14 @@ def test_eviction_keeps_the_index_and_spares_pinned_entries():
     assert pool.grow(0, 6 * 4) and pool.free == 0
     pool.release(0)
     assert pool.free == 6 and pool.used == 0
+    # an older entry, a turn's last chunk (6 tokens), then the next turn's chunk holding that
+    # and more: the turn's is evicted first, though the other one is older
+    turn = list(range(200, 206))
+    assert _entry(pool, list(range(300, 308)), 8, 0) == 3
+    assert _entry(pool, turn, 8, 0) == 4 and _entry(pool, [*turn, 1, 2], 8, 0) == 5
+    assert pool.lookup(prefix_hashes(turn, 8, 4), 5) == [(5, 4)]  # the newer one serves
+    pool.pinned = set()
+    assert pool.grow(1, 8) and pool.evicted[-1] == 4 and set(pool.cached) == {3, 5}
 
 
 def test_truncated_adoption_equals_a_plain_prefill_on_two_ranks(pools):

@@ -31,11 +31,12 @@ chunk that started from a truncated entry has two): `(offset in the chunk, token
 tokens kept)`. Its fullest rank holds at most the sum over pieces of the most rows any rank
 holds of the piece (`Shares.piece_rows`), which is what its blocks count (and, truncated, what
 a sequence that adopts it counts). Entries take free blocks only (a prefix never evicts
-another), are evicted least recently used (a chain's last chunk first), and `pinned` ones (read
-or written by the step being planned) are not evicted. Rank 0 decides what is kept and evicted
-and says so in the step's plan, so every rank's store holds the same entries. (An accounting
-pool: an entry holds a copy of its chunk, and a hit copies it into the new sequence's cache,
-rather than sharing one paged tensor.)
+another), are evicted least recently used (a chain's last chunk first; before all, one whose
+every point a newer entry holds, e.g. a turn's last chunk that the next turn completed), and
+`pinned` ones (read or written by the step being planned) are not evicted. Rank 0 decides what
+is kept and evicted and says so in the step's plan, so every rank's store holds the same
+entries. (An accounting pool: an entry holds a copy of its chunk, and a hit copies it into the
+new sequence's cache, rather than sharing one paged tensor.)
 """
 
 from __future__ import annotations
@@ -225,6 +226,9 @@ class BlockPool:
         entry, self.next_entry = self.next_entry, self.next_entry + 1
         self.cached[entry] = Entry(chunk, list(points), list(pieces), self.blocks(rows), self.clock)
         for _, h in points:
+            for other in self.index.get(h, ()):
+                if self.cached[other].points[-1][1] == h:  # all it holds, this one holds too:
+                    self.cached[other].last = 0  # evicted first when room is needed
             self.index.setdefault(h, {})[entry] = None
         self.pinned.add(entry)
         return entry
