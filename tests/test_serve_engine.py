@@ -1,12 +1,13 @@
 """`ringattn serve`'s engine (issue 32, items 1-4 and 7): continuous batching, chunked prefill,
 the KV block pool and prefix reuse, asked through the official `openai` client.
 
-The pool's accounting and the chained hashes are checked on their own first (no model). Then
-two in-process servers (serve_model.InProcess) over the tiny chat model: `plain` with the
-defaults (prompts in one chunk) and `small` with chunks of 8 tokens and a pool of a few blocks
+The pool's accounting and the chained hashes are checked on their own in test_serve_prefix.py.
+Here in-process servers (serve_model.InProcess) over the tiny chat model: `plain` with the
+defaults (prompts in one chunk), `small` with chunks of 8 tokens and a pool of a few blocks
 of 4 tokens, where long prompts prefill in chunks, prefixes are reused, and requests wait for
-blocks or are preempted. Every answer must equal transformers' greedy `model.generate` of that
-prompt alone (no chunks, no cache, no batch).
+blocks or are preempted, and `roomy` with chunks of 32 and blocks of 4 in a pool that evicts
+nothing, where the tokens a prefix hit reuses are exact. Every answer must equal transformers'
+greedy `model.generate` of that prompt alone (no chunks, no cache, no batch).
 """
 
 from __future__ import annotations
@@ -23,47 +24,13 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
 from ringattn.serve.config import ServeConfig
-from ringattn.serve.pool import BlockPool, Shares, chunk_hashes
 from ringattn.serve.worker import kv_token_bytes
 from serve_model import InProcess, served_tiny
 from test_serve_robust import chat_ids, concurrently, greedy, scrape
 
 CHUNK, BLOCK, BLOCKS = 8, 4, 32  # the small server: 8-token chunks, 32 blocks of 4 tokens
 SYSTEM = "ring attention passes keys and values around a ring of processes"  # 4 chunks
-
-
-def test_chunk_hashes_chain_and_cover_whole_chunks_only():
-    a = chunk_hashes(list(range(20)), 8)
-    b = chunk_hashes([*range(16), 99, 98], 8)
-    c = chunk_hashes([1, *range(1, 20)], 8)
-    assert len(a) == 2 and a == b  # the partial last chunk has no hash
-    assert c[0] != a[0] and c[1] != a[1]  # chained: chunk 1's hash covers chunk 0 too
-    assert chunk_hashes(list(range(7)), 8) == []
-
-
-def test_shares_count_the_fullest_ranks_rows():
-    shares = Shares("zigzag", 2)
-    assert shares.chunk_rows(8) == 4 and shares.chunk_rows(5) == 3  # pieces of ceil(5 / 4) = 2
-    assert shares.tokens(21, 8, 3) == 4 + 4 + 3 + 2  # two chunks, a chunk of 5, 3 decoded
-    assert Shares("zigzag", 1).tokens(21, 8, 3) == 24
-
-
-def test_pool_grows_by_blocks_evicts_cached_prefixes_and_refuses_beyond():
-    pool = BlockPool(6, 4)
-    assert pool.grow(0, 9) and pool.held == {0: 3} and pool.free == 3
-    assert pool.keep("h0", 4) and pool.keep("h1", 4) and pool.free == 1
-    assert not pool.keep("h2", 8)  # a prefix never evicts another
-    assert pool.lookup(["h0", "h1", "hx"]) == ["h0", "h1"] and pool.lookup(["hx", "h1"]) == []
-    assert pool.grow(1, 8) and pool.evicted == ["h0"]  # the least recently used went
-    assert not pool.grow(1, 9, keep=("h1",))  # h1 is pinned: no room, nothing changed
-    assert pool.held[1] == 2 and list(pool.cached) == ["h1"]
-    assert pool.grow(1, 9) and pool.free == 0 and pool.evicted == ["h0", "h1"]
-    pool.release(0)
-    assert pool.free == 3 and pool.used == 3
-    chain = BlockPool(4, 4)
-    assert chain.keep("c0", 4, 0) and chain.keep("c1", 4, 1) and chain.keep("c2", 4, 2)
-    chain.lookup(["c0", "c1", "c2"])
-    assert chain.grow(0, 8) and chain.evicted == ["c2"]  # a chain loses its last chunk first
+HITS, HIT_TOKENS = "ringattn_prefix_cache_hits_total", "ringattn_prefix_cache_hit_tokens_total"
 
 
 @pytest.fixture(scope="module")
@@ -135,11 +102,67 @@ def test_a_shared_prefix_is_reused_and_answers_as_without_it(servers):
     middle = scrape(small)
     assert _ask(client, second, 4) == greedy(model, tok, chat_ids(tok, second), 4)
     after = scrape(small)
-    hits, reused = "ringattn_prefix_cache_hits_total", "ringattn_prefix_cache_hit_tokens_total"
-    shared = len(chat_ids(tok, [first[0]]))  # the system turn's tokens: whole chunks of them
-    assert after[hits] == middle[hits] + 1 and middle[hits] >= before[hits]
-    # whole chunks of the system turn (the pool may have evicted the chain's later ones)
-    assert 2 * CHUNK <= after[reused] - middle[reused] <= shared // CHUNK * CHUNK
+    shared = _common(chat_ids(tok, first), chat_ids(tok, second))
+    assert after[HITS] == middle[HITS] + 1 and middle[HITS] >= before[HITS]
+    # whole blocks of the shared prefix (the pool may have evicted the chain's later chunks)
+    reused = after[HIT_TOKENS] - middle[HIT_TOKENS]
+    assert 2 * CHUNK <= reused <= shared // BLOCK * BLOCK and reused % BLOCK == 0
+
+
+def _common(a: list[int], b: list[int]) -> int:
+    """The length of the longest common prefix of `a` and `b`."""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+@pytest.fixture(scope="module")
+def roomy(servers):
+    """Chunks of 32 tokens, blocks of 4 and a pool of 512 blocks: nothing is evicted."""
+    (plain, _), _, model, _ = servers
+    gb = 512 * BLOCK * kv_token_bytes(model) / (1 << 30)
+    server = InProcess(plain.directory, cfg=ServeConfig(max_batch_tokens=32, kv_block_size=BLOCK,
+                                                        kv_cache_gb=gb))  # fmt: skip
+    client = openai.OpenAI(base_url=server.url, api_key="-", max_retries=0, timeout=120)
+    try:
+        yield server, client
+    finally:
+        server.close()
+
+
+def test_a_prefix_ending_mid_chunk_or_shorter_than_one_is_reused_by_blocks(servers, roomy):
+    """Two chats sharing a system turn (42 tokens: a chunk of 32 and 10; then 23, less than a
+    chunk) and a follow-up turn of the second: each later one reuses exactly the whole blocks
+    of its longest prefix in the cache (the follow-up: from a chunk that was itself computed
+    from a cut entry and an extend), and answers as transformers' greedy."""
+    _, _, model, tok = servers
+    server, client = roomy
+    sent: list[list[int]] = []
+
+    def ask(messages: list[dict]) -> tuple[str, int, list[int]]:
+        """The answer (checked), the prompt tokens it reused (checked: whole blocks of its
+        longest prefix sent before), its longest prefix sent before, its prompt."""
+        ids = chat_ids(tok, messages)
+        shared = max((_common(ids, earlier) for earlier in sent), default=0)
+        before = scrape(server)
+        answer = _ask(client, messages, 4)
+        after = scrape(server)
+        assert answer == greedy(model, tok, ids, 4)
+        reused = min(shared, len(ids) - 1) // BLOCK * BLOCK
+        assert after[HIT_TOKENS] - before[HIT_TOKENS] == reused
+        assert after[HITS] - before[HITS] == (reused > 0)
+        sent.append(ids)
+        return answer, reused, ids
+
+    for system, longer in ((SYSTEM, True), ("a long context", False)):
+        ask([{"role": "system", "content": system}, {"role": "user", "content": "the lazy dog"}])
+        second = [{"role": "system", "content": system}, {"role": "user", "content": "hello"}]
+        answer, reused, ids = ask(second)
+        assert (reused > 32 and reused % 32) if longer else 4 <= reused < 32
+        turn = [{"role": "assistant", "content": answer}, {"role": "user", "content": "fine"}]
+        _, again, _ = ask([*second, *turn])
+        assert again >= (len(ids) - 1) // BLOCK * BLOCK  # the whole second prompt
 
 
 def test_a_request_too_large_for_the_pool_is_refused_with_the_numbers(servers):
@@ -280,25 +303,29 @@ def test_a_step_that_fails_once_is_recomputed_and_one_that_fails_alone_gets_500(
 
 def test_two_ranks_run_the_steps_chunked_and_shared_as_each_alone(pools):
     """rank_loop on two ranks (workers_serve.stepped): chunks of 8, a pool of 40 blocks of 4
-    per rank, two prompts sharing a prefix and one not; every text is transformers' greedy.
-    Again without the prefix cache in a pool of 8 blocks, where sequences are preempted and
-    recompute."""
+    per rank, zigzag. The second prompt shares 28 tokens with the first (3 chunks and a block:
+    it adopts a cut chunk); the third extends the second (36 tokens: whole chunks, one of them
+    computed from a cut entry and an extend, then a block of a chunk kept in the same step);
+    the fourth shares nothing. Every text is transformers' greedy. Again without the prefix
+    cache in a pool of 8 blocks, where sequences are preempted and recompute."""
     from workers_serve import tiny_model
 
     tok, model = tiny_model()
-    prompts = [SYSTEM + " hello world", SYSTEM + " the lazy dog", "how are you today?"]
+    prompts = [SYSTEM + " hello world", SYSTEM + " the lazy dog",
+               SYSTEM + " the lazy dog jumps over the fox", "how are you today?"]  # fmt: skip
+    ids = [tok(p)["input_ids"] for p in prompts]
+    assert _common(ids[0], ids[1]) == 28 and _common(ids[1], ids[2]) == len(ids[1]) == 36
     gb = 40 * BLOCK * kv_token_bytes(model) / (1 << 30)
     cfg = {"max_batch_tokens": CHUNK, "kv_block_size": BLOCK, "kv_cache_gb": gb}
     results = pools(2).run("workers_serve:stepped", prompts, 12, cfg)
     texts, _, (hits, _), _ = results[0]
     assert [r[1] for r in results] == [len(prompts)] * 2  # both ranks ran every request
-    assert texts == [greedy(model, tok, tok(p)["input_ids"], 12) for p in prompts]
-    shared = len(tok(SYSTEM)["input_ids"])
-    assert 2 * CHUNK <= hits <= shared  # the second started from the first one's chunks
+    assert texts == [greedy(model, tok, p, 12) for p in ids]
+    assert hits == 28 + 36  # whole blocks of each one's longest cached prefix
     small = {**cfg, "kv_cache_gb": gb / 5, "prefix_cache": False}
     rerun = pools(2).run("workers_serve:stepped", prompts, 12, small)[0]
     again, served, (hits, preempted), _ = rerun
-    assert (again, served, hits) == (texts, 3, 0) and preempted > 0
+    assert (again, served, hits) == (texts, 4, 0) and preempted > 0
 
 
 def test_a_vision_language_model_is_refused_before_any_rank_communicates(tmp_path):

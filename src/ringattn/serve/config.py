@@ -52,14 +52,15 @@ class ServeConfig:
     """sequences running at once (prefilling or decoding); more wait in the queue"""
     max_batch_tokens: int = 2048
     """prompt tokens prefilled per step, beside the running sequences' decodes; a longer prompt
-    goes in chunks of this many tokens (also the prefix cache's unit)"""
+    goes in chunks of this many tokens"""
     kv_cache_gb: float | None = None
     """the KV pool of each rank in GiB (default: 0.8 x the free GPU memory after loading the model,
     4 GiB on the CPU)"""
     kv_block_size: int = 16
-    """tokens per KV block (the pool's unit)"""
+    """tokens per KV block (the pool's unit, and the prefix cache's: a shared prefix is reused
+    in whole blocks)"""
     prefix_cache: bool = True
-    """reuse the cached K/V of a shared prompt prefix (whole chunks, by content hash)"""
+    """reuse the cached K/V of a shared prompt prefix (whole blocks, by chained content hash)"""
     max_queue: int = 256
     """requests that may wait for the ranks; beyond, 503 with Retry-After (0: no limit)"""
     max_body_mb: float | None = None

@@ -13,9 +13,13 @@ Each step (nano-vllm's scheduler, vLLM's chunked prefill):
 
 A prompt goes in chunks at fixed multiples of C = --max-batch-tokens (DESIGN.md §12): chunk c
 holds tokens [cC, (c + 1)C), placed by the layout within itself, so the K/V a rank holds of a
-prefix never depends on what follows it. A full chunk's K/V is kept in every rank's prefix store
-under its chained content hash (pool.py); a request whose first chunks hash the same starts from
-copies of them. The plan (runner.py) goes to every rank as one message; after the step rank 0
+prefix never depends on what follows it. Every chunk with a full block of B = --kv-block-size
+tokens is kept in every rank's prefix store, with a chained hash per block (pool.py). A request
+starts from the longest prefix of its own that the store holds, at block granularity: copies of
+whole chunks and of the first k tokens of the next (truncating is exact, pool.py), then computes
+the rest of that chunk as one piece and its later chunks as usual. The pool counts what such a
+sequence holds piece by piece (`Seq.rows`), not by the closed form of an all-fresh prefill. The
+plan (runner.py) goes to every rank as one message; after the step rank 0
 samples every sequence's next token (greedy or seeded, inference/sampling.py) and the next
 plan carries those tokens. Each answer is the one its request gets alone: a sequence's tokens
 depend on its own cache and its own generator only.
@@ -30,7 +34,7 @@ from collections import deque
 import torch
 
 from ringattn.inference.sampling import Sampling, next_token
-from ringattn.serve.pool import BlockPool, Shares, chunk_hashes
+from ringattn.serve.pool import BlockPool, Piece, Point, Shares, prefix_hashes, truncate
 from ringattn.serve.protocol import IDLE_S, Job
 from ringattn.serve.text import TextStream
 
@@ -49,7 +53,9 @@ class Seq:
         self.tokens = list(r.ids)  # what the cache holds once the pending token is fed
         self.out: list[int] = []
         self.id, self.done, self.target, self.failures = -1, 0, 0, 0
-        self.hashes: list[str] = []  # chained hash of each full chunk of `tokens`
+        self.hashes: list[list[Point]] = []  # each chunk's hash points (pool.prefix_hashes)
+        self.rows = 0  # prompt rows on the fullest rank so far: sum over pieces (pool.py)
+        self.pieces: list[Piece] = []  # the pieces of the chunk being prefilled, so far
         self.started = False  # admitted once (a preempted one comes back started)
 
     @property
@@ -73,17 +79,19 @@ class Scheduler:
         self.next_id = 0
         self.step_decode: list[Seq] = []
         self.step_chunks: list[tuple[Seq, int]] = []
-        self.step_kept: list[str] = []  # prefix hashes this step's chunks store on every rank
+        self.step_kept: list[int] = []  # prefix entries this step's chunks store on every rank
 
     @property
     def held(self) -> int:
         """Requests out of the queue but not running (preempted or waiting for blocks)."""
         return len(self.waiting)
 
-    def rows(self, seq: Seq, done: int) -> int:
-        """Tokens on the fullest rank when `done` of seq's tokens are in its cache."""
-        prefilled = min(done, seq.target)
-        return self.shares.tokens(prefilled, self.chunk, done - prefilled)
+    def rows(self, seq: Seq, piece: int = 0, decode: int = 0) -> int:
+        """Tokens on the fullest rank once a prompt piece of `piece` tokens (one extend) and
+        `decode` more decoded tokens are in seq's cache."""
+        decoded = max(0, seq.done - seq.target) + decode
+        extra = self.shares.chunk_rows(piece) if piece else 0
+        return seq.rows + extra + -(-decoded // self.shares.world_size)
 
     # ---- ending sequences ----
 
@@ -112,7 +120,8 @@ class Scheduler:
     def preempt(self, seq: Seq) -> None:
         """Free seq's blocks; it comes back first and recomputes its cache (module doc)."""
         self._drop(seq)
-        seq.done = seq.target = 0
+        seq.done = seq.target = seq.rows = 0
+        seq.pieces = []
         self.waiting.appendleft(seq)
         if self.metrics is not None:
             self.metrics.preemptions += 1
@@ -122,6 +131,7 @@ class Scheduler:
     def plan(self) -> dict:
         """The next step's plan (runner.py), "idle" when nothing runs, "stop" at the end."""
         self.step_decode, self.step_chunks, self.step_kept = [], [], []
+        self.pool.pinned = set()
         if not self.running and not self.waiting:
             try:
                 self.waiting.append(self.jobs.get(timeout=IDLE_S))
@@ -166,26 +176,29 @@ class Scheduler:
         for seq in list(self.running) if only is None else [only]:
             if seq.prefilling or seq not in self.running:
                 continue
-            while seq in self.running and not self.pool.grow(seq.id, self.rows(seq, seq.done + 1)):
+            while seq in self.running and not self.pool.grow(seq.id, self.rows(seq, decode=1)):
                 self.preempt(self.running[-1])  # the newest goes back in line
             if seq in self.running:
                 plan["decode"].append([seq.id, seq.tokens[-1]])
                 self.step_decode.append(seq)
 
-    def _chunk(self, plan: dict, seq: Seq, budget: int, keep: tuple[str, ...] = ()) -> int:
-        """Schedule seq's next prefill chunk if `budget` and the pool allow; tokens used."""
+    def _chunk(self, plan: dict, seq: Seq, budget: int) -> int:
+        """Schedule seq's next prefill piece (the rest of its chunk) if `budget` and the pool
+        allow, kept in the prefix store when it completes the chunk; tokens used."""
         n = min(self.chunk - seq.done % self.chunk, seq.target - seq.done)
-        if n > budget or not self.pool.grow(seq.id, self.rows(seq, seq.done + n), keep):
+        if n > budget or not self.pool.grow(seq.id, self.rows(seq, piece=n)):
             return 0
-        ids = seq.tokens[seq.done : seq.done + n]
-        h = None
-        end = seq.done + n
-        if self.prefix_cache and n == self.chunk and end <= len(seq.hashes) * self.chunk:
-            candidate = seq.hashes[end // self.chunk - 1]
-            if self.pool.keep(candidate, self.shares.chunk_rows(self.chunk), end // self.chunk):
-                h = candidate
-                self.step_kept.append(h)
-        plan["chunks"].append([seq.id, ids, h])
+        c, at = divmod(seq.done, self.chunk)
+        end = at + n  # tokens of chunk c in the cache after this piece
+        keep = None
+        if self.prefix_cache and (end == self.chunk or seq.done + n == seq.target):
+            points = [p for p in seq.hashes[c] if p[0] <= end] if c < len(seq.hashes) else []
+            pieces = [*seq.pieces, (at, n, n)]
+            entry = self.pool.keep(c, points, pieces, self.shares.rows(pieces))
+            if entry is not None:
+                keep = [entry, c * self.chunk]
+                self.step_kept.append(entry)
+        plan["chunks"].append([seq.id, seq.tokens[seq.done : seq.done + n], keep])
         self.step_chunks.append((seq, n))
         return n
 
@@ -248,12 +261,12 @@ class Scheduler:
             if seq is None:
                 return
             seq.target = len(seq.tokens)
-            seq.hashes = chunk_hashes(seq.tokens, self.chunk) if self.prefix_cache else []
-            reuse = self.pool.lookup(seq.hashes)
-            reuse = reuse[: (seq.target - 1) // self.chunk]  # at least one token to compute
-            seq.id, seq.done = self.next_id, len(reuse) * self.chunk
-            if reuse and not self._chunk(plan, seq, budget, tuple(reuse)):
-                reuse, seq.done = [], 0  # the copies do not fit beside their originals
+            seq.id, pinned = self.next_id, set(self.pool.pinned)
+            reuse = self._reuse(seq)
+            if reuse and not self._chunk(plan, seq, budget):
+                # the copies do not fit beside their originals: compute it all instead
+                self.pool.pinned = pinned  # (an entry pinned by another stays pinned)
+                reuse, seq.done, seq.rows, seq.pieces = [], 0, 0, []
             if not reuse and not self._chunk(plan, seq, budget):
                 self.pool.release(seq.id)
                 seq.id, seq.done = -1, 0
@@ -262,12 +275,38 @@ class Scheduler:
             self.next_id += 1
             self.waiting.popleft()
             self.running.append(seq)
-            plan["open"].append([seq.id, reuse])
+            plan["open"].append([seq.id, [entry for entry, _ in reuse], seq.done])
             plan["new"] += not seq.started
             seq.started = True
             if reuse:
                 self.pool.hits += 1
                 self.pool.hit_tokens += seq.done
+
+    def _reuse(self, seq: Seq) -> list[tuple[int, int]]:
+        """The cached prefix seq starts from (pool.lookup, at least one token left to compute),
+        pinned, with seq's progress, rows and pieces set to it; [] when none would fit."""
+        if not self.prefix_cache:
+            return []
+        seq.hashes = prefix_hashes(seq.tokens, self.chunk, self.pool.block_size)
+        found = self.pool.lookup(seq.hashes, seq.target - 1)
+        if not found:
+            return []
+        rows, pieces = 0, []
+        for entry, k in found:
+            pieces = truncate(self.pool.cached[entry].pieces, k)
+            rows += self.shares.rows(pieces)
+        seq.done = (len(found) - 1) * self.chunk + found[-1][1]
+        seq.rows, seq.pieces = rows, pieces if found[-1][1] < self.chunk else []
+        # the pieces may need more rows than an all-fresh prefill: still within the pool?
+        first = min(self.chunk - seq.done % self.chunk, seq.target - seq.done)
+        new = seq.request.max_new_tokens - len(seq.out)
+        most = rows + self.shares.chunk_rows(first)
+        most += self.shares.tokens(seq.target - seq.done - first, self.chunk, new)
+        if self.pool.blocks(most) > self.pool.n_blocks:
+            seq.done, seq.rows, seq.pieces = 0, 0, []
+            return []
+        self.pool.pinned |= {entry for entry, _ in found}
+        return found
 
     # ---- after the step ----
 
@@ -280,6 +319,9 @@ class Scheduler:
             seq.done += 1
             rows.append((seq, decoded[j]))
         for (seq, n), logits in zip(self.step_chunks, chunks):
+            seq.rows += self.shares.chunk_rows(n)
+            at = seq.done % self.chunk
+            seq.pieces = [] if at + n == self.chunk else [*seq.pieces, (at, n, n)]
             seq.done += n
             if not seq.prefilling:
                 rows.append((seq, logits))

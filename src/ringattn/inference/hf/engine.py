@@ -165,11 +165,21 @@ class KVEngine:
         return out
 
     def adopt(self, seq: int, chunks: list[list[tuple[torch.Tensor, ...]]], tokens: int) -> None:
-        """Start the empty sequence `seq` with reused chunks (`rows` of another sequence with the
-        same first `tokens` tokens), in order: their K/V become this sequence's."""
+        """Start the empty sequence `seq` with reused chunks (`rows` of other sequences whose
+        first `tokens` tokens are seq's), in order: their rows with position < `tokens` become
+        this sequence's K/V. Exact at any cut: each rank's rows are in increasing position and
+        position p's K/V depend on tokens <= p only, whatever placement computed them."""
         assert self.lengths[seq] == 0, "adopt starts an empty sequence"
-        for chunk in chunks:
-            for layer, (k, v, positions, host) in enumerate(chunk):
+        bound = torch.tensor(tokens, device="cpu")
+        for layer in range(self.n_layers):
+            parts = []
+            for chunk in chunks:
+                k, v, positions, host = chunk[layer]
+                n = int(torch.searchsorted(host, bound))  # host positions increase
+                parts.append((k[:, :, :n], v[:, :, :n], positions[:n], host[:n]))
+            if sum(part[3].numel() for part in parts):  # one store: one buffer, no regrowth
+                k, v, positions, host = (torch.cat(x, dim=d) for x, d in
+                                         zip(zip(*parts), (2, 2, 0, 0)))  # fmt: skip
                 self.state.cache(layer, seq, None).store(0, k, v, positions, host)
         self.lengths[seq] = tokens
 

@@ -1,0 +1,194 @@
+"""`ringattn serve`'s block-granular prefix reuse (issue 32, item 4): the pool's hashes, index,
+lookup and eviction without a model, then the engine's truncated adoption on two ranks (zigzag)
+against a plain prefill of the same tokens. The served answers (through the `openai` client)
+are checked in test_serve_engine.py, beside the other engine tests' servers."""
+
+from __future__ import annotations
+
+import pytest
+
+from ringattn.serve.pool import BlockPool, Shares, prefix_hashes, truncate
+
+
+def _hashes(points):
+    return [h for _, h in points]
+
+
+def test_prefix_hashes_mark_every_full_block_and_chain_over_chunks():
+    ids = list(range(20))
+    a = prefix_hashes(ids, 8, 4)
+    assert [[k for k, _ in chunk] for chunk in a] == [[4, 8], [4, 8], [4]]
+    # a prefix's points are the same whatever follows (the partial tail of 3 has none)
+    assert prefix_hashes(ids[:15], 8, 4) == [a[0], a[1][:1]]
+    assert prefix_hashes([*ids[:13], 99, 98], 8, 4) == [a[0], a[1][:1]]
+    # chained: changing token 0 changes every point; token 9 every point from (1, 4) on
+    other = prefix_hashes([1, *ids[1:]], 8, 4)
+    assert not set(_hashes(other[0] + other[1] + other[2])) & set(_hashes(a[0] + a[1] + a[2]))
+    late = prefix_hashes([*ids[:9], 0, *ids[10:]], 8, 4)
+    assert late[0] == a[0] and late[1][0] != a[1][0] and late[2] != a[2]
+    # blocks that do not divide the chunk: its end is a point too, chaining the tail on
+    odd = prefix_hashes(ids, 8, 3)
+    assert [[k for k, _ in chunk] for chunk in odd] == [[3, 6, 8], [3, 6, 8], [3]]
+    assert prefix_hashes(ids[:2], 8, 4) == [[]]
+
+
+def test_piece_rows_count_the_fullest_ranks_rows_below_a_cut():
+    shares = Shares("zigzag", 2)  # 8 tokens: rank 0 keeps 0 1 6 7, rank 1 keeps 2 3 4 5
+    assert [shares.piece_rows(8, k) for k in range(9)] == [0, 1, 2, 2, 2, 3, 4, 4, 4]
+    assert shares.chunk_rows(8) == 4 and shares.chunk_rows(5) == 3  # pieces of ceil(5 / 4) = 2
+    assert shares.tokens(21, 8, 3) == 4 + 4 + 3 + 2  # two chunks, a chunk of 5, 3 decoded
+    assert Shares("zigzag", 1).tokens(21, 8, 3) == 24
+    # a chunk computed as 3 tokens of an 8-token placement, then 5 placed alone
+    pieces = [(0, 8, 3), (3, 5, 5)]
+    assert shares.rows(pieces) == 2 + 3
+    assert truncate(pieces, 6) == [(0, 8, 3), (3, 5, 3)] and truncate(pieces, 2) == [(0, 8, 2)]
+
+
+def _entry(pool, ids, chunk, c, block=4, upto=None):
+    """Keep chunk `c` of `ids` as computed in one piece (W = 1 rows)."""
+    points = prefix_hashes(ids, chunk, block)[c]
+    n = min(chunk, len(ids) - c * chunk) if upto is None else upto
+    points = [p for p in points if p[0] <= n]
+    return pool.keep(c, points, [(0, n, n)], n)
+
+
+def test_lookup_takes_whole_chunks_then_the_longest_run_of_blocks():
+    pool = BlockPool(64, 4)
+    first = list(range(30))  # chunks of 8: 0-7, 8-15, 16-23, 24-29 (a partial chunk of 6)
+    kept = [_entry(pool, first, 8, c) for c in range(4)]
+    assert kept == [0, 1, 2, 3] and pool.cached[3].blocks == 2  # 6 rows: 2 blocks of 4
+    assert pool.cached[3].points == prefix_hashes(first, 8, 4)[3]  # the block of 4; no tail
+    # a request sharing 21 tokens: chunks 0, 1 whole, then one block of chunk 2 (20 tokens)
+    second = [*first[:21], 77, 78, 79, 80]
+    assert pool.lookup(prefix_hashes(second, 8, 4), len(second) - 1) == [(0, 8), (1, 8), (2, 4)]
+    # shorter than a chunk: one block
+    assert pool.lookup(prefix_hashes([*first[:6], 5], 8, 4), 6) == [(0, 4)]
+    # at least one token to compute: the same prompt reuses 28 of its 30 (the limit, in blocks)
+    assert pool.lookup(prefix_hashes(first, 8, 4), 29) == [(0, 8), (1, 8), (2, 8), (3, 4)]
+    assert pool.lookup(prefix_hashes(first[:16], 8, 4), 15) == [(0, 8), (1, 4)]
+    assert pool.lookup(prefix_hashes([9, *first[1:]], 8, 4), 29) == []
+    # a block held by another entry of the same chunk: the longest run from any entry
+    third = [*first[:16], 50, 51, 52, 53, 54, 55, 56, 57, 58]
+    assert _entry(pool, third, 8, 2) == 4  # chunk 2 of `third`: 16-23 differ from `first`'s
+    assert pool.lookup(prefix_hashes([*third[:22], 1, 2], 8, 4), 23) == [(0, 8), (1, 8), (4, 4)]
+    # a chunk whose last point is held already is not kept twice
+    assert _entry(pool, [*first[:16], 1], 8, 1) is None and len(pool.cached) == 5
+
+
+def test_eviction_keeps_the_index_and_spares_pinned_entries():
+    pool = BlockPool(6, 4)
+    ids = list(range(24))
+    for c in range(3):
+        assert _entry(pool, ids, 8, c) == c  # 2 blocks each: the pool is full
+    assert not pool.grow(9, 4) and pool.evicted == []  # kept this step: pinned, not evictable
+    pool.pinned = set()  # the next step
+    assert _entry(pool, list(range(100, 110)), 8, 0) is None  # a prefix never evicts another
+    pool.lookup(prefix_hashes(ids, 8, 4), 23)  # all used now; chunk 2 is the chain's last
+    assert pool.grow(0, 3 * 4) and pool.evicted == [2, 1] and pool.free == 1
+    assert set(pool.index) == {h for _, h in pool.cached[0].points}
+    assert pool.lookup(prefix_hashes(ids, 8, 4), 23) == [(0, 8)]
+    pool.pinned = {0}
+    assert not pool.grow(0, 6 * 4) and pool.held[0] == 3  # only the pinned entry is left
+    pool.forget(0)  # a failed step's entry: out of the index, evicted on every rank
+    assert pool.index == {} and pool.pinned == set() and pool.evicted == [2, 1, 0]
+    assert pool.grow(0, 6 * 4) and pool.free == 0
+    pool.release(0)
+    assert pool.free == 6 and pool.used == 0
+    # an older entry, a turn's last chunk (6 tokens), then the next turn's chunk holding that
+    # and more: the turn's is evicted first, though the other one is older
+    turn = list(range(200, 206))
+    assert _entry(pool, list(range(300, 308)), 8, 0) == 3
+    assert _entry(pool, turn, 8, 0) == 4 and _entry(pool, [*turn, 1, 2], 8, 0) == 5
+    assert pool.lookup(prefix_hashes(turn, 8, 4), 5) == [(5, 4)]  # the newer one serves
+    pool.pinned = set()
+    assert pool.grow(1, 8) and pool.evicted[-1] == 4 and set(pool.cached) == {3, 5}
+
+
+def test_truncated_adoption_equals_a_plain_prefill_on_two_ranks(pools):
+    """Two ranks, zigzag: a sequence prefilled in chunks of 8 is kept, a second sequence adopts
+    its rows cut at 4, 11 and 13 tokens (whole blocks or not) and computes the rest; its logits
+    equal a plain prefill's and a cut taking one more row would not (workers_serve.adopted).
+    What each rank's buffers hold stays within the pool's count of the pieces (blocks of 4)."""
+    pytest.importorskip("transformers")
+    shares, total = Shares("zigzag", 2), 2 * 8 + 3
+    results = pools(2).run("workers_serve:adopted", 8, [4, 11, 13])
+    for rank in results:
+        for cut, error, wrong, rows, capacity in rank:
+            assert error < 1e-4, (cut, error)
+            assert wrong > 100 * max(error, 1e-6), (cut, wrong)  # the test can tell a wrong row
+            # the scheduler's count: whole chunks, the cut one, the rest of its chunk, the others
+            c, k = divmod(cut, 8)
+            first = min(8 - k, total - cut)
+            counted = c * shares.chunk_rows(8) + shares.piece_rows(8, k) + shares.chunk_rows(first)
+            counted += shares.tokens(total - cut - first, 8, 0)
+            assert rows <= counted and capacity <= -(-counted // 4) * 4, (cut, rows, capacity)
+
+
+class _Job:
+    cancelled, arrived = False, 0.0
+
+    def __init__(self, ids: list[int]):
+        from ringattn.serve.protocol import Request
+
+        self.request = Request(ids, 2)
+
+
+def _steps(scheduler, vocab: int) -> list[dict]:
+    """Plan and "run" steps (logits of zeros: token 0) until every request has ended."""
+    import torch
+
+    plans = []
+    while scheduler.running or scheduler.waiting or not scheduler.jobs.empty():
+        plan = scheduler.plan()
+        if plan["op"] == "step":
+            plans.append(plan)
+            n = len(plan["decode"])
+            decoded = torch.zeros(n, vocab, device="cpu") if n else None
+            scheduler.after(decoded, [torch.zeros(vocab, device="cpu") for _ in plan["chunks"]])
+    return plans
+
+
+def test_the_scheduler_plans_a_cut_entry_and_counts_its_pieces_at_two_ranks():
+    """Rank 0's plans without a model (W = 2, zigzag, chunks of 8, blocks of 4): a request
+    sharing 13 tokens with an earlier one opens from its chunk 0 and 4 tokens of its chunk 1,
+    holds the blocks of those pieces, and keeps its own chunk 1 as two pieces; in a pool too
+    small for copies beside their originals, the same request computes everything."""
+    import queue
+    import threading
+
+    pytest.importorskip("tokenizers")
+    import serve_model
+    from ringattn.serve.scheduler import Scheduler
+
+    tok = serve_model.tokenizer()
+    shares, pool = Shares("zigzag", 2), BlockPool(8, 4)
+
+    def scheduler(pool):
+        return Scheduler(queue.Queue(), threading.current_thread(), tok, [], pool, shares, 8, 4,
+                         make_sink=lambda job: lambda *event: None)  # fmt: skip
+
+    first, second = list(range(20, 39)), [*range(20, 33), 5, 6, 7, 8, 9, 10]  # 19 tokens each
+    s = scheduler(pool)
+    s.jobs.put(_Job(first))
+    plans = _steps(s, len(tok))
+    assert [chunk[2] for plan in plans for chunk in plan["chunks"]] == [[0, 0], [1, 8], None]
+    assert [e.pieces for e in pool.cached.values()] == [[(0, 8, 8)], [(0, 8, 8)]]  # 3: no block
+    s.jobs.put(_Job(second))
+    plan = s.plan()
+    assert plan["open"] == [[1, [0, 1], 12]]  # chunk 0 whole, then one block of chunk 1
+    assert plan["chunks"] == [[1, second[12:16], [2, 8]]]  # the rest of chunk 1, kept
+    # rows: 4 (chunk 0) + 2 (the first 4 of an 8-token placement) + 2 (4 placed alone)
+    assert pool.held[1] == 2 and pool.cached[2].pieces == [(0, 8, 4), (4, 4, 4)]
+    assert pool.cached[2].blocks == 1 and pool.hit_tokens == 12
+    # the same cache in a pool of 3 blocks: the copies (2 blocks) do not fit beside their
+    # originals (2 blocks, pinned); the request computes its prompt instead
+    small = BlockPool(3, 4)
+    small.cached, small.index = {0: pool.cached[0], 1: pool.cached[1]}, {}
+    for entry, kept in small.cached.items():
+        for _, h in kept.points:
+            small.index.setdefault(h, {})[entry] = None
+    s = scheduler(small)
+    s.jobs.put(_Job(second))
+    plan = s.plan()
+    assert plan["open"] == [[0, [], 0]] and plan["chunks"] == [[0, second[:8], None]]
+    assert small.held == {0: 1} and small.hits == 0 and small.pinned == set()
