@@ -50,9 +50,10 @@ class ServeConfig:
     """seed of a random init (no weights)"""
     max_batch: int = 32
     """sequences running at once (prefilling or decoding); more wait in the queue"""
-    max_batch_tokens: int = 2048
+    max_batch_tokens: int = 1024
     """prompt tokens prefilled per step, beside the running sequences' decodes; a longer prompt
-    goes in chunks of this many tokens"""
+    goes in chunks of this many tokens (the prefix cache keeps each chunk). A running stream
+    waits one chunk's prefill per step: 1024 keeps that under an eighth of an 8k prompt's"""
     kv_cache_gb: float | None = None
     """the KV pool of each rank in GiB (default: 0.8 x the free GPU memory after loading the model,
     4 GiB on the CPU)"""
