@@ -219,3 +219,30 @@ def served_tiny(tmp_path_factory):
         yield server, client, model, tok, directory
     finally:
         server.close()
+
+
+class PlannedJob:
+    """A request as the scheduler sees it, for plan tests without a server (2 new tokens)."""
+
+    cancelled, arrived = False, 0.0
+
+    def __init__(self, ids: list[int], new: int = 2):
+        from ringattn.serve.protocol import Request
+
+        self.request = Request(ids, new)
+
+
+def run_plans(scheduler, vocab: int, most: int | None = None) -> list[dict]:
+    """Plan and "run" steps (logits of zeros: token 0) until every request has ended (or
+    `most` steps); the plans."""
+    plans = []
+    while scheduler.running or scheduler.waiting or not scheduler.jobs.empty():
+        if most is not None and len(plans) == most:
+            break
+        plan = scheduler.plan()
+        if plan["op"] == "step":
+            plans.append(plan)
+            n = len(plan["decode"])
+            decoded = torch.zeros(n, vocab, device="cpu") if n else None
+            scheduler.after(decoded, [torch.zeros(vocab, device="cpu") for _ in plan["chunks"]])
+    return plans

@@ -337,3 +337,32 @@ def test_a_vision_language_model_is_refused_before_any_rank_communicates(tmp_pat
     serve_model.tokenizer().save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="vision-language model .*chunks"):
         serve_worker(ServeConfig(hf=str(tmp_path), port=0))
+
+
+def test_a_short_prompt_starts_beside_a_long_prefill_and_a_longer_one_waits():
+    """Rank 0's plans (W = 1, chunks of 16: a short lane of 16 / SHORT_LANE = 4 tokens): while
+    a 48-token prompt prefills a chunk per step, a 4-token prompt arriving meanwhile goes in
+    whole at the next step beside the long one's chunk; a 5-token one waits for the budget."""
+    import queue
+
+    import serve_model
+    from ringattn.serve.pool import BlockPool, Shares
+    from ringattn.serve.scheduler import SHORT_LANE, Scheduler
+
+    assert 16 // SHORT_LANE == 4
+    tok = serve_model.tokenizer()
+    s = Scheduler(queue.Queue(), threading.current_thread(), tok, [], BlockPool(64, 4),
+                  Shares("zigzag", 1), 16, 8, prefix_cache=False,
+                  make_sink=lambda job: lambda *event: None)  # fmt: skip
+
+    def step() -> tuple[list, list]:
+        (plan,) = serve_model.run_plans(s, len(tok), most=1)
+        return plan["decode"], [(seq, len(ids)) for seq, ids, _ in plan["chunks"]]
+
+    s.jobs.put(serve_model.PlannedJob(list(range(20, 68))))  # 3 chunks
+    assert step() == ([], [(0, 16)])
+    s.jobs.put(serve_model.PlannedJob([5, 6, 7, 8]))
+    s.jobs.put(serve_model.PlannedJob([5, 6, 7, 8, 9]))
+    assert step() == ([], [(0, 16), (1, 4)])  # the lane: the 4-token prompt, whole
+    assert step() == ([[1, 0]], [(0, 16)])  # the 5-token one exceeds the lane: it waits
+    assert step() == ([[0, 0]], [(2, 5)])  # the long one is in (and the short one done)

@@ -124,30 +124,6 @@ def test_truncated_adoption_equals_a_plain_prefill_on_two_ranks(pools):
             assert rows <= counted and capacity <= -(-counted // 4) * 4, (cut, rows, capacity)
 
 
-class _Job:
-    cancelled, arrived = False, 0.0
-
-    def __init__(self, ids: list[int]):
-        from ringattn.serve.protocol import Request
-
-        self.request = Request(ids, 2)
-
-
-def _steps(scheduler, vocab: int) -> list[dict]:
-    """Plan and "run" steps (logits of zeros: token 0) until every request has ended."""
-    import torch
-
-    plans = []
-    while scheduler.running or scheduler.waiting or not scheduler.jobs.empty():
-        plan = scheduler.plan()
-        if plan["op"] == "step":
-            plans.append(plan)
-            n = len(plan["decode"])
-            decoded = torch.zeros(n, vocab, device="cpu") if n else None
-            scheduler.after(decoded, [torch.zeros(vocab, device="cpu") for _ in plan["chunks"]])
-    return plans
-
-
 def test_the_scheduler_plans_a_cut_entry_and_counts_its_pieces_at_two_ranks():
     """Rank 0's plans without a model (W = 2, zigzag, chunks of 8, blocks of 4): a request
     sharing 13 tokens with an earlier one opens from its chunk 0 and 4 tokens of its chunk 1,
@@ -169,11 +145,11 @@ def test_the_scheduler_plans_a_cut_entry_and_counts_its_pieces_at_two_ranks():
 
     first, second = list(range(20, 39)), [*range(20, 33), 5, 6, 7, 8, 9, 10]  # 19 tokens each
     s = scheduler(pool)
-    s.jobs.put(_Job(first))
-    plans = _steps(s, len(tok))
+    s.jobs.put(serve_model.PlannedJob(first))
+    plans = serve_model.run_plans(s, len(tok))
     assert [chunk[2] for plan in plans for chunk in plan["chunks"]] == [[0, 0], [1, 8], None]
     assert [e.pieces for e in pool.cached.values()] == [[(0, 8, 8)], [(0, 8, 8)]]  # 3: no block
-    s.jobs.put(_Job(second))
+    s.jobs.put(serve_model.PlannedJob(second))
     plan = s.plan()
     assert plan["open"] == [[1, [0, 1], 12]]  # chunk 0 whole, then one block of chunk 1
     assert plan["chunks"] == [[1, second[12:16], [2, 8]]]  # the rest of chunk 1, kept
@@ -188,7 +164,7 @@ def test_the_scheduler_plans_a_cut_entry_and_counts_its_pieces_at_two_ranks():
         for _, h in kept.points:
             small.index.setdefault(h, {})[entry] = None
     s = scheduler(small)
-    s.jobs.put(_Job(second))
+    s.jobs.put(serve_model.PlannedJob(second))
     plan = s.plan()
     assert plan["open"] == [[0, [], 0]] and plan["chunks"] == [[0, second[:8], None]]
     assert small.held == {0: 1} and small.hits == 0 and small.pinned == set()

@@ -10,6 +10,9 @@ Each step (nano-vllm's scheduler, vLLM's chunked prefill):
        queue, while the step's prefill budget (--max-batch-tokens) and free blocks last; a
        request that could never fit the pool is refused (400, with the numbers), one that does
        not fit now waits (at the head of the line: first come, first served)
+    4. the short lane: a head of the line that still waits is admitted anyway when the rest of
+       its prompt (after the prefix cache) is at most a quarter of the budget, all in this step
+       (as vLLM's partial prefills): a chat does not wait out a long prompt's whole prefill
 
 A prompt goes in chunks at fixed multiples of C = --max-batch-tokens (DESIGN.md §12): chunk c
 holds tokens [cC, (c + 1)C), placed by the layout within itself, so the K/V a rank holds of a
@@ -38,7 +41,11 @@ from ringattn.serve.pool import BlockPool, Piece, Point, Shares, prefix_hashes, 
 from ringattn.serve.protocol import IDLE_S, Job
 from ringattn.serve.text import TextStream
 
-__all__ = ["Scheduler", "Seq"]
+__all__ = ["SHORT_LANE", "Scheduler", "Seq"]
+
+# a step admits, beyond --max-batch-tokens, a prompt of at most chunk / SHORT_LANE tokens left
+# to compute (module docstring, item 4): at most a quarter more work in that step
+SHORT_LANE = 4
 
 
 class Seq:
@@ -151,6 +158,8 @@ class Scheduler:
         budget = self._prefills(plan, self.chunk, only)
         if only is None or only not in self.running:
             self._admit(plan, budget, 1 if only is not None else self.max_running)
+        if only is None:  # the short lane: a short prompt does not wait out a long prefill
+            self._admit(plan, self.chunk // SHORT_LANE, self.max_running, whole=True)
         self._gauges()
         if not (plan["open"] or plan["decode"] or plan["chunks"]):
             plan = {"op": "idle"}
@@ -253,8 +262,9 @@ class Scheduler:
     def request_rows(self, prompt: int, new: int) -> int:
         return self.shares.tokens(prompt, self.chunk, new)
 
-    def _admit(self, plan: dict, budget: int, most: int) -> None:
-        """Admit requests from the head of the line (at most `most`) while they fit."""
+    def _admit(self, plan: dict, budget: int, most: int, whole: bool = False) -> None:
+        """Admit requests from the head of the line (at most `most`) while they fit; `whole`:
+        only one whose prompt, after what the prefix cache holds, goes in all at once."""
         while budget > 0 and len(self.running) < self.max_running and most > 0:
             most -= 1
             seq = self._next()
@@ -263,6 +273,9 @@ class Scheduler:
             seq.target = len(seq.tokens)
             seq.id, pinned = self.next_id, set(self.pool.pinned)
             reuse = self._reuse(seq)
+            if whole and seq.target - seq.done > budget:  # it waits at the head of the line
+                self.pool.pinned, seq.id, seq.done, seq.rows, seq.pieces = pinned, -1, 0, 0, []
+                return
             if reuse and not self._chunk(plan, seq, budget):
                 # the copies do not fit beside their originals: compute it all instead
                 self.pool.pinned = pinned  # (an entry pinned by another stays pinned)
