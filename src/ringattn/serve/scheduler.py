@@ -43,8 +43,7 @@ from ringattn.serve.text import TextStream
 
 __all__ = ["SHORT_LANE", "Scheduler", "Seq"]
 
-# a step admits, beyond --max-batch-tokens, a prompt of at most chunk / SHORT_LANE tokens left
-# to compute (module docstring, item 4): at most a quarter more work in that step
+# beyond --max-batch-tokens, a step admits a prompt of <= chunk / SHORT_LANE tokens (doc, item 4)
 SHORT_LANE = 4
 
 
@@ -103,8 +102,9 @@ class Scheduler:
     # ---- ending sequences ----
 
     def _drop(self, seq: Seq) -> None:
-        if seq in self.running:
+        if seq in self.running:  # the gauge moves before its client hears the end
             self.running.remove(seq)
+            self._gauges()
         if seq.id >= 0:
             self.pool.release(seq.id)
             self.freed.append(seq.id)
