@@ -348,7 +348,7 @@ class Scheduler:
         greedy, finite = checks.tolist()  # one host sync for the step
         shared = len(self.step_decode) + len(self.step_chunks) > 1
         for j, (seq, row) in enumerate(rows):
-            if not finite[j] and shared and not seq.failures:
+            if not finite[j] and shared:  # (after() reset failures: this step went through)
                 # a NaN of one packed prompt reaches the others' rows (0 x NaN in a masked
                 # kernel); recomputed alone, a sequence whose own input is sane comes out clean
                 seq.failures = 1
