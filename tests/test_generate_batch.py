@@ -165,3 +165,34 @@ def test_opened_sequences_prefill_packed_then_extend_and_decode_as_alone(pools, 
                                      timeout=600):  # fmt: skip
         for stage, (g, w) in enumerate(zip(got, [first, rest, step])):
             assert torch.allclose(g, w, rtol=1e-4, atol=1e-4), (arch, stage, (g - w).abs().max())
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_a_step_packs_decodes_new_prompts_and_chunks_in_one_forward_as_alone(pools, world_size,
+                                                                             arch):  # fmt: skip
+    """`KVEngine.step` (the server's one forward per step): every mix of new prompts, later
+    chunks of cached ones and decode tokens gives each row the logits of the model's full
+    forward of that sequence's prefix (sliding layers included), on every rank."""
+    model = workers_hf.build(arch)
+    prompts = [_prompt(11, 41)[0], _prompt(14, 42)[0], _prompt(9, 43)[0]]
+    cuts = [6, 5, 4]
+    with torch.no_grad():
+
+        def last(ids):
+            return model(ids[None], use_cache=False).logits[0, -1].float()
+
+        a, b, c = prompts
+        first = torch.stack([last(a[:6]), last(b[:5])])
+        second = torch.stack([last(a), last(b), last(c[:4])])
+        grown = [torch.cat([p, second[i].argmax().view(1)]) for i, p in enumerate((a, b))]
+        decoded = torch.stack([last(g) for g in grown])
+        third = last(c)
+        grown = [torch.cat([g, decoded[i].argmax().view(1)]) for i, g in enumerate(grown)]
+        grown.append(torch.cat([c, third.argmax().view(1)]))
+        final = torch.stack([last(g) for g in grown])
+    want = [first, second, decoded, third, final]
+    for got in pools(world_size).run("workers_generate:packed_steps", arch, prompts, cuts,
+                                     timeout=600):  # fmt: skip
+        for stage, (g, w) in enumerate(zip(got, want)):
+            assert torch.allclose(g, w, rtol=1e-4, atol=1e-4), (arch, stage, (g - w).abs().max())

@@ -101,3 +101,25 @@ def opened_prefill(rank: int, world_size: int, arch: str, prompts: list, split: 
         step = engine.decode(seqs, [int(r.argmax()) for r in rest])
     assert model.config._attn_implementation != "ringattn-kv"  # holding() gave the model back
     return [first, torch.stack(rest), step]
+
+
+def packed_steps(rank: int, world_size: int, arch: str, prompts: list, cuts: list) -> list:
+    """The server's steps as single forwards (`KVEngine.step`): first pieces of empty sequences,
+    later pieces of cached ones, and decode tokens packed together in every mix; the logits of
+    each step, in the order of the test's reference (every rank's copy)."""
+    from ringattn.inference.hf.engine import KVEngine
+
+    model = workers_hf.build(arch)
+    engine = KVEngine(model, layout="zigzag")
+    (a, b, c), (ca, cb, cc) = prompts, cuts
+    with engine.holding(), torch.no_grad():
+        sa, sb, sc = (engine.open() for _ in prompts)
+        _, first = engine.step([], [(sa, a[:ca]), (sb, b[:cb])])  # two documents
+        _, second = engine.step([], [(sa, a[ca:]), (sb, b[cb:]), (sc, c[:cc])])  # 2 extends + 1
+        ta, tb = (int(x.argmax()) for x in second[:2])
+        decoded, third = engine.step([(sa, ta), (sb, tb)], [(sc, c[cc:])])  # decodes + extend
+        tc = int(third[0].argmax())
+        last, none = engine.step([(sa, int(decoded[0].argmax())), (sb, int(decoded[1].argmax())),
+                                  (sc, tc)], [])  # fmt: skip
+        assert none == []
+    return [torch.stack(first), torch.stack(second), decoded, third[0], last]

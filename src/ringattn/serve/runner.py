@@ -13,12 +13,12 @@
 
 The ranks never decide anything: rank 0's scheduler (scheduler.py) made the plan, so every
 rank frees, opens, decodes and prefills the same sequences in the same order, and the
-collectives inside the forwards line up. The decode step comes first (one forward for all
-running sequences), then the first pieces of new sequences that reuse nothing, packed as
-documents into one forward (`KVEngine.prefill`: each placed by the layout within itself), then
-every other prefill piece (one forward each: `KVEngine.extend`, the piece attending the
-sequence's cached rows). A new sequence adopts its entries just before its first
-piece, so it may start from an entry that an earlier piece of the same step stores. An entry is
+collectives inside the forwards line up. A step is one forward (`KVEngine.step`): the decode
+tokens, the first pieces of new sequences packed as documents, and every other piece attending
+its sequence's cached rows, all in one pass over the weights. Only a piece that must follow
+another of the same step waits for a second forward (a "wave"): a second piece of its sequence,
+or a new sequence adopting an entry that an earlier piece stores (it adopts just before its
+first piece). An entry is
 one chunk of a sequence, whatever pieces computed it (a truncated entry it adopted, then an
 extend), and an open may cut the last entry it adopts at any block: each rank's rows are in
 increasing position order and position p's K/V depend on tokens <= p only, so the rows below a
@@ -57,32 +57,40 @@ class Runner:
             assert opened == seq, f"rank out of step: opened {opened}, the plan says {seq}"
             if reuse:
                 adopt[seq] = (reuse, tokens)
-        decoded = None
-        if plan["decode"]:
-            seqs, tokens = zip(*plan["decode"])
-            decoded = engine.decode(list(seqs), list(tokens))
-        chunks: list[torch.Tensor | None] = [None] * len(plan["chunks"])
-        first, seen = [], set()
-        for j, (seq, _, _) in enumerate(plan["chunks"]):
-            if engine.lengths[seq] == 0 and seq not in adopt and seq not in seen:
-                first.append(j)  # nothing cached, nothing to adopt: packed with the others
-            seen.add(seq)
-        if first:
-            prompts = [self._ids(plan["chunks"][j][1]) for j in first]
-            logits = engine.prefill(prompts, seqs=[plan["chunks"][j][0] for j in first])
-            for row, j in enumerate(first):
-                chunks[j] = logits[row]
+        decode = [tuple(d) for d in plan["decode"]]
+        decoded, chunks = None, [None] * len(plan["chunks"])
+        todo = list(range(len(plan["chunks"])))
+        while decode or todo:
+            wave, todo = self._wave(plan["chunks"], todo, adopt)
+            for j in wave:  # at its first piece: an entry may be stored by an earlier wave
+                seq = plan["chunks"][j][0]
+                if seq in adopt:
+                    reuse, tokens = adopt.pop(seq)
+                    engine.adopt(seq, [self.store[entry] for entry in reuse], tokens)
+            pieces = [(plan["chunks"][j][0], self._ids(plan["chunks"][j][1])) for j in wave]
+            out, logits = engine.step(decode, pieces)
+            decoded, decode = decoded if out is None else out, []
+            for j, row in zip(wave, logits):
+                chunks[j] = row
                 self._keep(plan["chunks"][j])
-        for j, piece in enumerate(plan["chunks"]):
-            if chunks[j] is not None:
-                continue
-            seq, ids, _ = piece
-            if seq in adopt:  # at its first piece: an entry may be stored by this step's pieces
-                reuse, tokens = adopt.pop(seq)
-                engine.adopt(seq, [self.store[entry] for entry in reuse], tokens)
-            chunks[j] = engine.extend(seq, self._ids(ids))
-            self._keep(piece)
         return decoded, chunks
+
+    @staticmethod
+    def _wave(chunks: list, todo: list[int], adopt: dict) -> tuple[list[int], list[int]]:
+        """The pieces of `todo` (in plan order) that can go in one forward, and the rest: a
+        piece waits for any earlier piece of its sequence, and for those that store an entry
+        it adopts (every earlier piece that still has to run counts)."""
+        wave, rest, seqs, entries = [], [], set(), set()
+        for j in todo:
+            seq, _, keep = chunks[j]
+            if seq in seqs or entries.intersection(adopt.get(seq, ((), 0))[0]):
+                rest.append(j)
+            else:
+                wave.append(j)
+            seqs.add(seq)
+            if keep is not None:
+                entries.add(keep[0])
+        return wave, rest
 
     def _keep(self, piece: list) -> None:
         """Store the piece's chunk so far under its entry when the plan says to keep it."""

@@ -32,7 +32,7 @@ import torch
 
 import ringattn
 from ringattn.comm import all_gather_ints, all_reduce, resolve_group
-from ringattn.inference.hf.kv_attention import KVState, attach, restore
+from ringattn.inference.hf.kv_attention import Decode, Extend, Fresh, KVState, attach, restore
 from ringattn.inference.turns import Turn, choose_mode
 from ringattn.layout import get_layout
 from ringattn.packing import place
@@ -87,6 +87,30 @@ class KVEngine:
             out[torch.tensor(rows, device=logits.device)] = logits[0].float()
         return all_reduce(out, self.info)
 
+    def _fresh(self, prompts: list[torch.Tensor], seqs: list[int]) -> tuple:
+        """Prompts packed as documents and sharded: (local ids (S_local,), their positions within
+        their prompts (-1: padding), the packed index, the Fresh segment, [(local row, prompt)]
+        of the rows that end a prompt)."""
+        device = self.device
+        lengths = [p.numel() for p in prompts]
+        bounds = [0, *itertools.accumulate(lengths)]
+        total = bounds[-1]
+        common = {"group": self.group, "layout": self.layout, "cu_seqlens": bounds}
+        ids = torch.cat([p.to(device) for p in prompts])[None]  # (1, total)
+        local = ringattn.shard(ids, 1, **common)[0]  # (S_local,), padding: token 0
+        index = ringattn.positions(total, device=device, **common)  # packed index; -1 padding
+        within = ringattn.positions(total, within_document=True, device=device, **common)
+        starts = torch.tensor(bounds, device=device)
+        doc = torch.searchsorted(starts, index.clamp(min=0), right=True) - 1
+        rows = []
+        for d, length in enumerate(lengths):
+            mine = ((doc == d) & (index >= 0)).nonzero().flatten()
+            rows.append((seqs[d], mine, within[mine], length))
+        ends = {bounds[d + 1] - 1: d for d in range(len(prompts))}
+        keep = [(row, ends[i]) for row, i in enumerate(index.tolist()) if i in ends]
+        # the bounds are read on the host, like shard_batch's
+        return local, within, index, Fresh(torch.tensor(bounds, device="cpu"), rows), keep
+
     def prefill(self, prompts: list[torch.Tensor], on_layer: Callable[[int], None] | None = None,
                 multimodal: dict | None = None,
                 seqs: list[int] | None = None) -> torch.Tensor:  # fmt: skip
@@ -100,30 +124,16 @@ class KVEngine:
             assert multimodal is None and len(seqs) == len(prompts), "seqs: text prompts, one each"
             assert all(self.lengths[s] == 0 for s in seqs), f"sequences {seqs} are not empty"
         ids_of = list(range(first, first + len(prompts))) if seqs is None else list(seqs)
-        lengths = [p.numel() for p in prompts]
-        bounds = [0, *itertools.accumulate(lengths)]
-        total = bounds[-1]
-        common = {"group": self.group, "layout": self.layout, "cu_seqlens": bounds}
-        ids = torch.cat([p.to(device) for p in prompts])[None]  # (1, total)
-        local = ringattn.shard(ids, 1, **common)  # (1, S_local), padding: token 0
-        index = ringattn.positions(total, device=device, **common)  # packed index; -1 padding
-        within = ringattn.positions(total, within_document=True, device=device, **common)
-        bounds_t = torch.tensor(bounds, device="cpu")  # read on the host, like shard_batch's
-        starts = torch.tensor(bounds, device=device)
-        doc = torch.searchsorted(starts, index.clamp(min=0), right=True) - 1
+        local, within, index, fresh, keep = self._fresh(prompts, ids_of)
+        lengths, total = [p.numel() for p in prompts], int(fresh.bounds[-1])
         state = self.state
-        state.phase, state.bounds, state.on_layer = "prefill", bounds_t, on_layer
-        state.rows = []
-        for d, length in enumerate(lengths):
-            rows = ((doc == d) & (index >= 0)).nonzero().flatten()
-            state.rows.append((ids_of[d], rows, within[rows], length))
-        ends = {bounds[d + 1] - 1: d for d in range(len(prompts))}
-        keep = [(row, ends[i]) for row, i in enumerate(index.tolist()) if i in ends]
-        lengths_kw = {"cu_seq_lens_q": bounds_t, "cu_seq_lens_k": bounds_t,
+        state.segments, state.on_layer = [(0, local.numel(), fresh)], on_layer
+        lengths_kw = {"cu_seq_lens_q": fresh.bounds, "cu_seq_lens_k": fresh.bounds,
                       "max_length_q": max(lengths), "max_length_k": max(lengths),
                       "logits_to_keep": torch.tensor([row for row, _ in keep], dtype=torch.int64,
                                                      device=device)}  # fmt: skip
         if multimodal is not None:  # the whole prompt and its images; the pre-hook cuts
+            ids = torch.cat([p.to(device) for p in prompts])[None]
             state.real, state.positions, state.next_position = index >= 0, index, None
             logits = self._forward(input_ids=ids, **multimodal, **lengths_kw)
             state.real = None
@@ -131,7 +141,7 @@ class KVEngine:
             self.shifts.append(shift)
         else:
             logits = self._forward(
-                input_ids=local, position_ids=within.clamp(min=0)[None], **lengths_kw
+                input_ids=local[None], position_ids=within.clamp(min=0)[None], **lengths_kw
             )
             self.shifts += [0] * len(prompts) if seqs is None else []
         state.on_layer = None
@@ -193,57 +203,133 @@ class KVEngine:
         """Free every layer's cache of sequence `seq` (a cancelled request's)."""
         self.state.drop(seq)
 
-    def decode(self, seqs: list[int], tokens: list[int]) -> torch.Tensor:
-        """Feed one token to each sequence in `seqs`; logits (L, vocab) of their next tokens."""
+    def _decode_segment(self, seqs: list[int], tokens: list[int]) -> tuple:
+        """(ids (L,), RoPE positions (L,), the Decode segment) of one token per sequence."""
         device, world = self.device, self.info.world_size
-        state = self.state
-        state.phase, state.live = "decode", list(seqs)
-        state.decode_positions = [self.lengths[s] for s in seqs]
-        state.owners = [(self.decoded[s] + s) % world for s in seqs]
-        one = torch.tensor([0, 1], device="cpu")  # host-side bounds
-        rope = [p + self.shifts[s] for p, s in zip(state.decode_positions, seqs)]
-        logits = self._forward(
-            input_ids=torch.tensor(tokens, device=device).view(-1, 1),  # (L, 1)
-            position_ids=torch.tensor(rope, device=device).view(-1, 1),
-            cu_seq_lens_q=one, cu_seq_lens_k=one, max_length_q=1, max_length_k=1,
-        )  # fmt: skip
+        positions = [self.lengths[s] for s in seqs]
+        owners = [(self.decoded[s] + s) % world for s in seqs]
+        rope = [p + self.shifts[s] for p, s in zip(positions, seqs)]
+        ids = torch.tensor(tokens, dtype=torch.int64, device=device)
+        return ids, torch.tensor(rope, device=device), Decode(list(seqs), positions, owners)
+
+    def _decoded(self, seqs: list[int]) -> None:
         for s in seqs:
             self.lengths[s] += 1
             self.decoded[s] += 1
+
+    def decode(self, seqs: list[int], tokens: list[int]) -> torch.Tensor:
+        """Feed one token to each sequence in `seqs`; logits (L, vocab) of their next tokens."""
+        ids, rope, step = self._decode_segment(seqs, tokens)
+        self.state.segments = [(0, len(seqs), step)]
+        one = torch.tensor([0, 1], device="cpu")  # host-side bounds
+        logits = self._forward(
+            input_ids=ids.view(-1, 1), position_ids=rope.view(-1, 1),  # (L, 1): a batch
+            cu_seq_lens_q=one, cu_seq_lens_k=one, max_length_q=1, max_length_k=1,
+        )  # fmt: skip
+        self._decoded(seqs)
         return logits[:, -1].float()  # (L, vocab)
 
-    def extend(self, seq: int, tokens: torch.Tensor, mode: str = "auto") -> torch.Tensor:
-        """A follow-up turn: tokens (T,) after everything sequence `seq` holds; logits (vocab,)
-        of the last one. `mode`: "pass-kv", "pass-q" or "auto" (turns.choose_mode)."""
-        device, info, state = self.device, self.info, self.state
+    def _kept_counts(self, seqs: list[int]) -> list[dict[int, list[int]]]:
+        """Per sequence, each layer's kept tokens on every rank (one all-gather for all)."""
+        state = self.state
+        counts = []
+        for seq in seqs:  # a layer's cache is made by the attention call (it knows the window)
+            caches = [state.caches.get((layer, seq)) for layer in range(self.n_layers)]
+            counts += [0 if c is None else c.tokens for c in caches]
+        rows = all_gather_ints(counts, self.info, torch.device("cpu")) if counts else []
+        n = self.n_layers
+        return [{layer: [row[i * n + layer] for row in rows] for layer in range(n)}
+                for i in range(len(seqs))]  # fmt: skip
+
+    def _extend_segment(self, seq: int, tokens: torch.Tensor, lengths: dict[int, list[int]],
+                        mode: str) -> tuple:  # fmt: skip
+        """(local ids, positions (-1: padding), the Extend segment, local rows of its last
+        token) of a turn `tokens` (T,) after everything `seq` holds."""
+        device, info = self.device, self.info
         new, cached = tokens.numel(), self.lengths[seq]
-        # a layer's cache is made by the attention call, which knows the layer's window
-        caches = [state.caches.get((layer, seq)) for layer in range(self.n_layers)]
-        counts = [0 if c is None else c.tokens for c in caches]
-        rows = all_gather_ints(counts, info, torch.device("cpu"))
-        state.turn_lengths = {layer: [row[layer] for row in rows] for layer in range(len(caches))}
-        kept = sum(sum(r) for r in rows) // max(1, len(caches))  # mean over layers, all ranks
+        kept = sum(sum(r) for r in lengths.values()) // max(1, len(lengths))  # mean per layer
         if mode == "auto" and info.world_size == 1:
             mode = "pass-kv"  # nothing moves on one rank: the plain kernels, no query gather
         elif mode == "auto":
             mode = choose_mode(new, cached, self.n_heads, self.n_kv_heads, info.world_size,
                                kept_tokens=kept)  # fmt: skip
         common = {"group": self.group, "layout": self.layout, "cu_seqlens": [0, new]}
-        local = ringattn.shard(tokens.to(device)[None], 1, **common)  # (1, T_local)
+        local = ringattn.shard(tokens.to(device)[None], 1, **common)[0]  # (T_local,)
         index = ringattn.positions(new, device=device, **common)
         positions = torch.where(index >= 0, index + cached, index)  # global; -1 padding
         placement = place(get_layout(self.layout), info.world_size, (0, new))
-        state.phase, state.mode, state.turn_seq = "extend", mode, seq
-        state.turn = Turn(info, self.group, self.layout, placement, cached, None, 1.0, None, [])
-        state.turn_rows = (index >= 0).nonzero().flatten()
-        state.turn_positions = positions
+        turn = Turn(info, self.group, self.layout, placement, cached, None, 1.0, None, [])
+        rows = (index >= 0).nonzero().flatten()
         last = (positions == cached + new - 1).nonzero().flatten().tolist()
+        return local, positions, Extend(seq, mode, turn, rows, positions, lengths), last
+
+    def extend(self, seq: int, tokens: torch.Tensor, mode: str = "auto") -> torch.Tensor:
+        """A follow-up turn: tokens (T,) after everything sequence `seq` holds; logits (vocab,)
+        of the last one. `mode`: "pass-kv", "pass-q" or "auto" (turns.choose_mode)."""
+        lengths = self._kept_counts([seq])[0]
+        local, positions, piece, last = self._extend_segment(seq, tokens, lengths, mode)
+        self.state.segments = [(0, local.numel(), piece)]
+        new = tokens.numel()
         bounds = torch.tensor([0, new], device="cpu")  # host-side bounds
         logits = self._forward(
-            input_ids=local, position_ids=positions.clamp(min=0)[None], cu_seq_lens_q=bounds,
-            cu_seq_lens_k=bounds, max_length_q=new, max_length_k=new,
-            logits_to_keep=torch.tensor(last, dtype=torch.int64, device=device),
+            input_ids=local[None], position_ids=positions.clamp(min=0)[None],
+            cu_seq_lens_q=bounds, cu_seq_lens_k=bounds, max_length_q=new, max_length_k=new,
+            logits_to_keep=torch.tensor(last, dtype=torch.int64, device=self.device),
         )  # fmt: skip
-        self.lengths[seq] = cached + new
-        self.last_mode = mode
+        self.lengths[seq] += new
+        self.last_mode = piece.mode
         return self._shared_rows(logits, [0] * len(last), 1)[0]
+
+    def step(
+        self, decode: list[tuple[int, int]], pieces: list[tuple[int, torch.Tensor]]
+    ) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+        """One forward for a serving step: a token for each (sequence, token) of `decode`, and
+        each prompt piece (sequence, tokens (T,)), packed in one batch row: the decode tokens
+        (every rank runs them all), then the pieces of empty sequences as documents (as
+        `prefill`), then each other piece placed within itself (as `extend`). A sequence
+        appears once. The decode logits (L, vocab) (None without decodes) and the logits
+        (vocab,) of each piece's last token. One pass over the weights for the whole step,
+        where one forward per kind (and per extended sequence) would read them each time."""
+        device = self.device
+        seqs = [seq for seq, _ in decode] + [seq for seq, _ in pieces]
+        assert len(set(seqs)) == len(seqs), f"a sequence twice in one step: {seqs}"
+        parts = []  # (ids, positions, segment) in row order
+        keep = []  # (local row, piece) of the rows that end a piece
+        if decode:
+            parts.append(self._decode_segment(*map(list, zip(*decode))))
+        fresh = [j for j, (seq, _) in enumerate(pieces) if self.lengths[seq] == 0]
+        at = len(decode)
+        if fresh:
+            local, within, _, what, ends = self._fresh(
+                [pieces[j][1] for j in fresh], [pieces[j][0] for j in fresh]
+            )
+            parts.append((local, within.clamp(min=0), what))
+            keep += [(at + row, fresh[d]) for row, d in ends]
+            at += local.numel()
+        others = [j for j in range(len(pieces)) if j not in fresh]
+        counts = self._kept_counts([pieces[j][0] for j in others])
+        for j, lengths in zip(others, counts):
+            local, where, what, last = self._extend_segment(*pieces[j], lengths, "auto")
+            parts.append((local, where.clamp(min=0), what))
+            keep += [(at + row, j) for row in last]
+            at += local.numel()
+        ids, positions, _ = zip(*parts)
+        starts = [0, *itertools.accumulate(x.numel() for x in ids)]
+        self.state.segments = [(a, b, what) for a, b, (_, _, what) in
+                               zip(starts, starts[1:], parts)]  # fmt: skip
+        rows = list(range(len(decode))) + [row for row, _ in keep]
+        bounds = torch.tensor([0, at], device="cpu")  # host-side; the segments say the rest
+        logits = self._forward(
+            input_ids=torch.cat(ids)[None], position_ids=torch.cat(positions)[None],
+            cu_seq_lens_q=bounds, cu_seq_lens_k=bounds, max_length_q=at, max_length_k=at,
+            logits_to_keep=torch.tensor(rows, dtype=torch.int64, device=device),
+        )  # fmt: skip
+        decoded = logits[0, : len(decode)].float() if decode else None
+        out = []
+        if pieces:
+            out = list(self._shared_rows(logits[:, len(decode) :], [j for _, j in keep],
+                                         len(pieces)))  # fmt: skip
+        self._decoded([seq for seq, _ in decode])
+        for seq, tokens in pieces:
+            self.lengths[seq] += tokens.numel()
+        return decoded, out

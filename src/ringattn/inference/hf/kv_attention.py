@@ -2,19 +2,24 @@
 
 transformers calls `_attention(module, query, key, value, ...)` once per layer; the model runs
 with `use_cache=False` and the cache is ours: one `ShardedKVCache` per (layer, sequence), held by
-a `KVState` put on every module for the call. The state's `phase` says what the call is:
+a `KVState` put on every module for the call. The forward's local rows are cut into segments
+(`KVState.segments`: row ranges, in order), each of one kind:
 
-    prefill   the prompts packed as documents (cu_seqlens = [0, S_0, S_0 + S_1, ...]) and sharded
+    Fresh     prompts packed as documents (cu_seqlens = [0, S_0, S_0 + S_1, ...]) and sharded
               by the layout; ringattn.attention over the whole pack; each rank stores the K/V of
               its real rows in the cache of the row's sequence (a document never sees another)
-    decode    a batch of L live sequences, one token each: query (L, Hq, 1, D); token j's K/V go
-              to one rank (round-robin per sequence), each rank attends every query over its
-              shard of that query's sequence, and the L partials merge across ranks in one
-              collective per layer (inference/partials.py)
-    extend    a follow-up turn (or a prefill chunk) of one sequence: T new tokens sharded like a
+    Decode    L live sequences, one token each (every rank runs all L): token j's K/V go to one
+              rank (round-robin per sequence), each rank attends every query over its shard of
+              that query's sequence, and the L partials merge across ranks in one collective per
+              layer (inference/partials.py)
+    Extend    a follow-up turn (or a prefill chunk) of one sequence: T new tokens sharded like a
               prompt at positions P .. P + T - 1, pass-KV or pass-Q over the cache
               (inference/turns.py); with nothing cached yet, plain ringattn.attention
 
+A forward is one segment (`KVEngine.prefill`, `decode`, `extend`) or several packed in one batch
+row (`KVEngine.step`, the server's step: decodes, new prompts and prefill chunks in one pass over
+the weights). Segments never see each other's keys; every row's MLP is its own, so a row's output
+is what its segment alone gives. `decode` alone runs its L tokens as a batch (query (L, Hq, 1, D)).
 A layer's sliding window (`sliding_window = w`: keys with q - k < w) bounds what that layer keeps.
 Attention sinks (gpt-oss's `s_aux`) scale the merged output by sigmoid(lse - sink).
 """
@@ -38,8 +43,39 @@ ATTENTION_NAME = "ringattn-kv"
 STATE_ATTR = "ringattn_kv_state"
 
 
+@dataclasses.dataclass
+class Fresh:
+    """Prompts packed as documents: `bounds` (n + 1,) on the host; per prompt (sequence, its
+    local rows within the segment, their positions, its length)."""
+
+    bounds: torch.Tensor
+    rows: list[tuple[int, torch.Tensor, torch.Tensor, int]]
+
+
+@dataclasses.dataclass
+class Decode:
+    """One token for each live sequence, in row order: its position and the rank keeping it."""
+
+    live: list[int]
+    positions: list[int]
+    owners: list[int]
+
+
+@dataclasses.dataclass
+class Extend:
+    """A turn of sequence `seq`: the turn (window and kernel filled in per layer), its real local
+    rows and their positions (-1: padding), and each layer's kept tokens per rank."""
+
+    seq: int
+    mode: str
+    turn: Turn
+    rows: torch.Tensor
+    positions: torch.Tensor
+    lengths: dict[int, list[int]]
+
+
 class KVState:
-    """The caches of one generation (or session) and the phase of the current forward."""
+    """The caches of one generation (or session) and the segments of the current forward."""
 
     def __init__(self, info: GroupInfo, group: object, layout: str, offload: bool = False,
                  n_layers: int = 0):  # fmt: skip
@@ -49,21 +85,7 @@ class KVState:
         self.kernel = None
         self.granule: int | None = None  # a KV pool's block: caches grow by whole blocks
         self.on_layer = None  # progress: on_layer(layer index) after each prefill layer
-        self.phase = "prefill"
-        # prefill: local rows that are real, their sequence and their position in it
-        self.rows: list[tuple[int, torch.Tensor, torch.Tensor, int]] = []  # (seq, rows, pos, len)
-        self.bounds: torch.Tensor | None = None
-        # decode: the live sequences in batch order, each one's position and owner rank
-        self.live: list[int] = []
-        self.decode_positions: list[int] = []
-        self.owners: list[int] = []
-        # extend: the turn (window per layer replaced in the call), new rows and positions
-        self.turn: Turn | None = None
-        self.turn_rows: torch.Tensor | None = None
-        self.turn_positions: torch.Tensor | None = None
-        self.turn_lengths: dict[int, list[int]] = {}  # by layer: kept tokens per rank
-        self.mode = "pass-kv"
-        self.turn_seq = 0  # the sequence the turn extends
+        self.segments: list[tuple[int, int, Fresh | Decode | Extend]] = []  # [start, stop) rows
         # a VLM's prefill (vision.py's decoder pre-hook reads these): real is not None while
         # the whole prompt goes in, positions the packed index of each local row; the hook
         # notes the first decoded position (M-RoPE numbers images by their grid)
@@ -111,13 +133,13 @@ def _kept(state: KVState, layer: int, seq: int, cache: ShardedKVCache,
     return kept
 
 
-def _prefill(state: KVState, layer: int, left, query, key, value, scale, kwargs):
+def _prefill(state: KVState, fresh: Fresh, layer: int, left, query, key, value, scale):
     out, lse = ringattn.attention(
         query, key, value, causal=True, scale=scale, group=state.group, layout=state.layout,
-        cu_seqlens=state.bounds, window=None if left is None else (left, 0),
+        cu_seqlens=fresh.bounds, window=None if left is None else (left, 0),
         return_lse=True, backend=state.kernel.name,
     )  # fmt: skip
-    for seq, rows, positions, length in state.rows:
+    for seq, rows, positions, length in fresh.rows:
         cache = state.cache(layer, seq, left)
         cache.store(0, key[:, :, rows], value[:, :, rows], positions)
         cache.evict(0, length)
@@ -126,12 +148,12 @@ def _prefill(state: KVState, layer: int, left, query, key, value, scale, kwargs)
     return out, lse
 
 
-def _decode(state: KVState, layer: int, left, query, key, value, scale):
+def _decode(state: KVState, step: Decode, layer: int, left, query, key, value, scale):
     outs, lses = [], []
-    for j, seq in enumerate(state.live):  # query (L, Hq, 1, D): one row per live sequence
+    for j, seq in enumerate(step.live):  # query (L, Hq, 1, D): one row per live sequence
         cache = state.cache(layer, seq, left)
-        position = state.decode_positions[j]
-        cache.append_decoded(0, key[j : j + 1], value[j : j + 1], position, state.owners[j])
+        position = step.positions[j]
+        cache.append_decoded(0, key[j : j + 1], value[j : j + 1], position, step.owners[j])
         cache.evict(0, position)
         kept_k, kept_v, _ = _kept(state, layer, seq, cache, key[j : j + 1])
         out, lse = local_partial(state.kernel, query[j : j + 1], kept_k, kept_v, scale)
@@ -140,20 +162,19 @@ def _decode(state: KVState, layer: int, left, query, key, value, scale):
     return merge_across_ranks(torch.cat(outs), torch.cat(lses), state.info, return_lse=True)
 
 
-def _extend(state: KVState, layer: int, left, query, key, value, scale):
-    cache = state.cache(layer, state.turn_seq, left)
-    kept = _kept(state, layer, state.turn_seq, cache, key)
-    lengths = state.turn_lengths[layer]
+def _extend(state: KVState, piece: Extend, layer: int, left, query, key, value, scale):
+    cache = state.cache(layer, piece.seq, left)
+    kept = _kept(state, layer, piece.seq, cache, key)
+    lengths = piece.lengths[layer]
+    turn, rows = piece.turn, piece.rows
     positions = None
     if max(lengths) == 0:  # a sequence's first chunk: nothing cached on any rank
-        turn = state.turn
         out, lse = ringattn.attention(
             query, key, value, causal=True, scale=scale, group=state.group, layout=state.layout,
             cu_seqlens=list(turn.placement.bounds), window=None if left is None else (left, 0),
             return_lse=True, backend=state.kernel.name,
         )  # fmt: skip
-        rows = state.turn_rows
-        cache.store(0, key[:, :, rows], value[:, :, rows], state.turn_positions[rows])
+        cache.store(0, key[:, :, rows], value[:, :, rows], piece.positions[rows])
         cache.evict(0, turn.offset + turn.placement.seq_len)
         return out, lse
     if left is not None:  # pass-KV masks the window by each rank's kept positions
@@ -163,14 +184,26 @@ def _extend(state: KVState, layer: int, left, query, key, value, scale):
         gathered, works = all_gather_async(padded, state.info)
         wait(works)
         positions = [gathered[r, : lengths[r]] for r in range(state.info.world_size)]
-    turn = dataclasses.replace(state.turn, kernel=state.kernel, scale=scale, window=left,
+    turn = dataclasses.replace(turn, kernel=state.kernel, scale=scale, window=left,
                                cache_lengths=lengths, cache_positions=positions)  # fmt: skip
-    attend = pass_kv if state.mode == "pass-kv" else pass_q
+    attend = pass_kv if piece.mode == "pass-kv" else pass_q
     out, lse = attend(turn, query, key, value, kept, return_lse=True)
-    rows = state.turn_rows
-    cache.store(0, key[:, :, rows], value[:, :, rows], state.turn_positions[rows])
+    cache.store(0, key[:, :, rows], value[:, :, rows], piece.positions[rows])
     cache.evict(0, turn.offset + turn.placement.seq_len)
     return out, lse
+
+
+def _segment(state: KVState, what, layer: int, left, query, key, value, scale):
+    """(out (1, Hq, n, D), lse (1, Hq, n)) float32 of one segment's rows of a packed forward."""
+    if isinstance(what, Fresh):
+        out, lse = _prefill(state, what, layer, left, query, key, value, scale)
+    elif isinstance(what, Extend):
+        out, lse = _extend(state, what, layer, left, query, key, value, scale)
+    else:  # the rows as a batch of one-token queries, and back
+        batch = (t.permute(2, 1, 0, 3) for t in (query, key, value))
+        out, lse = _decode(state, what, layer, left, *batch, scale)
+        out, lse = out.permute(2, 1, 0, 3), lse.permute(2, 1, 0)
+    return out.float(), lse.float()
 
 
 def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
@@ -183,12 +216,12 @@ def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=N
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
     if state.kernel is None:
         state.kernel = select_kernel("auto", query, key)
-    if state.phase == "prefill":
-        out, lse = _prefill(state, layer, left, query, key, value, scale, kwargs)
-    elif state.phase == "decode":
-        out, lse = _decode(state, layer, left, query, key, value, scale)
+    if query.shape[0] > 1:  # `decode` alone: a batch of L one-token queries, one segment
+        out, lse = _decode(state, state.segments[0][2], layer, left, query, key, value, scale)
     else:
-        out, lse = _extend(state, layer, left, query, key, value, scale)
+        parts = [_segment(state, what, layer, left, query[:, :, a:b], key[:, :, a:b],
+                          value[:, :, a:b], scale) for a, b, what in state.segments]  # fmt: skip
+        out, lse = parts[0] if len(parts) == 1 else (torch.cat(x, 2) for x in zip(*parts))
     sinks = kwargs.get("s_aux")
     if sinks is not None:
         out = out.float() * torch.sigmoid(lse - sinks.float().view(1, -1, 1)).unsqueeze(-1)
