@@ -75,6 +75,21 @@ def test_lookup_takes_whole_chunks_then_the_longest_run_of_blocks():
     assert _entry(pool, [*first[:16], 1], 8, 1) is None and len(pool.cached) == 5
 
 
+def test_lookup_prefers_an_entry_stored_before_the_step_being_planned():
+    """Two entries hold the same block; the one this step stores would make its adopter wait
+    for a second forward (runner.py's waves), so the older one is taken, newer use or not."""
+    pool = BlockPool(64, 4)
+    base = list(range(8))
+    assert _entry(pool, [*base, 1, 2, 3], 8, 0, upto=8) == 0  # stored by an earlier step
+    pool.start_step()
+    assert _entry(pool, [*base[:4], 9, 9, 9, 9], 8, 0) == 1  # stored by this step: block 0 too
+    asks = prefix_hashes([*base[:4], 5, 6], 8, 4)
+    assert pool.lookup(asks, 5) == [(0, 4)]
+    pool.start_step()  # a step later both are stored: the most recently used one
+    assert pool.lookup(prefix_hashes([*base[:4], 9, 9, 9, 9, 0], 8, 4), 8) == [(1, 8)]
+    assert pool.lookup(asks, 5) == [(1, 4)]
+
+
 def test_eviction_keeps_the_index_and_spares_pinned_entries():
     pool = BlockPool(6, 4)
     ids = list(range(24))
@@ -122,6 +137,17 @@ def test_truncated_adoption_equals_a_plain_prefill_on_two_ranks(pools):
             counted = c * shares.chunk_rows(8) + shares.piece_rows(8, k) + shares.chunk_rows(first)
             counted += shares.tokens(total - cut - first, 8, 0)
             assert rows <= counted and capacity <= -(-counted // 4) * 4, (cut, rows, capacity)
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_a_step_runs_in_one_forward_unless_a_piece_needs_another_pieces_rows(pools, world_size):
+    """Runner.step: an adopter of an entry that the same step stores, and a second piece of one
+    sequence, wait for a second forward; everything else (and a decode step) is one forward,
+    and every piece's logits equal a plain prefill's (workers_serve.waves)."""
+    pytest.importorskip("transformers")
+    for forwards, pieces, decoded in pools(world_size).run("workers_serve:waves"):
+        assert forwards == [2, 1]
+        assert max(pieces) < 1e-4 and max(decoded) < 1e-4, (pieces, decoded)
 
 
 def test_the_scheduler_plans_a_cut_entry_and_counts_its_pieces_at_two_ranks():

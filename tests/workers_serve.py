@@ -120,3 +120,44 @@ def adopted(rank: int, world_size: int, chunk: int, cuts: list[int]) -> list:
                     held = [max(c.tokens for c in caches), max(c.k.shape[2] for c in caches)]
             out.append([cut, *results, *held])
     return out
+
+
+def waves(rank: int, world_size: int) -> list:
+    """A Runner over the tiny model, one step's plan: sequence 0's first chunk (stored as entry
+    0) and its second piece, sequence 1 adopting entry 0 and computing its own piece; then a
+    decode step. [forwards per step, max |logits - a plain prefill's| of each piece, of each
+    decode]: the second piece of 0 and the adopter must wait for the first forward."""
+    from ringattn.inference.hf.engine import KVEngine
+    from ringattn.serve.runner import Runner
+
+    _, model = tiny_model()
+    g = torch.Generator(device="cpu").manual_seed(4)
+    a = torch.randint(model.config.vocab_size, (12,), generator=g, device="cpu")
+    b = torch.cat([a[:8], (a[8:11] + 1) % model.config.vocab_size])
+    runner = Runner(KVEngine(model, layout="zigzag"), block_size=4)
+    forwards, step = [], runner.engine.step
+
+    def counted(*args):
+        forwards[-1] += 1
+        return step(*args)
+
+    runner.engine.step = counted
+    plain = lambda ids: model(ids[None], use_cache=False).logits[0, -1].float()
+    out = []
+    with torch.no_grad():
+        forwards.append(0)
+        plan = {"evict": [], "free": [], "open": [[0, [], 0], [1, [0], 8]], "decode": [],
+                "chunks": [[0, a[:8].tolist(), [0, 0]], [1, b[8:].tolist(), None],
+                           [0, a[8:].tolist(), None]]}  # fmt: skip
+        _, chunks = runner.step(plan)
+        want = [plain(a[:8]), plain(b), plain(a)]
+        out.append([float((g - w).abs().max()) for g, w in zip(chunks, want)])
+        tokens = [int(chunks[2].argmax()), int(chunks[1].argmax())]
+        forwards.append(0)
+        plan = {"evict": [], "free": [], "open": [], "chunks": [],
+                "decode": [[0, tokens[0]], [1, tokens[1]]]}  # fmt: skip
+        decoded, _ = runner.step(plan)
+        want = [plain(torch.cat([a, a.new_tensor(tokens[:1])])),
+                plain(torch.cat([b, b.new_tensor(tokens[1:])]))]  # fmt: skip
+        out.append([float((g - w).abs().max()) for g, w in zip(decoded, want)])
+    return [forwards, *out]

@@ -133,6 +133,7 @@ class BlockPool:
         self.cached: dict[int, Entry] = {}  # entry id -> the kept chunk
         self.index: dict[str, dict[int, None]] = {}  # point hash -> entries (an ordered set)
         self.pinned: set[int] = set()  # entries the step being planned reads or writes
+        self.planned: set[int] = set()  # entries the step being planned stores
         self.clock = 0  # counts lookups and keeps: the "last use" of an entry
         self.next_entry = 0
         self.evicted: list[int] = []  # entries dropped since the last plan (every rank drops them)
@@ -193,7 +194,10 @@ class BlockPool:
                 holders = self.index.get(h)
                 if chunk_start + k > limit or not holders:
                     break
-                best = (max(holders, key=lambda i: self.cached[i].last), k)
+                # an entry stored before this step first: one this step stores makes the
+                # adopting piece wait for a second forward (runner.py); the rows are the same
+                best = (max(holders, key=lambda i: (i not in self.planned, self.cached[i].last)),
+                        k)  # fmt: skip
             if best is None:
                 break
             self.cached[best[0]].last = self.clock
@@ -215,6 +219,7 @@ class BlockPool:
             if not holders:
                 del self.index[h]
         self.pinned.discard(entry)
+        self.planned.discard(entry)
         self.evicted.append(entry)
 
     def keep(self, chunk: int, points: list[Point], pieces: list[Piece], rows: int) -> int | None:
@@ -232,4 +237,9 @@ class BlockPool:
                     self.cached[other].last = 0  # evicted first when room is needed
             self.index.setdefault(h, {})[entry] = None
         self.pinned.add(entry)
+        self.planned.add(entry)
         return entry
+
+    def start_step(self) -> None:
+        """A new step is being planned: nothing pinned, nothing stored by it yet."""
+        self.pinned, self.planned = set(), set()

@@ -138,7 +138,7 @@ class Scheduler:
     def plan(self) -> dict:
         """The next step's plan (runner.py), "idle" when nothing runs, "stop" at the end."""
         self.step_decode, self.step_chunks, self.step_kept = [], [], []
-        self.pool.pinned = set()
+        self.pool.start_step()
         if not self.running and not self.waiting:
             try:
                 self.waiting.append(self.jobs.get(timeout=IDLE_S))
