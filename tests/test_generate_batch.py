@@ -168,12 +168,13 @@ def test_opened_sequences_prefill_packed_then_extend_and_decode_as_alone(pools, 
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])
-@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "gpt_oss"])
 def test_a_step_packs_decodes_new_prompts_and_chunks_in_one_forward_as_alone(pools, world_size,
                                                                              arch):  # fmt: skip
     """`KVEngine.step` (the server's one forward per step): every mix of new prompts, later
     chunks of cached ones and decode tokens gives each row the logits of the model's full
-    forward of that sequence's prefix (sliding layers included), on every rank."""
+    forward of that sequence's prefix (sliding layers, attention sinks and a mixture of experts
+    included), on every rank."""
     model = workers_hf.build(arch)
     prompts = [_prompt(11, 41)[0], _prompt(14, 42)[0], _prompt(9, 43)[0]]
     cuts = [6, 5, 4]

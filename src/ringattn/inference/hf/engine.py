@@ -7,6 +7,8 @@
     seq = engine.open(); engine.extend(seq, chunk) # a sequence prefilled chunk by chunk (serve)
     a, b = engine.open(), engine.open()
     logits = engine.prefill([c0, c1], seqs=[a, b])  # opened sequences' first chunks, one forward
+    decoded, pieces = engine.step([(a, t_a)], [(b, c1_more), (c, c2)])  # the server's step:
+                                                 # decodes and prompt pieces in one forward
 
 Every call switches the model to the "ringattn-kv" attention (kv_attention.py) for its forward
 and back afterwards, so the model stays usable in between; an owner that runs nothing else on
@@ -17,7 +19,9 @@ last token lives on one rank, whose row is summed into a (n, vocab) buffer of ze
 one all-reduce. A sequence can also start empty (`open`) and take its prompt as turns of
 `extend`, one fixed-size chunk at a time (the server's chunked prefill): each chunk is placed by
 the layout within itself, so a prefix's rows never depend on what follows it, and `rows` /
-`adopt` copy a chunk's K/V out of one sequence and into another (prefix reuse). The decoded
+`adopt` copy a chunk's K/V out of one sequence and into another (prefix reuse). `step` packs
+a serving step's decode tokens and prompt pieces into one batch row (kv_attention.py's
+segments), so the weights are read once per step, not once per kind of work. The decoded
 tokens of each sequence go round-robin over the ranks, starting at a different rank per
 sequence, so the shards stay balanced across sequences too.
 """
