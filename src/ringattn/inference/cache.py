@@ -9,7 +9,8 @@ position (a layout keeps each shard in increasing order, and every later token c
 earlier one), so a sliding window of `left` tokens makes the evictable keys a prefix: a query at
 position p sees keys with position >= p - left, and keys older than that are dropped for good.
 
-Buffers grow by doubling (under the server's KV pool by whole blocks: `granule`), but `reserve`
+Buffers grow by doubling (under the server's KV pool to what the pool holds for the sequence,
+in whole blocks: `granule`, `room`; the pool takes geometric headroom), but `reserve`
 sizes them up front (the generators reserve this rank's share of max_new_tokens right after the
 prefill, so a planned generation copies nothing);
 `nbytes` counts the kept tokens, `capacity_bytes` what the buffers hold; `ringattn generate`
@@ -51,6 +52,7 @@ class LayerCache:
         self.host = _on_host(positions, host).clone()  # (capacity,) the same, for eviction
         self.start, self.length = 0, k.shape[2]
         self.granule: int | None = None  # grow in multiples of this many rows (a KV pool's block)
+        self.room = 0  # under a pool: rows the pool counts for this sequence (grow to them)
 
     def reserve(self, extra: int) -> None:
         """Make room for exactly `extra` more tokens (a planned generation: no doubling)."""
@@ -61,7 +63,8 @@ class LayerCache:
         """Room for `extra` more tokens, doubling when unplanned (amortised appends)."""
         need = self.length + extra
         if need > self.k.shape[2] and self.granule is not None:  # a pool's blocks: never more
-            self._resize(-(-(need - self.start) // self.granule) * self.granule)
+            rows = -(-(need - self.start) // self.granule) * self.granule
+            self._resize(max(rows, self.room))  # all the pool holds for it: O(log n) regrowths
         elif need > self.k.shape[2]:
             self._resize(max(need - self.start, 2 * self.k.shape[2]))
 
@@ -249,9 +252,10 @@ class ShardedKVCache:
     """
 
     def __init__(self, n_layers: int, rank: int, world_size: int, window: int | None = None,
-                 granule: int | None = None):  # fmt: skip
+                 granule: int | None = None, room: int = 0):  # fmt: skip
         self.layers: list[LayerCache | None] = [None] * n_layers
         self.granule = granule  # rows each layer's buffer grows by (None: doubling)
+        self.room = room  # under a pool: rows a layer's buffer may grow to
         self.rank, self.world_size = rank, world_size
         self.window = window  # left extent in tokens; None: keep everything
         self.decoded = 0  # tokens appended one at a time, for the round-robin
@@ -276,9 +280,16 @@ class ShardedKVCache:
             self.layers[layer] = HostLayerCache(k, v, positions, k.device.type == "cuda", host)
         elif self.layers[layer] is None:
             self.layers[layer] = LayerCache(k, v, positions, host)
-            self.layers[layer].granule = self.granule
+            self.layers[layer].granule, self.layers[layer].room = self.granule, self.room
         else:
             self.layers[layer].append(k, v, positions, host)
+
+    def grow_to(self, rows: int) -> None:
+        """Under a KV pool: let each layer's buffer grow to `rows` rows when it next grows."""
+        self.room = rows
+        for cache in self.layers:
+            if isinstance(cache, LayerCache):
+                cache.room = rows
 
     def next_owner(self) -> int:
         """The rank that keeps the next decoded token's K/V (the same answer on every rank)."""

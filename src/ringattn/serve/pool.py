@@ -4,9 +4,12 @@
 
 An accounting pool (rank 0 keeps it for all ranks): a sequence holds the blocks that its
 largest shard needs (the most rows any rank keeps of it), taken piece by piece as its prompt
-prefills and one block at a time as it decodes; nothing is reserved for tokens not yet
-computed. The tensors themselves grow in whole blocks of rows on each rank (inference/cache.py's
-`granule`), so what a rank holds never exceeds what the pool counts.
+prefills and as it decodes. A sequence that grows takes up to an eighth more than it needs
+(`HEADROOM`), from free blocks only, and the plan tells every rank its new holding (`room`);
+each rank's tensors grow to that holding (inference/cache.py's `granule` and `room`), so what
+a rank holds never exceeds what the pool counts, and a long sequence's contiguous buffers are
+copied O(log n) times as it grows, not once per block (a 100k-token context decoding 2k tokens
+would otherwise copy its whole cache 125 times per layer).
 
 Prefix cache, block-granular (vLLM's and nano-vllm's chained block hashes, over the chunks of
 DESIGN.md §12). A prompt goes in chunks of C tokens; every chunk with at least one full block
@@ -48,7 +51,9 @@ from dataclasses import dataclass
 from ringattn.layout import get_layout
 from ringattn.packing import place
 
-__all__ = ["BlockPool", "Entry", "Shares", "prefix_hashes", "truncate"]
+__all__ = ["HEADROOM", "BlockPool", "Entry", "Shares", "prefix_hashes", "truncate"]
+
+HEADROOM = 8  # a growing sequence takes up to 1/HEADROOM more blocks than it needs, when free
 
 Point = tuple[int, str]  # (tokens into the chunk, hash of the prefix that ends there)
 Piece = tuple[int, int, int]  # (offset in the chunk, tokens placed, tokens kept)
@@ -130,6 +135,7 @@ class BlockPool:
     def __init__(self, n_blocks: int, block_size: int):
         self.n_blocks, self.block_size = n_blocks, block_size
         self.held: dict[int, int] = {}  # sequence -> blocks
+        self.grown: dict[int, int] = {}  # sequence -> blocks, changed since the last plan
         self.cached: dict[int, Entry] = {}  # entry id -> the kept chunk
         self.index: dict[str, dict[int, None]] = {}  # point hash -> entries (an ordered set)
         self.pinned: set[int] = set()  # entries the step being planned reads or writes
@@ -171,15 +177,28 @@ class BlockPool:
         return True
 
     def grow(self, seq: int, tokens: int) -> bool:
-        """Let `seq` hold `tokens` tokens per rank; False (nothing changes) if the pool is full."""
-        need = self.blocks(tokens) - self.held.get(seq, 0)
-        if need > 0 and not self._room(need):
+        """Let `seq` hold `tokens` tokens per rank; False (nothing changes) if the pool is full.
+        Growing, it takes up to held / HEADROOM blocks more from the free ones (module doc)."""
+        held = self.held.get(seq, 0)
+        need = self.blocks(tokens) - held
+        if need <= 0:
+            return True
+        if not self._room(need):
             return False
-        self.held[seq] = max(self.held.get(seq, 0), self.blocks(tokens))
+        spare = max(0, min(held // HEADROOM, self.free - need))
+        self.held[seq] = self.grown[seq] = held + need + spare
         return True
 
     def release(self, seq: int) -> None:
         self.held.pop(seq, None)
+        self.grown.pop(seq, None)
+
+    def room(self) -> list[list[int]]:
+        """[sequence, rows per rank] of every holding changed since the last call (the plan's
+        `room`: each rank's buffers of that sequence may grow to it)."""
+        out = [[seq, blocks * self.block_size] for seq, blocks in self.grown.items()]
+        self.grown = {}
+        return out
 
     def lookup(self, hashes: list[list[Point]], limit: int) -> list[tuple[int, int]]:
         """The longest prefix of a request (`prefix_hashes` of it) of at most `limit` tokens

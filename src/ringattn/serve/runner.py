@@ -7,9 +7,11 @@
                                                        of the rows of those entries (chunks, in
                                                        order) with position < tokens
             "decode": [[seq, token], ...]              one token fed to each running sequence
-            "chunks": [[seq, [ids], keep], ...]}       a prefill piece of a sequence; keep =
+            "chunks": [[seq, [ids], keep], ...]       a prefill piece of a sequence; keep =
                                                        [entry, chunk start]: then store its
                                                        chunk's rows so far under `entry`
+            "room":   [[seq, rows], ...]}              rows per layer the pool now counts for
+                                                       the sequence: its buffers grow to that
 
 The ranks never decide anything: rank 0's scheduler (scheduler.py) made the plan, so every
 rank frees, opens, decodes and prefills the same sequences in the same order, and the
@@ -57,6 +59,8 @@ class Runner:
             assert opened == seq, f"rank out of step: opened {opened}, the plan says {seq}"
             if reuse:
                 adopt[seq] = (reuse, tokens)
+        for seq, rows in plan.get("room", []):
+            engine.room(seq, rows)
         decode = [tuple(d) for d in plan["decode"]]
         decoded, chunks = None, [None] * len(plan["chunks"])
         todo = list(range(len(plan["chunks"])))

@@ -178,6 +178,7 @@ class Scheduler:
             plan["op"] = "step"
         if plan["op"] == "step":
             plan["free"], plan["evict"] = self.freed, self.pool.evicted
+            plan["room"] = self.pool.room()  # changed holdings: buffers may grow to them
             self.freed, self.pool.evicted = [], []
         return plan
 
@@ -380,10 +381,9 @@ class Scheduler:
             self.end(seq, "length")
 
     def failed(self, err: Exception) -> None:
-        """The step raised (on every rank alike): its sequences recompute, each alone until a
-        step of it succeeds; a sequence that fails alone fails (400 for a ValueError, else
-        500) and the others go on. The chunks the step was to keep in the prefix store are
-        forgotten on every rank (the store may hold some, not all: the step stopped midway)."""
+        """The step raised (on every rank alike): its sequences recompute, each alone until a step
+        of it succeeds; one failing alone fails (400 for a ValueError, else 500), the others go
+        on. The chunks it was to keep are forgotten on every rank (it may have stopped midway)."""
         for h in self.step_kept:
             self.pool.forget(h)
         for seq in {id(s): s for s in self.step_decode + [s for s, _ in self.step_chunks]}.values():

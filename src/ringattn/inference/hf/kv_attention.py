@@ -84,6 +84,7 @@ class KVState:
         self.caches: dict[tuple[int, int], ShardedKVCache] = {}  # by (layer, sequence)
         self.kernel = None
         self.granule: int | None = None  # a KV pool's block: caches grow by whole blocks
+        self.room: dict[int, int] = {}  # by sequence: rows its buffers may grow to (the pool's)
         self.on_layer = None  # progress: on_layer(layer index) after each prefill layer
         self.segments: list[tuple[int, int, Fresh | Decode | Extend]] = []  # [start, stop) rows
         # a VLM's prefill (vision.py's decoder pre-hook reads these): real is not None while
@@ -96,7 +97,8 @@ class KVState:
     def cache(self, layer: int, seq: int, left: int | None) -> ShardedKVCache:
         key = (layer, seq)
         if key not in self.caches:
-            cache = ShardedKVCache(1, self.info.rank, self.info.world_size, left, self.granule)
+            cache = ShardedKVCache(1, self.info.rank, self.info.world_size, left, self.granule,
+                                   self.room.get(seq, 0))  # fmt: skip
             if self.offload:
                 cache.offload()
             self.caches[key] = cache
@@ -109,6 +111,7 @@ class KVState:
     def drop(self, seq: int) -> None:
         for key in [key for key in self.caches if key[1] == seq]:
             del self.caches[key]
+        self.room.pop(seq, None)
 
     @property
     def nbytes(self) -> int:
