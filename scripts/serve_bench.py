@@ -23,15 +23,13 @@ import platform
 import random
 import re
 import shlex
-import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
+
+from serve_servers import Server, get, ringattn_ready, server_argv
 
 TARGETS = {"throughput": (">=", 1.0), "stall": ("<=", 0.25), "prefix": ("<=", 0.3),
            "w2_prefill": ("<=", 0.65)}  # fmt: skip
@@ -106,12 +104,14 @@ def summarize(phases: dict) -> dict:
     }  # fmt: skip
 
 
-def targets(summaries: dict[str, dict]) -> list[dict]:
-    """Issue 32's targets from the summaries by server: one row each, pass None if not measured."""
+def targets(summaries: dict[str, dict], paired: float | None = None) -> list[dict]:
+    """Issue 32's targets from the summaries by server: one row each, pass None if not measured;
+    `paired`: the median ratio of paired bursts (serve_pairs.py), else the bursts' ratio."""
     w1, w2 = summaries.get("ringattn W=1", {}), summaries.get("ringattn W=2", {})
     hf = summaries.get("transformers", {})
     ratio = lambda a, b: a / b if a is not None and b else None
-    values = {"throughput": ratio(w1.get("burst_tokens_per_s"), hf.get("burst_tokens_per_s")),
+    burst_ratio = ratio(w1.get("burst_tokens_per_s"), hf.get("burst_tokens_per_s"))
+    values = {"throughput": burst_ratio if paired is None else paired,
               "stall": w1.get("stall_ratio"), "prefix": w1.get("prefix_ratio"),
               "w2_prefill": ratio(w2.get("long_alone_ttft_s"),
                                    w1.get("long_alone_ttft_s"))}  # fmt: skip
@@ -169,8 +169,17 @@ def prefix_chats(tokenizer, n_tokens: int, seed: int) -> list[list[dict]]:
             for q in ("Which word comes first?", "Which word appears most often?")]  # fmt: skip
 
 
-def short_chat(i: int) -> list[dict]:
-    return [{"role": "user", "content": f"Tell me a long story about {TOPICS[i % len(TOPICS)]}."}]
+def short_chat(i: int, tag: str = "") -> list[dict]:
+    return [{"role": "user",
+             "content": f"{tag}Tell me a long story about {TOPICS[i % len(TOPICS)]}."}]  # fmt: skip
+
+
+def burst(client, model: str, sizes: SimpleNamespace, tag: str = "") -> list[dict]:
+    """sizes.burst short chats at once (each `tag` + a story request): their records."""
+    with ThreadPoolExecutor(sizes.burst) as pool:
+        futures = [pool.submit(stream, client, model, short_chat(i, tag), sizes.burst_new, {})
+                   for i in range(sizes.burst)]  # fmt: skip
+        return [f.result() for f in futures]
 
 
 def stream(client, model: str, messages: list[dict], max_tokens: int, record: dict) -> dict:
@@ -199,14 +208,6 @@ def kv_series(text: str) -> dict[str, float] | None:
     return {m[1]: float(m[2]) for m in samples if m} or None
 
 
-def get(url: str) -> str | None:
-    try:
-        with urllib.request.urlopen(url, timeout=5) as r:
-            return r.read().decode()
-    except OSError:  # not served (404) or no answer
-        return None
-
-
 def run_phases(client, model: str, sizes: SimpleNamespace, prompts: dict, metrics_url: str,
                late_after_s: float = 1.0) -> dict:  # fmt: skip
     """The four phases of the module docstring against one running server."""
@@ -214,9 +215,8 @@ def run_phases(client, model: str, sizes: SimpleNamespace, prompts: dict, metric
     one(short_chat(0), 4)  # warm-up, untimed
     phases = {"alone": one(prompts["long_alone"], sizes.long_new)}
     phases["prefix"] = [one(m, sizes.prefix_new) for m in prompts["prefix"]]
-    with ThreadPoolExecutor(max(sizes.burst, sizes.streams + sizes.late + 1)) as pool:
-        burst = [pool.submit(one, short_chat(i), sizes.burst_new) for i in range(sizes.burst)]
-        phases["burst"] = [f.result() for f in burst]
+    phases["burst"] = burst(client, model, sizes)
+    with ThreadPoolExecutor(sizes.streams + sizes.late + 1) as pool:
         records = [{} for _ in range(sizes.streams)]
         futures = [pool.submit(stream, client, model, short_chat(i), sizes.stream_new, rec)
                    for i, rec in enumerate(records)]  # fmt: skip
@@ -250,62 +250,8 @@ def relative(phases: dict) -> dict:
             for k, v in phases.items()}  # fmt: skip
 
 
-class Server:
-    """A server as a child process in its own session, its output in a log file; `url` (…/v1)
-    once ready. `stop()` ends its whole process group (SIGTERM, then SIGKILL after 30 s)."""
-
-    def __init__(self, argv: list[str], env: dict, ready, timeout_s: float = 900.0):
-        # the log lives as long as the server: stop() closes (and so deletes) it
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="serve_bench_", suffix=".log")  # noqa: SIM115
-        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)  # fmt: skip
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and self.proc.poll() is None:
-            self.url = ready(self)
-            if self.url:
-                return
-            time.sleep(0.5)
-        self.stop()
-        raise RuntimeError(f"{shlex.join(argv)} did not start:\n{self.output()[-4000:]}")
-
-    def output(self) -> str:
-        return pathlib.Path(self.log.name).read_text()
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(30)
-        self.log.close()
-
-
-def ringattn_ready(server: Server) -> str | None:
-    found = re.search(r"listening on (http://127\.0\.0\.1:\d+/v1)", server.output())
-    return found[1] if found else None
-
-
-def server_argv(kind: str, args: argparse.Namespace) -> tuple[list[str], int, str | None]:
-    """(argv, processes, port or None) for "transformers" or "ringattn:W"."""
-    pin = ["taskset", "-c", args.cpus] if args.cpus else []
-    if kind == "transformers":
-        with socket.socket() as sock:  # a free port (transformers serve takes no port 0)
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        exe = os.path.join(os.path.dirname(sys.executable), "transformers")
-        argv = [exe, "serve", args.hf, "--continuous-batching", "--host", "127.0.0.1", "--port",
-                str(port), "--device", "cpu", *shlex.split(args.transformers_args)]  # fmt: skip
-        return pin + argv, 1, port
-    nproc = int(kind.split(":")[1])
-    argv = [sys.executable, "-m", "ringattn", "serve", "--hf", args.hf, "--nproc", str(nproc),
-            "--port", "0", *shlex.split(args.serve_args)]  # fmt: skip
-    return pin + argv, nproc, None
-
-
-def measure(kind: str, args: argparse.Namespace, sizes: SimpleNamespace, prompts: dict) -> dict:
-    """Start one server, run the phases, stop it: {"argv", "summary", "records"}."""
+def start(kind: str, args: argparse.Namespace, warm: bool = False) -> tuple:
+    """One server up: (Server, openai client, model name, its argv, OMP_NUM_THREADS)."""
     import openai
 
     argv, nproc, port = server_argv(kind, args)
@@ -318,12 +264,37 @@ def measure(kind: str, args: argparse.Namespace, sizes: SimpleNamespace, prompts
     try:
         client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=3600)
         model = args.hf if port is not None else client.models.list().data[0].id
+        if warm:
+            stream(client, model, short_chat(0), 4, {})
+    except BaseException:
+        server.stop()
+        raise
+    return server, client, model, argv, int(threads)
+
+
+def measure(kind: str, args: argparse.Namespace, sizes: SimpleNamespace, prompts: dict) -> dict:
+    """Start one server, run the phases, stop it: {"argv", "summary", "records"}."""
+    server, client, model, argv, threads = start(kind, args)
+    try:
         metrics_url = server.url.removesuffix("/v1") + "/metrics"
         phases = run_phases(client, model, sizes, prompts, metrics_url)
     finally:
         server.stop()
-    return {"argv": argv, "omp_num_threads": int(threads), "summary": summarize(phases),
+    return {"argv": argv, "omp_num_threads": threads, "summary": summarize(phases),
             "records": relative(phases)}  # fmt: skip
+
+
+def pairs(args: argparse.Namespace, sizes: SimpleNamespace) -> dict:
+    """--pairs rounds of the burst on ringattn W=1 and transformers serve, up side by side."""
+    import serve_pairs
+
+    def up(kind: str) -> tuple:
+        return start(kind, args, warm=True)[:3]
+
+    def one(client, model: str, i: int) -> list[dict]:
+        return burst(client, model, sizes, tag=f"Story {i + 1}: ")
+
+    return serve_pairs.paired(up, one, throughput, args.pairs)
 
 
 def versions() -> dict:
@@ -357,6 +328,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cpus", default="", help="pin every server with taskset -c CPUS (e.g. 0,1)")
     p.add_argument("--threads", type=int, default=0, help="OMP_NUM_THREADS (0: cores / W)")
     p.add_argument("--json", default=None, help="default results/serve_bench_cpu[_quick].json")
+    p.add_argument(
+        "--pairs",
+        type=int,
+        default=0,
+        help="rounds of paired bursts, ringattn W=1 "
+        "and transformers up at once (serve_pairs.py): the throughput target's value",
+    )
     args = p.parse_args(argv)
     sizes = parse_sizes(QUICK if args.quick else FULL, args.sizes)
     kinds = args.servers.split(",")
@@ -374,23 +352,33 @@ def main(argv: list[str] | None = None) -> int:
     load_before, servers = os.getloadavg()[0], {}
     path = args.json or f"results/serve_bench_cpu{'_quick' if args.quick else ''}.json"
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    for kind in kinds:  # the JSON is rewritten after each server: a cut-short run keeps its part
-        start, name = time.perf_counter(), kind.replace("ringattn:", "ringattn W=")
+    steps = [*kinds, *(["pairs"] if args.pairs else [])]
+    paired = None
+    for kind in steps:  # the JSON is rewritten after each server: a cut-short run keeps its part
+        began, name = time.perf_counter(), kind.replace("ringattn:", "ringattn W=")
         try:
-            servers[name] = measure(kind, args, sizes, prompts)
+            if kind == "pairs":
+                paired = pairs(args, sizes)
+            else:
+                servers[name] = measure(kind, args, sizes, prompts)
         except Exception as err:  # noqa: BLE001 (one server's failure is recorded, the rest run)
             servers[name] = {"error": f"{type(err).__name__}: {err}"[-4000:]}
-        print(f"{name}: {time.perf_counter() - start:.0f} s {servers[name].get('error', '')}",
-              flush=True)  # fmt: skip
+        error = servers.get(name, {}).get("error", "")
+        print(f"{name}: {time.perf_counter() - began:.0f} s {error}", flush=True)
         summaries = {k: v["summary"] for k, v in servers.items() if "summary" in v}
+        median = paired and paired["median_ratio"]
         out = {"command": shlex.join([sys.executable, *sys.argv]), "sizes": vars(sizes),
-               "prompt_tokens": counts, "targets": targets(summaries), "servers": servers,
+               "prompt_tokens": counts, "targets": targets(summaries, median), "pairs": paired,
+               "servers": servers,
                "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                            "affinity": sorted(os.sched_getaffinity(0)), "pinned": args.cpus or None,
                            "load_avg_1m_before": load_before,
                            "load_avg_1m_after": os.getloadavg()[0]},
                "versions": versions()}  # fmt: skip
         pathlib.Path(path).write_text(json.dumps(out, indent=1))
+    if paired:
+        print(f"paired bursts, ringattn W=1 / transformers per round: "
+              f"{', '.join(f'{r:.3f}' for r in paired['ratios'])}")  # fmt: skip
     print(f"{table(summaries, out['targets'])}\nwrote {path}")
     return 1 if any("error" in v for v in servers.values()) else 0
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import pathlib
 import sys
+import time
 import urllib.request
 
 import pytest
@@ -16,12 +17,14 @@ SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "serve_bench.
 
 @pytest.fixture(scope="module")
 def bench():
+    sys.path.insert(0, str(SCRIPT.parent))  # its sibling modules, as when run as a script
     spec = importlib.util.spec_from_file_location("serve_bench", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     sys.modules["serve_bench"] = module  # dataclasses look their module up
     spec.loader.exec_module(module)
     yield module
     del sys.modules["serve_bench"]
+    sys.path.remove(str(SCRIPT.parent))
 
 
 def record(sent: float, times: list[float], first: float | None = None, tokens=None) -> dict:
@@ -142,3 +145,52 @@ def test_the_load_against_the_tiny_served_model(bench, tmp_path_factory):
     assert all(r["tokens"] >= 1 for r in phases["burst"])
     relative = bench.relative(phases)
     assert len(relative["mixed"]["streams"]) == 2 and relative["alone"]["first_ms"] > 0
+
+
+def test_paired_bursts_alternate_with_the_idle_server_stopped(bench):
+    """serve_pairs.paired over two stand-in servers (real processes in their own sessions): the
+    bursts go A B, B A, A B; during each, the other server's process is stopped (state T) and
+    the running one is not; the ratios are per round, their median the target's value; both
+    servers are stopped at the end, even though one was left stopped."""
+    import subprocess
+
+    import serve_pairs
+
+    class Stand:
+        def __init__(self):
+            self.proc = subprocess.Popen(["sleep", "300"], start_new_session=True)
+
+        def stop(self):
+            self.proc.kill()
+            self.proc.wait(30)
+
+    def stopped(server, want: bool) -> bool:
+        """Whether the process is stopped (state T) once a pending signal has landed (2 s)."""
+        deadline = time.monotonic() + 2.0
+        while True:
+            text = pathlib.Path(f"/proc/{server.proc.pid}/stat").read_text()
+            now = text.split(") ")[1][0] == "T"
+            if now == want or time.monotonic() > deadline:
+                return now
+            time.sleep(0.01)
+
+    up, seen = {}, []
+    speed = {"a": [10.0, 12.0, 9.0], "b": [8.0, 12.0, 10.0]}
+
+    def start(kind):
+        up[kind] = Stand()
+        return up[kind], kind, "model"
+
+    def burst(client, model, i):
+        other = "b" if client == "a" else "a"
+        seen.append((client, i, stopped(up[client], False), stopped(up[other], True)))
+        return speed[client][i]
+
+    out = serve_pairs.paired(start, burst, lambda x: x, 3, names=("a", "b"))
+    assert [(k, i) for k, i, _, _ in seen] == [("a", 0), ("b", 0), ("b", 1), ("a", 1), ("a", 2),
+                                               ("b", 2)]  # fmt: skip
+    assert all(not mine and other for _, _, mine, other in seen), seen
+    assert out["ratios"] == pytest.approx([1.25, 1.0, 0.9]) and out["median_ratio"] == 1.0
+    assert all(s.proc.poll() is not None for s in up.values())
+    rows = {r["target"]: r for r in bench.targets({}, out["median_ratio"])}
+    assert rows["throughput"]["value"] == 1.0 and rows["throughput"]["pass"] is True
