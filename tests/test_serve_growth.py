@@ -17,7 +17,7 @@ from ringattn.serve.pool import HEADROOM, BlockPool
 
 def test_growth_takes_headroom_from_free_blocks_only_and_reports_each_change_once():
     pool = BlockPool(40, 4)
-    assert pool.grow(0, 64) and pool.held[0] == 16  # from nothing: no headroom (16 // 8 = 0)
+    assert pool.grow(0, 64) and pool.held[0] == 16  # from nothing: no headroom (0 // 8 = 0)
     assert pool.grow(0, 65) and pool.held[0] == 16 + 1 + 16 // HEADROOM  # 19
     assert pool.grow(0, 19 * 4) and pool.held[0] == 19  # within the holding: nothing changes
     assert pool.room() == [[0, 19 * 4]] and pool.room() == []  # each change rides once

@@ -197,7 +197,7 @@ def _extend(state: KVState, piece: Extend, layer: int, left, query, key, value, 
 
 
 def _segment(state: KVState, what, layer: int, left, query, key, value, scale):
-    """(out (1, Hq, n, D), lse (1, Hq, n)) float32 of one segment's rows of a packed forward."""
+    """(out (1, Hq, n, D), lse (1, Hq, n)) of one segment's rows of a packed forward."""
     if isinstance(what, Fresh):
         out, lse = _prefill(state, what, layer, left, query, key, value, scale)
     elif isinstance(what, Extend):
@@ -206,7 +206,7 @@ def _segment(state: KVState, what, layer: int, left, query, key, value, scale):
         batch = (t.permute(2, 1, 0, 3) for t in (query, key, value))
         out, lse = _decode(state, what, layer, left, *batch, scale)
         out, lse = out.permute(2, 1, 0, 3), lse.permute(2, 1, 0)
-    return out.float(), lse.float()
+    return out, lse
 
 
 def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
@@ -224,7 +224,9 @@ def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=N
     else:
         parts = [_segment(state, what, layer, left, query[:, :, a:b], key[:, :, a:b],
                           value[:, :, a:b], scale) for a, b, what in state.segments]  # fmt: skip
-        out, lse = parts[0] if len(parts) == 1 else (torch.cat(x, 2) for x in zip(*parts))
+        # one segment as it comes; several in float32 (a decode's merge is float32 already)
+        out, lse = parts[0] if len(parts) == 1 else (torch.cat([t.float() for t in x], 2)
+                                                    for x in zip(*parts))  # fmt: skip
     sinks = kwargs.get("s_aux")
     if sinks is not None:
         out = out.float() * torch.sigmoid(lse - sinks.float().view(1, -1, 1)).unsqueeze(-1)
