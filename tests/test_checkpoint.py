@@ -5,6 +5,7 @@ restore model, optimizer and RNG exactly. One process; multi-rank save/resume is
 from __future__ import annotations
 
 import os
+import shutil
 from dataclasses import replace
 
 import pytest
@@ -64,7 +65,8 @@ def test_a_failed_write_is_a_checkpoint_error_and_leaves_no_complete_checkpoint(
 
 
 def test_torch_save_runtime_error_is_shared_as_a_checkpoint_error(tmp_path, monkeypatch):
-    """torch.save raises RuntimeError (not OSError) on a full disk: still a CheckpointError."""
+    """torch.save raises RuntimeError (not OSError) when a full disk cuts a write short: still a
+    CheckpointError, and beside a full disk it says so."""
     model, optimizer = _model_and_optimizer()
     root = str(tmp_path)
     ckpt.save(root, 1, model, optimizer, {"step": 1})
@@ -77,7 +79,16 @@ def test_torch_save_runtime_error_is_shared_as_a_checkpoint_error(tmp_path, monk
         raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64")
 
     monkeypatch.setattr(torch, "save", full)
-    with pytest.raises(ckpt.CheckpointError, match="rank 0: RuntimeError: .*unexpected pos"):
+    with pytest.raises(ckpt.CheckpointError, match="rank 0: RuntimeError: .*unexpected pos") as e:
+        ckpt.save(root, 2, model, optimizer, {"step": 2})
+    assert ckpt.latest(root).endswith("step-00000001")
+    assert "No space" not in str(e.value)  # the disk has room: no guess about the cause
+
+    # torch.save's error on a full disk names no cause: one beside < 1 MiB free says it
+    usage = shutil.disk_usage(root)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=4096))
+    with pytest.raises(ckpt.CheckpointError, match="rank 0: RuntimeError: .*unexpected pos 64 "
+                       rf"\[No space left on device: 4096 bytes free under {root}\]"):  # fmt: skip
         ckpt.save(root, 2, model, optimizer, {"step": 2})
     assert ckpt.latest(root).endswith("step-00000001")
 

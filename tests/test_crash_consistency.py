@@ -173,8 +173,8 @@ def test_a_checkpoint_directory_that_fills_up_mid_save(pools, tmpfs, tmp_path, r
 @pytest.mark.parametrize(
     "rank, point, cause",
     [
-        (0, "directory", r"ranks? .*(No space left|RuntimeError)"),  # DCP's shards
-        (1, "model", r"ranks? (0, )?1: (OSError|RuntimeError).*"),  # torch.save of the RNG state
+        (0, "directory", r"ranks? .*No space left"),  # DCP's shards
+        (1, "model", r"ranks? (0, )?1: .*No space left"),  # torch.save of the RNG state
         (0, "rng", r"ranks? 0(, 1)?: OSError: \[Errno 28\] No space left"),  # training state
     ],
 )

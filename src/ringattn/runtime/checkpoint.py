@@ -163,7 +163,7 @@ def save(
             _clean(root)
             os.makedirs(os.path.join(tmp, "rng"))
         except Exception as err:  # noqa: BLE001 - every failure is shared, whatever it is
-            error = _describe(err)
+            error = _describe(err, root)
     _raise_if_failed(_share(error), step, root, tmp, rank)  # a barrier: the directory is there
     fault("directory")
     try:
@@ -178,9 +178,8 @@ def save(
             _write_json(os.path.join(tmp, ORDER_FILE), {"written": order, "step": step})
             fault("state")
         error = None
-    except (Exception, CheckpointException) as err:  # noqa: BLE001 - torch.save: RuntimeError
-        # on a full disk; DCP's CheckpointException is a BaseException
-        error = _describe(err)
+    except (Exception, CheckpointException) as err:  # noqa: BLE001 - DCP's is a BaseException
+        error = _describe(err, root)
     _raise_if_failed(_share(error), step, root, tmp, rank)  # every rank's files are written
     fault("shared")
     if rank == 0:
@@ -190,7 +189,7 @@ def save(
             publish(tmp, final, fault)
             error = None
         except Exception as err:  # noqa: BLE001
-            error = _describe(err)
+            error = _describe(err, root)
         if error is None:
             _prune(root, keep)
             fault("pruned")
@@ -234,16 +233,20 @@ def _finite(value: object) -> bool:
     return bool(torch.isfinite(local).all())
 
 
-def _describe(err: BaseException) -> str:
-    """One line per error: DCP's CheckpointException wraps each rank's own exception."""
+def _describe(err: BaseException, root: str | None = None) -> str:
+    """One line per error (DCP's CheckpointException wraps each rank's own). A file system under
+    `root` left with under 1 MiB free says so: torch.save, DCP's writer too, reports a write cut
+    short by a full disk as "RuntimeError: ... unexpected pos 704 vs 598", naming no cause."""
     failures = getattr(err, "failures", None)
     if isinstance(failures, dict) and failures:
-        inner = []
-        for wrapped in failures.values():
-            exc = wrapped[0] if isinstance(wrapped, tuple) else getattr(wrapped, "exc", wrapped)
-            inner.append(f"{type(exc).__name__}: {exc}")
-        return "; ".join(sorted(set(inner)))
-    return f"{type(err).__name__}: {err}"
+        excs = [w[0] if isinstance(w, tuple) else getattr(w, "exc", w) for w in failures.values()]
+        text = "; ".join(sorted({f"{type(exc).__name__}: {exc}" for exc in excs}))
+    else:
+        text = f"{type(err).__name__}: {err}"
+    known = not root or not os.path.isdir(root) or "No space left" in text
+    free = None if known else shutil.disk_usage(root).free
+    full = free is not None and free < 1 << 20
+    return text + (f" [No space left on device: {free} bytes free under {root}]" if full else "")
 
 
 def _share(error: str | None) -> dict[int, str]:
