@@ -110,3 +110,39 @@ def test_generate_hf_rejects_bad_flags_before_launching(tmp_path, capfd):
             main(["generate", "--nproc", "2", *argv])
         assert info.value.code == 2
         assert needle in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_the_head_is_laid_out_column_major_for_cpu_decoding(tied):
+    """lay_out_for_decode: the float32 head's bytes become column-major in place (same values,
+    Parameter and tie), logits within float32 rounding and the same greedy tokens; once only; a
+    bfloat16 model and a GPU device are left as they are."""
+    from ringattn.inference.hf.weights import lay_out_for_decode
+
+    config = transformers.LlamaConfig(
+        vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied,
+        eos_token_id=None, bos_token_id=None, pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(5)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    head = model.get_output_embeddings().weight
+    before, ids = head.detach().clone(), torch.randint(3, 300, (1, 40))
+    with torch.no_grad():
+        logits = model(ids).logits
+    tokens = _reference(model, ids[0].tolist(), 8)
+    assert lay_out_for_decode(model, torch.device("cpu"))
+    assert model.get_output_embeddings().weight is head and head.stride() == (1, 300)
+    assert torch.equal(head, before) and not head.is_contiguous()
+    assert (model.get_input_embeddings().weight is head) == tied
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, logits, rtol=1e-5, atol=1e-5)
+    assert _reference(model, ids[0].tolist(), 8) == tokens
+    assert not lay_out_for_decode(model, torch.device("cpu"))  # already column-major
+
+    half = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    assert not lay_out_for_decode(half, torch.device("cpu"))  # its AMX path: slower so
+    assert half.get_output_embeddings().weight.is_contiguous()
+    fresh = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    assert not lay_out_for_decode(fresh, torch.device("cuda", 0))
+    assert fresh.get_output_embeddings().weight.is_contiguous()

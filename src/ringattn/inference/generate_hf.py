@@ -35,6 +35,7 @@ import torch
 from ringattn.comm import all_gather_ints, backend_device, resolve_group
 from ringattn.inference.detokenize import Detokenizer
 from ringattn.inference.hf.generate import generate
+from ringattn.inference.hf.weights import lay_out_for_decode
 from ringattn.inference.sampling import Sampling
 from ringattn.integrations.hf.experts import check_ep, split_experts
 from ringattn.integrations.hf.source import (
@@ -159,6 +160,7 @@ def hf_worker(cfg) -> dict:
     group, tp_group = split_cp_tp(model, cfg.tp, world_size, device)
     split_experts(model, cfg.ep, device)  # --ep: this rank's experts only, before the move
     model.to(device)  # model and inputs on the rank's device (NCCL needs CUDA tensors)
+    lay_out_for_decode(model, device)  # the same weights' layout as ringattn serve's
     world = resolve_group(None)
     lead = world.rank == 0
     prompt, tokenizer, text = encode(cfg, source, vocab_size)
