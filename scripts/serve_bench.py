@@ -104,17 +104,19 @@ def summarize(phases: dict) -> dict:
     }  # fmt: skip
 
 
-def targets(summaries: dict[str, dict], paired: float | None = None) -> list[dict]:
+def targets(summaries: dict[str, dict], paired: float | None = None,
+            prefill: float | None = None) -> list[dict]:  # fmt: skip
     """Issue 32's targets from the summaries by server: one row each, pass None if not measured;
-    `paired`: the median ratio of paired bursts (serve_pairs.py), else the bursts' ratio."""
+    `paired`: the median ratio of paired bursts (serve_pairs.py), else the bursts' ratio;
+    `prefill`: the median W = 2 / W = 1 8k TTFT of paired prefills, else the alone phases'."""
     w1, w2 = summaries.get("ringattn W=1", {}), summaries.get("ringattn W=2", {})
     hf = summaries.get("transformers", {})
     ratio = lambda a, b: a / b if a is not None and b else None
     burst_ratio = ratio(w1.get("burst_tokens_per_s"), hf.get("burst_tokens_per_s"))
     values = {"throughput": burst_ratio if paired is None else paired,
               "stall": w1.get("stall_ratio"), "prefix": w1.get("prefix_ratio"),
-              "w2_prefill": ratio(w2.get("long_alone_ttft_s"),
-                                   w1.get("long_alone_ttft_s"))}  # fmt: skip
+              "w2_prefill": prefill if prefill is not None else ratio(
+                  w2.get("long_alone_ttft_s"), w1.get("long_alone_ttft_s"))}  # fmt: skip
     ok = lambda v, op, b: None if v is None else v >= b if op == ">=" else v <= b
     return [{"target": n, "value": values[n], "bound": f"{op} {b}", "pass": ok(values[n], op, b)}
             for n, (op, b) in TARGETS.items()]  # fmt: skip
@@ -297,6 +299,26 @@ def pairs(args: argparse.Namespace, sizes: SimpleNamespace) -> dict:
     return serve_pairs.paired(up, one, throughput, args.pairs)
 
 
+def prefill_pairs(args: argparse.Namespace, sizes: SimpleNamespace, tokenizer) -> dict:
+    """--prefill-pairs rounds of a new 8k prompt alone on ringattn W=1 and W=2, both up, ABBA
+    (serve_pairs.py): {"ttft_s": {kind: [per round]}, "ratios": [W=2 / W=1], "median_ratio"}."""
+    import serve_pairs
+
+    def one(client, model: str, i: int) -> float:
+        messages = long_chat(tokenizer, sizes.long_tokens, seed=100 + i)  # nothing to reuse
+        first = ttft(stream(client, model, messages, sizes.long_new, {}))
+        if first is None:
+            raise RuntimeError(f"round {i}: the 8k prompt got no answer")
+        return 1.0 / first  # a speed: paired's ratio W=1 / W=2 of speeds is TTFT W=2 / W=1
+
+    out = serve_pairs.paired(lambda kind: start(kind, args, warm=True)[:3], one, lambda x: x,
+                             args.prefill_pairs, names=("ringattn:1", "ringattn:2"),
+                             pause=False)  # fmt: skip
+    ttfts = {kind: [1.0 / v for v in speeds] for kind, speeds in out["tokens_per_s"].items()}
+    return {"order": out["order"], "ratios": out["ratios"], "median_ratio": out["median_ratio"],
+            "ttft_s": ttfts}  # fmt: skip
+
+
 def versions() -> dict:
     import openai
     import torch
@@ -328,16 +350,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cpus", default="", help="pin every server with taskset -c CPUS (e.g. 0,1)")
     p.add_argument("--threads", type=int, default=0, help="OMP_NUM_THREADS (0: cores / W)")
     p.add_argument("--json", default=None, help="default results/serve_bench_cpu[_quick].json")
-    p.add_argument(
-        "--pairs",
-        type=int,
-        default=0,
-        help="rounds of paired bursts, ringattn W=1 "
-        "and transformers up at once (serve_pairs.py): the throughput target's value",
-    )
+    p.add_argument("--pairs", type=int, default=0, help="rounds of paired bursts, ringattn W=1 "
+                   "and transformers at once (serve_pairs.py): the throughput target")  # fmt: skip
+    p.add_argument("--prefill-pairs", type=int, default=0,
+                   help="rounds of the 8k prompt alone on ringattn W=1 and W=2, up at once: "
+                   "the W=2 prefill target's value")  # fmt: skip
     args = p.parse_args(argv)
     sizes = parse_sizes(QUICK if args.quick else FULL, args.sizes)
-    kinds = args.servers.split(",")
+    kinds = [k for k in args.servers.split(",") if k]  # none: the pairs only
     if bad := [k for k in kinds if not re.fullmatch(r"transformers|ringattn:[1-9]\d*", k)]:
         raise SystemExit(f"--servers: unknown {bad}; use transformers, ringattn:1, ringattn:2 ...")
     from transformers import AutoTokenizer
@@ -352,13 +372,16 @@ def main(argv: list[str] | None = None) -> int:
     load_before, servers = os.getloadavg()[0], {}
     path = args.json or f"results/serve_bench_cpu{'_quick' if args.quick else ''}.json"
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    steps = [*kinds, *(["pairs"] if args.pairs else [])]
-    paired = None
+    steps = [*kinds, *(["pairs"] if args.pairs else []),
+             *(["prefill pairs"] if args.prefill_pairs else [])]  # fmt: skip
+    paired = prefill = None
     for kind in steps:  # the JSON is rewritten after each server: a cut-short run keeps its part
         began, name = time.perf_counter(), kind.replace("ringattn:", "ringattn W=")
         try:
             if kind == "pairs":
                 paired = pairs(args, sizes)
+            elif kind == "prefill pairs":
+                prefill = prefill_pairs(args, sizes, tok)
             else:
                 servers[name] = measure(kind, args, sizes, prompts)
         except Exception as err:  # noqa: BLE001 (one server's failure is recorded, the rest run)
@@ -366,9 +389,10 @@ def main(argv: list[str] | None = None) -> int:
         error = servers.get(name, {}).get("error", "")
         print(f"{name}: {time.perf_counter() - began:.0f} s {error}", flush=True)
         summaries = {k: v["summary"] for k, v in servers.items() if "summary" in v}
-        median = paired and paired["median_ratio"]
+        medians = [x and x["median_ratio"] for x in (paired, prefill)]
         out = {"command": shlex.join([sys.executable, *sys.argv]), "sizes": vars(sizes),
-               "prompt_tokens": counts, "targets": targets(summaries, median), "pairs": paired,
+               "prompt_tokens": counts, "targets": targets(summaries, *medians), "pairs": paired,
+               "prefill_pairs": prefill,
                "servers": servers,
                "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                            "affinity": sorted(os.sched_getaffinity(0)), "pinned": args.cpus or None,
@@ -379,6 +403,9 @@ def main(argv: list[str] | None = None) -> int:
     if paired:
         print(f"paired bursts, ringattn W=1 / transformers per round: "
               f"{', '.join(f'{r:.3f}' for r in paired['ratios'])}")  # fmt: skip
+    if prefill:
+        print(f"paired 8k prefills, ringattn W=2 / W=1 TTFT per round: "
+              f"{', '.join(f'{r:.3f}' for r in prefill['ratios'])}")  # fmt: skip
     print(f"{table(summaries, out['targets'])}\nwrote {path}")
     return 1 if any("error" in v for v in servers.values()) else 0
 

@@ -194,3 +194,54 @@ def test_paired_bursts_alternate_with_the_idle_server_stopped(bench):
     assert all(s.proc.poll() is not None for s in up.values())
     rows = {r["target"]: r for r in bench.targets({}, out["median_ratio"])}
     assert rows["throughput"]["value"] == 1.0 and rows["throughput"]["pass"] is True
+
+
+def test_paired_prefills_leave_both_servers_running(bench, monkeypatch):
+    """--prefill-pairs: paired(pause=False) stops neither server (an idle ringattn serve takes no
+    CPU); prefill_pairs turns each round's TTFT into W=2 / W=1 ratios, and their median is the
+    w2_prefill target's value."""
+    import subprocess
+
+    up = {}
+
+    class Stand:
+        def __init__(self):
+            self.proc = subprocess.Popen(["sleep", "300"], start_new_session=True)
+
+        def stop(self):
+            self.proc.kill()
+            self.proc.wait(30)
+
+    def start(kind, args, warm=False):
+        up[kind] = Stand()
+        return up[kind], kind, "model", [], 1
+
+    ttfts = {"ringattn:1": [60.0, 62.0, 58.0], "ringattn:2": [36.0, 43.4, 40.6]}
+    calls = []
+
+    def stream(client, model, messages, max_tokens, record):
+        states = {k: pathlib.Path(f"/proc/{s.proc.pid}/stat").read_text().split(") ")[1][0]
+                  for k, s in up.items()}  # fmt: skip
+        calls.append((client, messages[0]["content"][:40], states))
+        return {"sent": 0.0, "first": ttfts[client][sum(c[0] == client for c in calls) - 1]}
+
+    monkeypatch.setattr(bench, "start", start)
+    monkeypatch.setattr(bench, "stream", stream)
+    monkeypatch.setattr(bench, "long_chat", lambda tok, n, seed: [{"content": f"seed {seed}"}])
+    args = bench.argparse.Namespace(prefill_pairs=3)
+    out = bench.prefill_pairs(args, bench.QUICK, tokenizer=None)
+    assert [c[0] for c in calls] == ["ringattn:1", "ringattn:2", "ringattn:2", "ringattn:1",
+                                     "ringattn:1", "ringattn:2"]  # fmt: skip
+    assert len({c[1] for c in calls}) == 3  # a new prompt each round, the same on both servers
+    assert all(state != "T" for c in calls for state in c[2].values()), calls
+    assert out["ratios"] == pytest.approx([0.6, 0.7, 0.7]) and out["median_ratio"] == 0.7
+    assert out["ttft_s"]["ringattn:2"] == pytest.approx(ttfts["ringattn:2"])
+    assert all(s.proc.poll() is not None for s in up.values())
+    summaries = {
+        "ringattn W=1": {"long_alone_ttft_s": 60.0},
+        "ringattn W=2": {"long_alone_ttft_s": 45.0},
+    }
+    rows = {r["target"]: r for r in bench.targets(summaries, None, out["median_ratio"])}
+    assert rows["w2_prefill"]["value"] == 0.7 and rows["w2_prefill"]["pass"] is False
+    rows = {r["target"]: r for r in bench.targets(summaries)}  # unpaired: the alone phases
+    assert rows["w2_prefill"]["value"] == 0.75
