@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import pathlib
+import subprocess
 import sys
 import time
 import urllib.request
@@ -25,6 +26,17 @@ def bench():
     yield module
     del sys.modules["serve_bench"]
     sys.path.remove(str(SCRIPT.parent))
+
+
+class Stand:
+    """A stand-in server: a real process in its own session (what serve_pairs signals)."""
+
+    def __init__(self):
+        self.proc = subprocess.Popen(["sleep", "300"], start_new_session=True)
+
+    def stop(self):
+        self.proc.kill()
+        self.proc.wait(30)
 
 
 def record(sent: float, times: list[float], first: float | None = None, tokens=None) -> dict:
@@ -152,17 +164,7 @@ def test_paired_bursts_alternate_with_the_idle_server_stopped(bench):
     bursts go A B, B A, A B; during each, the other server's process is stopped (state T) and
     the running one is not; the ratios are per round, their median the target's value; both
     servers are stopped at the end, even though one was left stopped."""
-    import subprocess
-
     import serve_pairs
-
-    class Stand:
-        def __init__(self):
-            self.proc = subprocess.Popen(["sleep", "300"], start_new_session=True)
-
-        def stop(self):
-            self.proc.kill()
-            self.proc.wait(30)
 
     def stopped(server, want: bool) -> bool:
         """Whether the process is stopped (state T) once a pending signal has landed (2 s)."""
@@ -200,17 +202,7 @@ def test_paired_prefills_leave_both_servers_running(bench, monkeypatch):
     """--prefill-pairs: paired(pause=False) stops neither server (an idle ringattn serve takes no
     CPU); prefill_pairs turns each round's TTFT into W=2 / W=1 ratios, and their median is the
     w2_prefill target's value."""
-    import subprocess
-
     up = {}
-
-    class Stand:
-        def __init__(self):
-            self.proc = subprocess.Popen(["sleep", "300"], start_new_session=True)
-
-        def stop(self):
-            self.proc.kill()
-            self.proc.wait(30)
 
     def start(kind, args, warm=False):
         up[kind] = Stand()
