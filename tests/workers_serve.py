@@ -44,12 +44,15 @@ def tiny_model() -> tuple:
 
 
 def stepped(rank: int, world_size: int, prompts: list[str], max_new: int, cfg: dict,
-            fail_at: int | None = None) -> list:  # fmt: skip
+            fail_at: int | None = None, fail_ranks: list[int] | None = None,
+            agree_s: float = 30.0) -> list:  # fmt: skip
     """serve's rank_loop (the step scheduler) over the tiny chat model on every rank, the
     prompts queued at once on rank 0 with ServeConfig(**cfg), the `fail_at`-th forward raising
-    once on every rank (a torch forward hook): each request's text (rank 0), the plans' count
-    of new requests (every rank), [prefix-hit tokens, preemptions] (rank 0), forwards run."""
+    once on every rank of `fail_ranks` (default all; a torch forward hook): each request's text
+    (rank 0), the plans' count of new requests (every rank), [prefix-hit tokens, preemptions]
+    (rank 0), forwards run. An error out of rank_loop after the fault says how long after."""
     import queue
+    import time
 
     from ringattn.comm import resolve_group
     from ringattn.serve.config import ServeConfig
@@ -57,11 +60,12 @@ def stepped(rank: int, world_size: int, prompts: list[str], max_new: int, cfg: d
     from ringattn.serve.worker import rank_loop
 
     tok, model = tiny_model()
-    calls = [0]
+    calls, fault = [0], [None]
 
     def fail_once(module, args, output):
         calls[0] += 1
-        if calls[0] == fail_at:
+        if calls[0] == fail_at and rank in (fail_ranks or range(world_size)):
+            fault[0] = time.monotonic()
             raise torch.OutOfMemoryError("simulated")
 
     model.register_forward_hook(fail_once)
@@ -73,8 +77,13 @@ def stepped(rank: int, world_size: int, prompts: list[str], max_new: int, cfg: d
             recorders.append(recorder)
             jobs.put(recorder)
     metrics = Metrics() if rank == 0 else None
-    served = rank_loop(model, tok, resolve_group(None), "zigzag", jobs, _Done(recorders),
-                       ServeConfig(**cfg), metrics=metrics)  # fmt: skip
+    try:
+        served = rank_loop(model, tok, resolve_group(None), "zigzag", jobs, _Done(recorders),
+                           ServeConfig(**cfg), metrics=metrics, agree_s=agree_s)  # fmt: skip
+    except RuntimeError as err:
+        if fault[0] is None:
+            raise
+        raise RuntimeError(f"{err} [{time.monotonic() - fault[0]:.1f} s after the fault]") from err
     texts = ["".join(e[1] for e in r.events if e[0] == "text") for r in recorders]
     counts = None if metrics is None else [metrics.prefix_hit_tokens, metrics.preemptions]
     return [texts, served, counts, calls[0]]

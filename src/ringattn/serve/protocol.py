@@ -14,6 +14,8 @@ Job       rank 0 only: a request plus the asyncio queue of its events, filled fr
                                                      refused it) or 500 (a server-side failure)
           and `cancelled`, set by the HTTP thread when the client has gone: the scheduler drops
           the job if it still waits, else ends its sequence on every rank at the next step.
+Verdict   every rank: whether a step that raised here raised on every rank (a request's own
+          failure: the step's sequences recompute) or here alone (the server ends, at once).
 """
 
 from __future__ import annotations
@@ -21,12 +23,17 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
 
 from ringattn.comm import GroupInfo, broadcast_json
 
-__all__ = ["IDLE_S", "Job", "Request", "exchange"]
+__all__ = ["AGREE_S", "IDLE_S", "Job", "Request", "Verdict", "exchange"]
 
 IDLE_S = 1.0  # how often rank 0 broadcasts "idle" while no request is waiting
+AGREE_S = 30.0  # how long a rank whose step raised waits to hear that every rank's step did
 
 
 @dataclass(frozen=True)
@@ -53,6 +60,50 @@ def exchange(message: dict | None, info: GroupInfo) -> dict:
     out = broadcast_json(message, info, src=0)
     assert isinstance(out, dict) and out.get("op") in ("step", "idle", "stop"), out
     return out
+
+
+class Verdict:
+    """Whether a step that raised on this rank raised on every rank.
+
+    A failure alike on every rank (an OOM at the same layer everywhere, which the same work on
+    every rank makes the usual case; non-finite logits) belongs to the step's requests: every
+    rank drops the step and its sequences recompute (worker.py). A failure on one rank alone
+    cannot be handled so: the other ranks are inside the step's collectives, waiting for this
+    one, or have finished a step whose rows this rank lacks, so their caches no longer agree.
+    So a rank whose step raised joins one all-gather of the step's number over a side gloo
+    group whose timeout is `timeout_s`. Every rank joins it: the failure was alike. Not
+    every rank within `timeout_s`: this rank raises, naming itself and its error, and the
+    launcher ends the server naming it (runtime/launch.py), instead of every rank waiting out
+    the process-group timeout (300 s) in the step's collective. A step that succeeded costs
+    nothing: only a rank whose step raised communicates here.
+    """
+
+    def __init__(self, info: GroupInfo, timeout_s: float = AGREE_S):
+        self.rank, self.world_size, self.timeout_s = info.rank, info.world_size, timeout_s
+        self.group = None
+        if info.world_size > 1:  # every rank, in the same order (torch's rule for new_group)
+            self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+
+    def check(self, step: int, err: BaseException) -> None:
+        """Return if step number `step`, which raised `err` here, raised on every rank."""
+        if self.group is None:
+            return
+        local = torch.tensor([step], dtype=torch.int64, device=torch.device("cpu"))
+        parts = [torch.empty_like(local) for _ in range(self.world_size)]
+        try:
+            dist.all_gather(parts, local, group=self.group)
+            steps = [int(p) for p in parts]
+        except Exception as gather:  # noqa: BLE001 - a timeout or a dead peer: not alike
+            steps = f"not every rank answered within {self.timeout_s:g} s ({gather})"
+        if steps == [step] * self.world_size:
+            return
+        raise RuntimeError(
+            f"rank {self.rank}: step {step} of the server raised on this rank "
+            f"({type(err).__name__}: {err}) but not on every rank: {steps}. One rank's failure "
+            f"leaves the ranks' caches apart and the others waiting in the step's collectives, "
+            f"so the server ends here (a failure alike on every rank, such as an OOM on each, "
+            f"fails its requests alone)"
+        ) from err
 
 
 class Job:

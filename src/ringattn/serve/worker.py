@@ -22,6 +22,8 @@ sends its sequences back to recompute, each alone until one of its steps succeed
 failure of one request's own fails that request alone (500, or 400 for a ValueError). NaN
 logits the same way: a sequence that shared its step recomputes alone (prompts packed into one
 forward can pass a NaN on), and NaN alone fails its request with a 500 (Scheduler.after).
+A step that raises on one rank only ends the server within AGREE_S, naming that rank
+(protocol.Verdict): the ranks' caches no longer agree.
 
 The idle broadcast keeps the waiting ranks inside the process-group timeout while no request
 comes, and lets a Ctrl-C land within a second. A rank that dies ends the launch: the launcher
@@ -55,7 +57,7 @@ from ringattn.serve.app import build_app, serve_in_thread
 from ringattn.serve.config import ServeConfig, bind, model_name
 from ringattn.serve.metrics import Metrics
 from ringattn.serve.pool import BlockPool, Shares
-from ringattn.serve.protocol import Job, exchange
+from ringattn.serve.protocol import AGREE_S, Job, Verdict, exchange
 from ringattn.serve.runner import Runner
 from ringattn.serve.scheduler import Scheduler
 from ringattn.serve.schema import Limits
@@ -176,21 +178,23 @@ def prefix_cacheable(model) -> bool:
 
 def rank_loop(model, tokenizer, info: GroupInfo, layout: str, jobs: queue.Queue, http,
               cfg: ServeConfig | None = None, groups: tuple = (None, None),
-              metrics: Metrics | None = None) -> int:  # fmt: skip
+              metrics: Metrics | None = None, agree_s: float = AGREE_S) -> int:  # fmt: skip
     """Run steps until rank 0 says stop (`http`, its HTTP thread, has ended); the requests run.
 
     `info` is the whole world (rank 0 broadcasts each plan to it); `groups` the (cp, tp) groups
     that the engine runs over with --tp; `cfg` the engine's settings (max_batch,
     max_batch_tokens, kv_cache_gb, kv_block_size, prefix_cache); `metrics` (rank 0) what
-    /metrics shows. A step that raises (alike on every rank) sends its sequences back to
-    recompute, and a sequence that fails twice fails alone (Scheduler.failed); only a failed
-    collective (a dead rank) raises out of here and ends the server."""
+    /metrics shows. A step that raises alike on every rank sends its sequences back to
+    recompute, and a sequence that fails twice fails alone (Scheduler.failed); a step that
+    raises on some ranks only (`agree_s`: protocol.Verdict) or a failed collective (a dead
+    rank) raises out of here and ends the server."""
     cfg = cfg or ServeConfig()
     device = next(model.parameters()).device
     cp_group = groups[0]
     cp = resolve_group(cp_group).world_size
     runner = Runner(KVEngine(model, group=cp_group, layout=layout), cfg.kv_block_size)
     blocks = pool_blocks(model, cfg, info, device)
+    verdict = Verdict(info, agree_s)
     scheduler = None
     if info.rank == 0:
         pool = BlockPool(blocks, cfg.kv_block_size)
@@ -202,12 +206,12 @@ def rank_loop(model, tokenizer, info: GroupInfo, layout: str, jobs: queue.Queue,
             metrics.waiting = lambda: jobs.qsize() + scheduler.held
             metrics.pool(pool)
     with runner.engine.holding():  # the model runs nothing else while the server steps
-        return _steps(runner, scheduler, info)
+        return _steps(runner, scheduler, info, verdict)
 
 
-def _steps(runner: Runner, scheduler: Scheduler | None, info: GroupInfo) -> int:
+def _steps(runner: Runner, scheduler: Scheduler | None, info: GroupInfo, verdict: Verdict) -> int:
     """rank_loop's loop: plan (rank 0), share the plan, run it, sample (rank 0)."""
-    served = 0
+    served = steps = 0
     while True:
         plan = scheduler.plan() if scheduler is not None else None
         plan = exchange(plan, info)
@@ -215,6 +219,7 @@ def _steps(runner: Runner, scheduler: Scheduler | None, info: GroupInfo) -> int:
             return served
         if plan["op"] == "idle":
             continue
+        steps += 1  # every rank counts the same steps
         if plan.get("new"):  # taken on, whether or not this step succeeds
             served += plan["new"]
             report_progress(phase="serving", served=served)
@@ -223,6 +228,7 @@ def _steps(runner: Runner, scheduler: Scheduler | None, info: GroupInfo) -> int:
                 decoded, chunks = runner.step(plan)
         except Exception as err:  # noqa: BLE001 - a step's failure is its sequences', not ours
             _free_device_memory()
+            verdict.check(steps, err)  # raises unless every rank's step raised
             if scheduler is not None:
                 traceback.print_exception(err, file=sys.stderr)
                 scheduler.failed(err)
