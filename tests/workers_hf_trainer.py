@@ -121,11 +121,14 @@ def _trainer(case: dict, out_dir: str):
               "report_to": "none", "use_cpu": True, "seed": 0, "save_strategy": "no",
               "gradient_accumulation_steps": case.get("accumulation", 1), "max_grad_norm": 1.0,
               "disable_tqdm": True, "lr_scheduler_type": "constant", "bf16": False,
-              "adam_epsilon": 1e-6}  # fmt: skip
-    # AdamW moves an element whose gradient is near its epsilon by lr * g / (|g| + eps): with
-    # the default eps 1e-8, a rounding difference of 1e-10 in such a gradient (cp 2 sums in
-    # another order than one process) moved one weight of 41k by 2.7e-5 in 5 steps on one
-    # machine, beyond the comparison's 1e-5; eps 1e-6 bounds that amplification 100x lower
+              "adam_epsilon": 1e-4}  # fmt: skip
+    # AdamW's first step moves each weight by lr * g / (|g| + eps), whose slope in g peaks at
+    # lr / (4 eps) where |g| = eps: an element whose gradient cancels to near eps turns a
+    # rounding difference in it (cp 2 sums in another order than one process) into a weight
+    # difference lr / (4 eps) times larger. With eps 1e-8, 1e-10 in a gradient moved one weight
+    # of 41k by 2.7e-5 in 5 steps; with 1e-6, 1.3e-8 (Gemma 3, checkpointed: the gradients
+    # agree to 6e-8 under SGD) moved one by 1.01e-5 in one step, past the comparison's 1e-5.
+    # With 1e-4 the slope is 7.5 and the largest difference 3.7e-7 (the 5 steps of that case).
     common.update(case.get("args", {}))
     kind = case["kind"]
     if kind == "sft":
