@@ -28,7 +28,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ringattn.comm import GroupInfo, broadcast_json
+from ringattn.comm import GroupInfo, all_gather_ints, broadcast_json, resolve_group
 
 __all__ = ["AGREE_S", "IDLE_S", "Job", "Request", "Verdict", "exchange"]
 
@@ -79,26 +79,23 @@ class Verdict:
     """
 
     def __init__(self, info: GroupInfo, timeout_s: float = AGREE_S):
-        self.rank, self.world_size, self.timeout_s = info.rank, info.world_size, timeout_s
-        self.group = None
+        self.side, self.timeout_s = info, timeout_s
         if info.world_size > 1:  # every rank, in the same order (torch's rule for new_group)
-            self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+            group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+            self.side = resolve_group(group)
 
     def check(self, step: int, err: BaseException) -> None:
         """Return if step number `step`, which raised `err` here, raised on every rank."""
-        if self.group is None:
+        if self.side.world_size == 1:
             return
-        local = torch.tensor([step], dtype=torch.int64, device=torch.device("cpu"))
-        parts = [torch.empty_like(local) for _ in range(self.world_size)]
         try:
-            dist.all_gather(parts, local, group=self.group)
-            steps = [int(p) for p in parts]
+            steps = [row[0] for row in all_gather_ints([step], self.side, torch.device("cpu"))]
         except Exception as gather:  # noqa: BLE001 - a timeout or a dead peer: not alike
             steps = f"not every rank answered within {self.timeout_s:g} s ({gather})"
-        if steps == [step] * self.world_size:
+        if steps == [step] * self.side.world_size:
             return
         raise RuntimeError(
-            f"rank {self.rank}: step {step} of the server raised on this rank "
+            f"rank {self.side.rank}: step {step} of the server raised on this rank "
             f"({type(err).__name__}: {err}) but not on every rank: {steps}. One rank's failure "
             f"leaves the ranks' caches apart and the others waiting in the step's collectives, "
             f"so the server ends here (a failure alike on every rank, such as an OOM on each, "
