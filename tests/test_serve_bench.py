@@ -1,5 +1,6 @@
-"""scripts/serve_bench.py: its statistics, targets and table on synthetic timings, and its load's
-phases against the tests' tiny chat model served in process (ringattn only; no timing asserted).
+"""scripts/serve_bench.py and serve_stats.py: the statistics, targets and table on synthetic
+timings, and the load's phases against the tests' tiny chat model served in process (ringattn
+only; no timing asserted).
 """
 
 from __future__ import annotations
@@ -28,6 +29,12 @@ def bench():
     sys.path.remove(str(SCRIPT.parent))
 
 
+@pytest.fixture(scope="module")
+def stats(bench):
+    """scripts/serve_stats.py, which serve_bench imports (its figures from timed records)."""
+    return sys.modules["serve_stats"]
+
+
 class Stand:
     """A stand-in server: a real process in its own session (what serve_pairs signals)."""
 
@@ -45,28 +52,28 @@ def record(sent: float, times: list[float], first: float | None = None, tokens=N
             "tokens": len(times) if tokens is None else tokens}  # fmt: skip
 
 
-def test_percentile_interpolates_between_ranks(bench):
-    assert bench.percentile([], 50) is None
-    assert bench.percentile([3.0], 99) == 3.0
-    assert bench.percentile([4.0, 1.0, 3.0, 2.0], 50) == pytest.approx(2.5)
-    assert bench.percentile([1.0, 2.0, 3.0, 4.0], 99) == pytest.approx(3.97)
-    assert bench.percentile(list(map(float, range(101))), 99) == pytest.approx(99.0)
+def test_percentile_interpolates_between_ranks(stats):
+    assert stats.percentile([], 50) is None
+    assert stats.percentile([3.0], 99) == 3.0
+    assert stats.percentile([4.0, 1.0, 3.0, 2.0], 50) == pytest.approx(2.5)
+    assert stats.percentile([1.0, 2.0, 3.0, 4.0], 99) == pytest.approx(3.97)
+    assert stats.percentile(list(map(float, range(101))), 99) == pytest.approx(99.0)
 
 
-def test_longest_stall_counts_only_gaps_overlapping_the_window(bench):
+def test_longest_stall_counts_only_gaps_overlapping_the_window(stats):
     a = record(0.0, [0.5, 1.0, 5.0, 5.5])  # the 4 s gap (1, 5) spans the window (2, 4)
     b = record(0.0, [3.0, 3.2, 3.3])  # inside it: 0.2 and 0.1
     c = record(0.0, [6.0, 9.0])  # after it: a 3 s gap that must not count
-    assert bench.longest_stall([a, b, c], 2.0, 4.0) == pytest.approx(4.0)
-    assert bench.longest_stall([b], 2.0, 4.0) == pytest.approx(0.2)
-    assert bench.longest_stall([c], 2.0, 4.0) is None
-    assert bench.longest_stall([record(0.0, [3.0])], 2.0, 4.0) is None  # one chunk: no gap
+    assert stats.longest_stall([a, b, c], 2.0, 4.0) == pytest.approx(4.0)
+    assert stats.longest_stall([b], 2.0, 4.0) == pytest.approx(0.2)
+    assert stats.longest_stall([c], 2.0, 4.0) is None
+    assert stats.longest_stall([record(0.0, [3.0])], 2.0, 4.0) is None  # one chunk: no gap
 
 
-def test_ttft_counts_an_answer_that_starts_with_its_end(bench):
-    assert bench.ttft(record(1.0, [], first=3.5, tokens=1)) == pytest.approx(2.5)
-    assert bench.ttft(record(1.0, [])) is None
-    assert bench.throughput([record(0.0, [1.0, 2.0], tokens=4), record(1.0, [3.0, 4.0])]) == 1.5
+def test_ttft_counts_an_answer_that_starts_with_its_end(stats):
+    assert stats.ttft(record(1.0, [], first=3.5, tokens=1)) == pytest.approx(2.5)
+    assert stats.ttft(record(1.0, [])) is None
+    assert stats.throughput([record(0.0, [1.0, 2.0], tokens=4), record(1.0, [3.0, 4.0])]) == 1.5
 
 
 def phases(prefix_second: float, stall_at: float) -> dict:
@@ -86,8 +93,8 @@ def phases(prefix_second: float, stall_at: float) -> dict:
     }
 
 
-def test_summary_and_targets_from_synthetic_timings(bench):
-    w1 = bench.summarize(phases(prefix_second=0.25, stall_at=2.0))
+def test_summary_and_targets_from_synthetic_timings(stats):
+    w1 = stats.summarize(phases(prefix_second=0.25, stall_at=2.0))
     assert w1["long_alone_ttft_s"] == 8.0 and w1["long_mixed_ttft_s"] == 10.0
     assert w1["longest_stall_s"] == pytest.approx(2.0) and w1["stall_ratio"] == pytest.approx(0.2)
     assert w1["prefix_ratio"] == pytest.approx(0.25) and w1["late_ttft_max_s"] == 9.5
@@ -97,16 +104,16 @@ def test_summary_and_targets_from_synthetic_timings(bench):
     assert w1["itl_p50_s"] == pytest.approx(0.5)
     w2 = {**w1, "long_alone_ttft_s": 4.0}
     hf = {**w1, "burst_tokens_per_s": 2.5}
-    rows = {r["target"]: r for r in bench.targets({"ringattn W=1": w1, "ringattn W=2": w2,
+    rows = {r["target"]: r for r in stats.targets({"ringattn W=1": w1, "ringattn W=2": w2,
                                                     "transformers": hf})}  # fmt: skip
     assert rows["throughput"]["value"] == pytest.approx(0.8) and rows["throughput"]["pass"] is False
     assert rows["stall"]["pass"] is True and rows["prefix"]["pass"] is True
     assert rows["w2_prefill"]["value"] == pytest.approx(0.5) and rows["w2_prefill"]["pass"] is True
-    stalled = bench.summarize(phases(prefix_second=1.0, stall_at=9.0))
-    rows = {r["target"]: r for r in bench.targets({"ringattn W=1": stalled})}
+    stalled = stats.summarize(phases(prefix_second=1.0, stall_at=9.0))
+    rows = {r["target"]: r for r in stats.targets({"ringattn W=1": stalled})}
     assert rows["stall"]["pass"] is False and rows["prefix"]["pass"] is False
     assert rows["throughput"]["pass"] is None and rows["w2_prefill"]["pass"] is None
-    text = bench.table({"ringattn W=1": stalled}, list(rows.values()))
+    text = stats.table({"ringattn W=1": stalled}, list(rows.values()))
     assert "ringattn W=1" in text and "FAIL" in text and "n/a" in text and "12" in text
 
 
@@ -128,7 +135,7 @@ def test_sizes_override_names_the_fields(bench):
         bench.parse_sizes(bench.QUICK, "bursts=2")
 
 
-def test_the_load_against_the_tiny_served_model(bench, tmp_path_factory):
+def test_the_load_against_the_tiny_served_model(bench, stats, tmp_path_factory):
     """Every phase streams through the openai client and the summary has each figure, the KV
     pool's block series scraped from /metrics among them."""
     from serve_model import served_tiny
@@ -146,7 +153,7 @@ def test_the_load_against_the_tiny_served_model(bench, tmp_path_factory):
         metrics_url = server.url.removesuffix("/v1") + "/metrics"
         phases = bench.run_phases(client, "tiny", sizes, prompts, metrics_url, late_after_s=0.2)
         after = bench.kv_series(urllib.request.urlopen(metrics_url, timeout=30).read().decode())
-    summary = bench.summarize(phases)
+    summary = stats.summarize(phases)
     for key in ("ttft_p50_s", "ttft_p99_s", "burst_tokens_per_s", "long_alone_ttft_s",
                 "long_mixed_ttft_s", "prefix_ratio", "late_ttft_max_s"):  # fmt: skip
         assert summary[key] is not None and summary[key] > 0, key
@@ -159,7 +166,7 @@ def test_the_load_against_the_tiny_served_model(bench, tmp_path_factory):
     assert len(relative["mixed"]["streams"]) == 2 and relative["alone"]["first_ms"] > 0
 
 
-def test_paired_bursts_alternate_with_the_idle_server_stopped(bench):
+def test_paired_bursts_alternate_with_the_idle_server_stopped(stats):
     """serve_pairs.paired over two stand-in servers (real processes in their own sessions): the
     bursts go A B, B A, A B; during each, the other server's process is stopped (state T) and
     the running one is not; the ratios are per round, their median the target's value; both
@@ -194,11 +201,11 @@ def test_paired_bursts_alternate_with_the_idle_server_stopped(bench):
     assert all(not mine and other for _, _, mine, other in seen), seen
     assert out["ratios"] == pytest.approx([1.25, 1.0, 0.9]) and out["median_ratio"] == 1.0
     assert all(s.proc.poll() is not None for s in up.values())
-    rows = {r["target"]: r for r in bench.targets({}, out["median_ratio"])}
+    rows = {r["target"]: r for r in stats.targets({}, out["median_ratio"])}
     assert rows["throughput"]["value"] == 1.0 and rows["throughput"]["pass"] is True
 
 
-def test_paired_prefills_leave_both_servers_running(bench, monkeypatch):
+def test_paired_prefills_leave_both_servers_running(bench, stats, monkeypatch):
     """--prefill-pairs: paired(pause=False) stops neither server (an idle ringattn serve takes no
     CPU); prefill_pairs turns each round's TTFT into W=2 / W=1 ratios, and their median is the
     w2_prefill target's value."""
@@ -233,7 +240,7 @@ def test_paired_prefills_leave_both_servers_running(bench, monkeypatch):
         "ringattn W=1": {"long_alone_ttft_s": 60.0},
         "ringattn W=2": {"long_alone_ttft_s": 45.0},
     }
-    rows = {r["target"]: r for r in bench.targets(summaries, None, out["median_ratio"])}
+    rows = {r["target"]: r for r in stats.targets(summaries, None, out["median_ratio"])}
     assert rows["w2_prefill"]["value"] == 0.7 and rows["w2_prefill"]["pass"] is False
-    rows = {r["target"]: r for r in bench.targets(summaries)}  # unpaired: the alone phases
+    rows = {r["target"]: r for r in stats.targets(summaries)}  # unpaired: the alone phases
     assert rows["w2_prefill"]["value"] == 0.75
