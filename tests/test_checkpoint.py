@@ -187,3 +187,26 @@ def test_non_finite_weights_or_a_failing_state_dict_write_nothing(tmp_path, monk
     with pytest.raises(ckpt.CheckpointError, match="rank 0: KeyError: 'no such parameter'"):
         ckpt.save(root, 2, model, optimizer, {"step": 2})
     assert os.listdir(root) == ["step-00000001"]
+
+
+def test_a_run_start_removes_what_a_killed_save_or_prune_left(tmp_path):
+    """A kill inside the last save's prune (the old checkpoint renamed, not yet deleted) or
+    inside a save leaves directories no save follows to remove: the next run's start (rank 0,
+    train/run.py's _resume) removes them and resumes from the newest complete checkpoint; an
+    aside copy (a replacement cut short) waits for the next save, as other ranks may read it."""
+    from ringattn.train.run import _resume
+
+    model, optimizer = _model_and_optimizer()
+    cfg = TrainConfig(model="tiny", seq_len=64, out_dir=str(tmp_path))
+    root = cfg.checkpoint_path
+    for step in (1, 2):
+        ckpt.save(root, step, model, optimizer, {"step": step})
+    os.rename(os.path.join(root, "step-00000001"), os.path.join(root, ".pruned-step-00000001"))
+    os.makedirs(os.path.join(root, ".tmp-step-00000003", "rng"))
+    shutil.copytree(
+        os.path.join(root, "step-00000002"), os.path.join(root, ".replaced-step-00000002")
+    )
+    assert _resume(cfg, model, optimizer) == (2, os.path.join(root, "step-00000002"))
+    assert sorted(os.listdir(root)) == [".replaced-step-00000002", "step-00000002"]
+    ckpt.save(root, 3, model, optimizer, {"step": 3})  # a save recovers the aside one
+    assert sorted(os.listdir(root)) == ["step-00000002", "step-00000003"]

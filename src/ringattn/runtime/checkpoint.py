@@ -5,7 +5,7 @@
         train_state.json             step, data position, config (rank 0)
         order.json                   {"written": n}: this checkpoint was the n-th written here
         rng/rank0.pt ...             each rank's RNG state
-    <dir>/.tmp-step-00000300/   being written; never read, removed by the next save
+    <dir>/.tmp-step-00000300/   being written; never read, removed by the next run or save
     <dir>/.replaced-step-N/     the old step-N while a new step-N replaces it (`publish`)
 
 Every rank writes into the temporary directory and fsyncs its files (DCP's writer does so for the
@@ -58,7 +58,8 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["FAULT_POINTS", "CheckpointError", "NonFiniteWeights", "fsync_path", "fsync_tree",
-           "latest", "load", "publish", "publish_into", "save", "write_synced"]  # fmt: skip
+           "latest", "load", "publish", "publish_into", "save", "sweep",
+           "write_synced"]  # fmt: skip
 
 ASIDE_PREFIX = ".replaced-"
 
@@ -124,15 +125,9 @@ def _no_fault(point: str) -> None:
     del point
 
 
-def save(
-    root: str,
-    step: int,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    state: dict,
-    keep: int = 2,
-    fault: Callable[[str], None] | None = None,
-) -> str:
+def save(root: str, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+         state: dict, keep: int = 2,
+         fault: Callable[[str], None] | None = None) -> str:  # fmt: skip
     """Write the checkpoint of `step` (collective: every rank calls it); return its path.
 
     `state` is JSON-serialisable training state (step, config...) written by rank 0. `fault`:
@@ -160,7 +155,7 @@ def save(
     error = None
     if rank == 0:
         try:
-            _clean(root)
+            sweep(root, aside=True)
             os.makedirs(os.path.join(tmp, "rng"))
         except Exception as err:  # noqa: BLE001 - every failure is shared, whatever it is
             error = _describe(err, root)
@@ -202,12 +197,14 @@ def _write_json(path: str, value: dict) -> None:
     write_synced(path, lambda f: json.dump(value, f, indent=2), mode="w")
 
 
-def _clean(root: str) -> None:
-    """Rank 0, before a save: what a crash left is finished (`recover`) or removed."""
-    for name in os.listdir(root) if os.path.isdir(root) else []:
-        if name.startswith((".tmp-step-", ".pruned-step-")):  # never complete, never read
+def sweep(root: str | None, aside: bool = False) -> None:
+    """Rank 0: remove what a crash left that is never read (a save or a prune cut short), and
+    with `aside` (before a save) finish replacements (`recover`); not when a run starts (the
+    other ranks may be loading an aside checkpoint then)."""
+    for name in os.listdir(root) if root and os.path.isdir(root) else []:
+        if name.startswith((".tmp-step-", ".pruned-step-")):
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-        elif m := _ASIDE_DIR.match(name):
+        elif aside and (m := _ASIDE_DIR.match(name)):
             recover(os.path.join(root, f"step-{m.group(1)}"))
 
 

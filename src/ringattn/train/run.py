@@ -163,7 +163,11 @@ def _warm_up(cfg: TrainConfig, mesh: Mesh, device: torch.device) -> None:
 def _resume(
     cfg: TrainConfig, model: nn.Module, optimizer: torch.optim.Optimizer
 ) -> tuple[int, str | None]:
-    """(steps done, checkpoint path) after restoring the newest complete checkpoint, if any."""
+    """(steps done, checkpoint path) after restoring the newest complete checkpoint, if any;
+    rank 0 first removes what a killed run left (a prune cut short after the last save of a
+    run is otherwise never removed: no save follows it)."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        ckpt.sweep(cfg.checkpoint_path)
     path = ckpt.latest(cfg.checkpoint_path) if cfg.resume else None
     if path is None:
         return 0, None
