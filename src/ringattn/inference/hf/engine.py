@@ -38,6 +38,7 @@ import ringattn
 from ringattn.comm import all_gather_ints, all_reduce, resolve_group
 from ringattn.inference.hf.kv_attention import Decode, Extend, Fresh, KVState, attach, restore
 from ringattn.inference.turns import Turn, choose_mode
+from ringattn.integrations.hf import mixers
 from ringattn.layout import get_layout
 from ringattn.packing import place
 
@@ -47,6 +48,7 @@ class KVEngine:
 
     def __init__(self, model: torch.nn.Module, *, group: object = None, layout: str = "zigzag",
                  offload: bool = False):  # fmt: skip
+        mixers.refuse_for_decoding(model, "ringattn's KV-cache decoding (generate, serve)")
         self.model, self.group, self.layout = model, group, layout
         self.info = resolve_group(group)
         text = model.config.get_text_config()

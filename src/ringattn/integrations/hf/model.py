@@ -17,13 +17,16 @@ over the whole sequence (moe.py), and a vision-language model keeps its vision t
 attention (only the text config is switched) while a pre-hook on its text decoder cuts the merged
 embeddings and positions into this rank's rows (vision.py). With `expert_group`, each MoE layer's
 experts module keeps a slice of the experts and two hooks send tokens to them (experts.py).
+A hybrid model's recurrent and convolutional mixers (Mamba, gated DeltaNet, short convolutions)
+get two hooks each that run them on the whole sequence (mixers.py); a module that mixes tokens
+and is not on mixers.py's allow-list makes parallelize raise, naming its class and layer.
 """
 
 from __future__ import annotations
 
 from ringattn.api import STRATEGIES
 from ringattn.comm import resolve_group
-from ringattn.integrations.hf import experts, moe, vision
+from ringattn.integrations.hf import experts, mixers, moe, vision
 from ringattn.integrations.hf.attention import ATTENTION_NAME, CONTEXT_ATTR, CPContext, register
 from ringattn.layout import get_layout
 from ringattn.validate import check_names
@@ -77,6 +80,9 @@ def parallelize(
     multimodal = vision.is_multimodal(model)
     if multimodal:
         vision.check_family(model)
+    # the text side only: a vision tower keeps its own (whole-image) convolutions and attention
+    text_root = model.get_decoder() if multimodal else model
+    found_mixers = mixers.find_mixers(text_root)  # refuses an unknown token mixer, changes nothing
     resolve_group(router_group)
     register()
     context = CPContext(group, layout, strategy, backend)
@@ -90,6 +96,8 @@ def parallelize(
             f"attention through transformers' AttentionInterface, so ringattn.hf cannot "
             f"parallelize it"
         )
+    if found_mixers:
+        mixers.install(model, text_root, found_mixers)
     if expert_group is not None:
         experts.shard_experts(model, expert_group)  # checks every layer before it changes any
     moe.install(model, group if router_group is None else router_group)

@@ -1,0 +1,280 @@
+"""Recurrent and convolutional sequence mixers (Mamba, gated DeltaNet, short convolutions) under CP.
+
+A hybrid model's attention layers go through ringattn's attention. Its other sequence mixers
+carry a state along the sequence (an SSM or linear-attention recurrence, a causal convolution's
+last K-1 inputs): a rank that ran one on its own shard would start from a zero state at the
+shard's first token, as if the shard were the whole sequence, and train with wrong numbers and
+no error. Each mixer class ringattn knows (`MIXERS`, an allow-list keyed by the class name and
+checked to come from transformers) runs here on the whole sequence instead, through two public
+hooks on the mixer module and nothing else:
+
+    pre-hook   x_local (1, S_local, H)   this rank's rows, layout order, padding rows included
+               x = unshard(x_local)      (1, S, H) global order: one all-gather of S x H
+               x = sum_grads(x)          identity forward; backward all-reduces the gradient
+               docs = split(x, bounds)   one row per packed document, right-padded to the
+                                         longest: (n_docs, L_max, H); causal mixers never read
+                                         the padding (it is after every real token of its row)
+               -> the module's forward(docs) with no cache, no mask, no per-token kwargs:
+                  each document from a zero state (the state resets at every document start,
+                  no convolution reads across a document boundary)
+    hook       y (n_docs, L_max, H) -> (1, S, H) global order -> shard(y): this rank's rows
+
+The module's own code computes every token's output, with its parameters and names untouched (a
+checkpoint saves and loads as before). Backward is exact: each rank's parameter gradients come
+from its own rows' outputs only (the other rows' outputs are dropped by `shard`), so they sum to
+the single-process gradients over the group, as every per-token layer's do; the input's
+gradient, which on each rank holds its own rows' contributions to every position, is summed over
+the group (`sum_grads`) before `unshard`'s backward keeps this rank's rows.
+
+Cost ("gather" in the planner): per mixer layer per rank, an all-gather of S x H activations and
+an all-reduce of their gradient; the mixer's compute and activations are those of the whole
+sequence on every rank (W times the work of one shard). It is exact for every layout (contiguous,
+zigzag's two runs, striped's runs of one token) and every W, and kernel-agnostic; the state-
+passing scheme (each rank runs only its own runs from entering states exchanged as fixed-size
+summaries, DESIGN.md section 13) is the faster path still to come for the popular mixers.
+
+Decoding carries these states from token to token; `refuse_for_decoding` says which models
+ringattn's KV-cache decoding cannot run yet.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+import ringattn
+from ringattn.comm import all_reduce, resolve_group
+from ringattn.integrations.hf import vision
+from ringattn.integrations.hf.attention import CONTEXT_ATTR
+
+# class name -> the mixer it is. Each was checked against one process in tests/test_hf_hybrid.py
+# (forward and backward, three layouts, packed documents). Only classes defined in transformers'
+# own modeling files qualify (`_known`): a user's class of the same name is not trusted.
+MIXERS: dict[str, str] = {
+    "Qwen3NextGatedDeltaNet": "gated DeltaNet",
+    "Qwen3_5GatedDeltaNet": "gated DeltaNet",
+    "Qwen3_5MoeGatedDeltaNet": "gated DeltaNet",
+    "OlmoHybridGatedDeltaNet": "gated DeltaNet",
+    "KimiLinearDeltaAttention": "Kimi delta attention (KDA)",
+    "Mamba2Mixer": "Mamba2 (SSD)",
+    "NemotronHMamba2Mixer": "Mamba2 (SSD)",
+    "FalconH1Mixer": "Mamba2 (SSD)",
+    "GraniteMoeHybridMambaLayer": "Mamba2 (SSD)",
+    "BambaMixer": "Mamba2 (SSD)",
+    "Zamba2MambaMixer": "Mamba2 (SSD)",
+    "MambaMixer": "Mamba1 (selective scan)",
+    "FalconMambaMixer": "Mamba1 (selective scan)",
+    "JambaMambaMixer": "Mamba1 (selective scan)",
+    "ZambaMambaMixer": "Mamba1 (selective scan)",
+    "Lfm2ShortConv": "short causal convolution",
+    "Lfm2MoeShortConv": "short causal convolution",
+    "MiniMaxLightningAttention": "lightning attention",
+}
+
+# leaf modules that mix tokens by themselves: refused wherever no handled mixer holds them
+_TOKEN_MIXING_LEAVES = (
+    nn.Conv1d,
+    nn.Conv2d,
+    nn.Conv3d,
+    nn.ConvTranspose1d,
+    nn.ConvTranspose2d,
+    nn.ConvTranspose3d,
+    nn.RNNBase,
+    nn.MultiheadAttention,
+    nn.Transformer,
+    nn.TransformerEncoderLayer,
+    nn.TransformerDecoderLayer,
+)
+# where a module class must come from for ringattn to know whether it mixes tokens: transformers'
+# modeling files (the model family itself is checked against the family allow-list), torch (its
+# token-mixing leaves above are refused), PEFT's adapters and ringattn's own. Anything else, a
+# user's or another library's module, is refused: ringattn cannot see inside its forward.
+_KNOWN_SOURCES = ("torch.", "transformers.", "peft.", "ringattn.")
+_CACHE_ARGS = ("cache_params", "past_key_values", "cache_position")
+STATE_ATTR = "ringattn_mixer_state"
+
+
+def _known(module: nn.Module) -> bool:
+    cls = type(module)
+    return cls.__name__ in MIXERS and cls.__module__.startswith("transformers.models.")
+
+
+def _layer_of(names: str) -> str:
+    """'model.layers.3.mixer' -> 'layer 3'; the module's path when it has no layer index."""
+    parts = names.split(".")
+    for i, part in enumerate(parts[:-1]):
+        if part in ("layers", "h", "blocks", "mamba_layers") and parts[i + 1].isdigit():
+            return f"layer {parts[i + 1]}"
+    return names or "the model"
+
+
+def find_mixers(root: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The handled mixers under `root`, as (qualified name, module); ValueError for any module
+    that mixes tokens and is neither a handled mixer nor inside one.
+
+    The message names the class, its layer and what to do: ringattn refuses what it has not
+    checked (an allow-list), so a sequence mixer that a later transformers adds is refused until
+    someone makes it exact.
+    """
+    found: list[tuple[str, nn.Module]] = []
+    inside: list[str] = []
+    for name, module in root.named_modules():
+        if any(name.startswith(prefix + ".") for prefix in inside):
+            continue
+        if _known(module):
+            found.append((name, module))
+            inside.append(name)
+            continue
+        cls = type(module).__name__
+        source = type(module).__module__
+        if isinstance(module, _TOKEN_MIXING_LEAVES):
+            raise ValueError(  # noqa: TRY004 - the contract: a refused model is a ValueError
+                f"{cls} ({_layer_of(name)}, module {name!r}) mixes tokens along the sequence, and "
+                f"ringattn has no exact context-parallel path for it here: each rank would run it "
+                f"over its own shard only. Run this model with cp 1 (no parallelize), or ask for "
+                f"it to be added (`ringattn check --hf DIR` shows what ringattn does with your "
+                f"model). Handled sequence mixers: {sorted(MIXERS)}"
+            )
+        if not source.startswith(_KNOWN_SOURCES):
+            raise ValueError(
+                f"{cls} ({_layer_of(name)}, module {name!r}, from {source}) is not a module "
+                f"ringattn knows: it cannot tell whether it mixes tokens along the sequence, which "
+                f"would be silently wrong when each rank holds a shard. Run this model with cp 1, "
+                f"or build it from transformers' own classes"
+            )
+    return found
+
+
+@dataclass
+class MixerState:
+    """Per model: the global document bounds of the forward in progress (set by `_capture`)."""
+
+    context: object
+    bounds: torch.Tensor | None = None
+    pending: dict[int, tuple] = field(default_factory=dict)
+
+
+class _SumGrads(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over the group (the gathered input's)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, info) -> torch.Tensor:
+        ctx.info = info
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return all_reduce(grad.contiguous(), ctx.info).to(grad.dtype), None
+
+
+def _capture(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Model pre-hook: keep the forward's `cu_seq_lens_q` for the mixers that are not given it."""
+    getattr(module, STATE_ATTR).bounds = kwargs.get("cu_seq_lens_q")
+
+
+def _hidden(signature: inspect.Signature, args: tuple, kwargs: dict) -> inspect.BoundArguments:
+    bound = signature.bind_partial(*args, **kwargs)
+    if "hidden_states" not in bound.arguments:
+        raise ValueError("a sequence mixer was called without hidden_states")
+    return bound
+
+
+def _before(module: nn.Module, args: tuple, kwargs: dict):
+    """Mixer pre-hook: this rank's rows -> the whole sequence, one row per document."""
+    state: MixerState = getattr(module, STATE_ATTR)
+    signature = inspect.signature(module.forward)
+    bound = _hidden(signature, args, kwargs)
+    x_local = bound.arguments["hidden_states"]
+    var_kw = [n for n, p in signature.parameters.items() if p.kind is inspect.Parameter.VAR_KEYWORD]
+    extra = dict(bound.arguments.get(var_kw[0], {})) if var_kw else {}
+    bounds = extra.get("cu_seq_lens_q", state.bounds)
+    where = f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')})"
+    if bounds is None:
+        raise ValueError(
+            f"{where}: the model was parallelized with ringattn.hf.parallelize but the batch has "
+            f"no cu_seq_lens_q; build it with ringattn.hf.shard_batch (the same group and layout)"
+        )
+    for name in _CACHE_ARGS:
+        if bound.arguments.get(name) is not None and name != "cache_position":
+            raise ValueError(
+                f"{where}: a cache ({name}) in a context-parallel forward; ringattn.hf trains and "
+                f"scores whole sequences: call the model with use_cache=False"
+            )
+    if x_local.dim() != 3 or x_local.shape[0] != 1:
+        raise ValueError(
+            f"{where}: expected hidden states (1, S_local, H), got {tuple(x_local.shape)}"
+        )
+    context = state.context
+    info = resolve_group(context.group, allow_2d=True)
+    bounds_list = [int(b) for b in bounds.tolist()]
+    full = ringattn.unshard(
+        x_local, 1, group=context.group, layout=context.layout, cu_seqlens=bounds_list
+    )  # (1, S, H)
+    full = _SumGrads.apply(full, info)
+    lengths = [b - a for a, b in itertools.pairwise(bounds_list) if b > a]
+    longest = max(lengths)
+    rows = [
+        nn.functional.pad(part, (0, 0, 0, longest - part.shape[1]))
+        for part in full.split(lengths, dim=1)
+    ]
+    docs = torch.cat(rows, dim=0)  # (n_docs, L_max, H)
+    state.pending[id(module)] = (lengths, bounds_list)
+    new = {}
+    for name, parameter in signature.parameters.items():
+        if parameter.kind is inspect.Parameter.VAR_KEYWORD:
+            continue
+        if name == "hidden_states":
+            new[name] = docs
+        elif name in bound.arguments:
+            new[name] = None  # cache, mask, position embeddings: none of them per document
+    return (), new
+
+
+def _after(module: nn.Module, args: tuple, kwargs: dict, output):
+    """Mixer hook: the documents' outputs -> the whole sequence -> this rank's rows."""
+    state: MixerState = getattr(module, STATE_ATTR)
+    lengths, bounds_list = state.pending.pop(id(module))
+    context = state.context
+    y = output[0] if isinstance(output, tuple) else output
+    full = torch.cat([y[i : i + 1, :n] for i, n in enumerate(lengths)], dim=1)  # (1, S, H)
+    local = ringattn.shard(
+        full, 1, group=context.group, layout=context.layout, cu_seqlens=bounds_list
+    )
+    if isinstance(output, tuple):
+        return (local, *(None for _ in output[1:]))
+    return local
+
+
+def install(model: nn.Module, root: nn.Module, mixers: list[tuple[str, nn.Module]]) -> None:
+    """Hook each handled mixer under `root` (once) and the model's bounds capture."""
+    context = getattr(model, CONTEXT_ATTR)
+    state = MixerState(context)
+    setattr(model, STATE_ATTR, state)
+    if not getattr(model, "_ringattn_mixers_hooked", False):
+        model.register_forward_pre_hook(_capture, with_kwargs=True)
+        model._ringattn_mixers_hooked = True
+    for _, module in mixers:
+        setattr(module, STATE_ATTR, state)
+        if not getattr(module, "_ringattn_mixer_hooked", False):
+            module.register_forward_pre_hook(_before, with_kwargs=True)
+            module.register_forward_hook(_after, with_kwargs=True)
+            module._ringattn_mixer_hooked = True
+
+
+def refuse_for_decoding(model: nn.Module, what: str) -> None:
+    """ValueError when `model`'s text side has a recurrent or convolutional mixer (handled in
+    training or not): ringattn's KV-cache decoding keeps keys and values only, not a mixer's
+    running state, so each decoded token would see a zero state."""
+    root = model.get_decoder() if vision.is_multimodal(model) else model
+    for name, module in root.named_modules():
+        if _known(module) or isinstance(module, _TOKEN_MIXING_LEAVES):
+            raise ValueError(
+                f"{what}: {type(module).__name__} ({_layer_of(name)}) carries a recurrent or "
+                f"convolution state from token to token, which ringattn's KV-cache decoding does "
+                f"not keep yet; decode this model with transformers' own model.generate on one "
+                f"process (training and scoring under CP: ringattn.hf.parallelize)"
+            )

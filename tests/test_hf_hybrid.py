@@ -1,0 +1,72 @@
+"""Hybrid models under context parallelism: every recurrent mixer exact, or the model refused.
+
+Each family of issue 46 with a tiny random-weight config (initializer range 0.2): gated DeltaNet
+(Qwen3.5, Qwen3-Next, OLMo-hybrid), Mamba2/SSD (Nemotron-H, Falcon-H1, Granite 4.0 hybrid,
+Bamba, Zamba2, Mamba2), Mamba1 (Jamba, Mamba), short convolutions (LFM2) and lightning attention
+(MiniMax). The loss summed over the CP group equals one process's (relative 1e-5) and the summed
+gradients its gradients (1e-4 of each tensor's largest entry), for the three layouts, one
+document and packed documents (the reference runs each document alone: the state starts from
+zero at each document start). A mutation of the mixers' input is caught, and a module ringattn
+does not know, or a hybrid model given to KV-cache decoding, is refused on every rank.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from ringattn.layout import LAYOUTS
+
+LOSS_RTOL, GRAD_RTOL = 1e-5, 1e-4
+FAMILIES = ["qwen3_5_text", "qwen3_next", "olmo_hybrid", "nemotron_h", "falcon_h1",
+            "granitemoehybrid", "bamba", "zamba2", "mamba2", "jamba", "mamba", "lfm2",
+            "minimax"]  # fmt: skip
+# one family per mixer kind at the larger world sizes (each case is a full forward + backward)
+PER_MIXER = ["qwen3_5_text", "nemotron_h", "jamba", "lfm2", "minimax"]
+CASES = [(layout, "ring", kind) for layout in LAYOUTS for kind in ("dense", "packed")]
+
+
+def _check(rows, label):
+    assert [row[0] for row in rows] == CASES
+    failures = [
+        f"{case}: loss {loss:.3g}, gradient {name} {grad:.3g} of its max entry"
+        for case, loss, grad, name in rows
+        if not (loss <= LOSS_RTOL and grad <= GRAD_RTOL)
+    ]
+    assert not failures, f"{label}:\n" + "\n".join(failures)
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_family_exact_at_cp2(pools, arch):
+    rows = pools(2).run("workers_hf_hybrid:compare_cases", arch=arch, cases=CASES)[0]
+    _check(rows, f"{arch} at CP = 2")
+
+
+@pytest.mark.parametrize("world_size", [3, 4])
+@pytest.mark.parametrize("arch", PER_MIXER)
+def test_mixer_exact_at_cp3_and_cp4(pools, arch, world_size):
+    rows = pools(world_size).run("workers_hf_hybrid:compare_cases", arch=arch, cases=CASES)[0]
+    _check(rows, f"{arch} at CP = {world_size}")
+
+
+@pytest.mark.parametrize("arch", ["nemotron_h", "qwen3_5_text"])
+def test_a_mutated_mixer_input_is_caught(pools, arch):
+    """Each token's mixer input taken from the token before: far outside the gates."""
+    ((_, loss, grad, _),) = pools(2).run("workers_hf_hybrid:mutated_errors", arch=arch)[0]
+    assert loss > 100 * LOSS_RTOL or grad > 100 * GRAD_RTOL, (loss, grad)
+
+
+@pytest.mark.parametrize(
+    ("what", "match"),
+    [
+        ("user_module", r"UserConv \(layer 1, module 'model.layers.1.mlp'.*not a module ringattn"),
+        ("conv_leaf", r"Conv1d \(layer 0, module 'model.layers.0.mlp.extra'\) mixes tokens"),
+        ("generate", r"NemotronHMamba2Mixer \(layer 0\) carries a recurrent"),
+    ],
+    ids=["unknown-module", "conv-leaf", "generate"],
+)
+def test_refused_on_every_rank(pools, what, match):
+    pools(2).run_expect_error(
+        "workers_hf_hybrid:refuse", match=match, exc_type=ValueError, what=what
+    )

@@ -1,0 +1,327 @@
+"""Rank functions for hybrid models (tests/test_hf_hybrid.py): recurrent mixers under CP.
+
+Each family is built once per worker process from a tiny config with random weights (seed 0,
+initializer range 0.2 so that every layer matters). The reference is one process running each
+document of the batch on its own (the state starts from zero at every document start), its
+token-loss sums over the whole batch's supervised count; transformers' own PyTorch path is used
+for every mixer. The CP side is a deep copy, parallelized, fed by `shard_batch`; the loss and
+gradients are summed over the group and rank 0 compares.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import torch
+import torch.distributed as dist
+
+import ringattn.hf
+
+VOCAB = 100
+DOCS = (13, 1, 22, 9)  # packed: a one-token document; lengths that no 2W divides
+SEQ_LEN = sum(DOCS)
+DENSE_LEN = 40
+
+
+def config(arch: str):
+    """A tiny config of `arch` with both its mixer and attention layers."""
+    import transformers as tf
+
+    common = {
+        "vocab_size": VOCAB,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 256,
+        "initializer_range": 0.2,
+        "pad_token_id": 0,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
+    mamba2 = {"mamba_n_heads": 4, "mamba_d_head": 8, "mamba_d_state": 8, "mamba_n_groups": 2,
+              "mamba_d_conv": 4, "mamba_chunk_size": 8, "mamba_expand": 1}  # fmt: skip
+    gdn = {"linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 8,
+           "linear_value_head_dim": 8, "linear_conv_kernel_dim": 4}  # fmt: skip
+    hybrid = ["linear_attention", "full_attention"]
+    if arch == "qwen3_next":  # gated DeltaNet + gated attention + MoE
+        return tf.Qwen3NextConfig(
+            **common,
+            **gdn,
+            head_dim=8,
+            num_hidden_layers=2,
+            layer_types=hybrid,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=16,
+        )
+    if arch == "qwen3_5_text":
+        return tf.Qwen3_5TextConfig(
+            **common, **gdn, head_dim=8, num_hidden_layers=2, layer_types=hybrid
+        )
+    if arch == "olmo_hybrid":
+        return tf.OlmoHybridConfig(**common, **gdn, num_hidden_layers=2, layer_types=hybrid)
+    if arch == "nemotron_h":  # Mamba2 + attention + MLP blocks
+        return tf.NemotronHConfig(
+            **common,
+            head_dim=8,
+            num_hidden_layers=3,
+            hybrid_override_pattern="M*-",
+            mamba_num_heads=4,
+            mamba_head_dim=8,
+            ssm_state_size=8,
+            n_groups=2,
+            conv_kernel=4,
+            chunk_size=8,
+            mamba_expand=1,
+        )
+    if arch == "falcon_h1":  # Mamba2 beside attention in every layer
+        return tf.FalconH1Config(
+            **common, **mamba2, head_dim=8, num_hidden_layers=2, mamba_d_ssm=32
+        )
+    if arch == "granitemoehybrid":
+        return tf.GraniteMoeHybridConfig(
+            **common,
+            **mamba2,
+            num_hidden_layers=2,
+            layer_types=["mamba", "attention"],
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            shared_intermediate_size=32,
+        )
+    if arch == "bamba":
+        return tf.BambaConfig(**common, **mamba2, num_hidden_layers=2, attn_layer_indices=[1])
+    if arch == "zamba2":
+        return tf.Zamba2Config(
+            **common,
+            num_hidden_layers=3,
+            n_mamba_heads=4,
+            layers_block_type=["mamba", "hybrid", "mamba"],
+            mamba_d_state=8,
+            mamba_ngroups=2,
+            mamba_d_conv=4,
+            chunk_size=8,
+            mamba_expand=1,
+            attention_head_dim=8,
+            num_mem_blocks=1,
+            use_mem_rope=True,
+        )
+    if arch == "jamba":  # Mamba1 + attention + MoE
+        return tf.JambaConfig(
+            **common,
+            num_hidden_layers=2,
+            attn_layer_period=2,
+            attn_layer_offset=1,
+            expert_layer_period=2,
+            expert_layer_offset=1,
+            num_experts=4,
+            num_experts_per_tok=2,
+            mamba_d_state=8,
+            mamba_d_conv=4,
+            mamba_expand=1,
+            mamba_dt_rank=4,
+        )
+    if arch == "lfm2":  # short convolutions + attention
+        return tf.Lfm2Config(
+            **common, num_hidden_layers=2, layer_types=["conv", "full_attention"], conv_L_cache=3
+        )
+    if arch == "minimax":  # lightning attention + attention + MoE
+        return tf.MiniMaxConfig(
+            **common,
+            head_dim=8,
+            num_hidden_layers=2,
+            layer_types=hybrid,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            block_size=8,
+        )
+    if arch == "llama_like":  # a plain decoder, for the refusal tests
+        return tf.LlamaConfig(**common, num_hidden_layers=2)
+    if arch == "mamba2":
+        return tf.Mamba2Config(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_heads=8,
+            head_dim=8,
+            state_size=8,
+            n_groups=2,
+            conv_kernel=4,
+            chunk_size=8,
+            expand=2,
+            initializer_range=0.2,
+        )
+    if arch == "mamba":
+        return tf.MambaConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            num_hidden_layers=2,
+            state_size=8,
+            conv_kernel=4,
+            expand=2,
+            time_step_rank=4,
+            initializer_range=0.2,
+        )
+    raise ValueError(f"unknown test architecture {arch!r}")
+
+
+_MODELS: dict[str, torch.nn.Module] = {}
+
+
+def build(arch: str) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    if arch not in _MODELS:
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config(arch)).float()
+        _MODELS[arch] = model
+    return _MODELS[arch]
+
+
+def data(kind: str) -> dict[str, torch.Tensor]:
+    """The full batch: `dense` one document, `packed` documents by position_ids restarting."""
+    gen = torch.Generator().manual_seed(1)
+    lengths = (DENSE_LEN,) if kind == "dense" else DOCS
+    ids = torch.randint(3, VOCAB, (1, sum(lengths)), generator=gen)
+    labels = ids.clone()
+    bounds = [0, *itertools.accumulate(lengths)]
+    labels[:, bounds[:-1]] = -100
+    positions = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+    return {"input_ids": ids, "labels": labels, "position_ids": positions}
+
+
+def _documents(batch: dict) -> list[slice]:
+    pos = batch["position_ids"][0]
+    starts = [0, *(torch.nonzero(pos[1:] != pos[:-1] + 1).flatten() + 1).tolist(), pos.numel()]
+    return [slice(a, b) for a, b in itertools.pairwise(starts)]
+
+
+_REFERENCES: dict[tuple, tuple[float, dict[str, torch.Tensor]]] = {}
+
+
+def reference(arch: str, kind: str) -> tuple[float, dict[str, torch.Tensor]]:
+    """One process, each document alone: sum of token losses / the batch's supervised count."""
+    key = (arch, kind)
+    if key not in _REFERENCES:
+        model = build(arch)
+        batch = data(kind)
+        count = int((batch["labels"] != -100).sum())
+        model.zero_grad(set_to_none=True)
+        total = 0.0
+        for doc in _documents(batch):
+            ids, labels = batch["input_ids"][:, doc], batch["labels"][:, doc]
+            if ids.shape[1] < 2:
+                continue  # nothing to predict, no token of it is supervised
+            out = model(input_ids=ids, labels=labels, num_items_in_batch=count, use_cache=False)
+            out.loss.backward()
+            total += out.loss.item()
+        grads = {
+            name: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().clone()
+            for name, p in model.named_parameters()
+        }
+        _REFERENCES[key] = (total, grads)
+    return _REFERENCES[key]
+
+
+_PARALLEL: dict[tuple, torch.nn.Module] = {}
+
+
+def parallel_model(arch: str, layout: str, strategy: str) -> torch.nn.Module:
+    key = (arch, layout, strategy)
+    if key not in _PARALLEL:
+        model = copy.deepcopy(build(arch))
+        _PARALLEL[key] = ringattn.hf.parallelize(model, layout=layout, strategy=strategy)
+    return _PARALLEL[key]
+
+
+def cp_loss_and_grads(arch: str, kind: str, layout: str, strategy: str):
+    model = parallel_model(arch, layout, strategy)
+    model.zero_grad(set_to_none=True)
+    batch = ringattn.hf.shard_batch(data(kind), layout=layout)
+    out = model(**batch)
+    out.loss.backward()
+    params = list(model.named_parameters())
+    flat = torch.cat(
+        [(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for _, p in params]
+        + [out.loss.detach().reshape(1)]
+    )
+    dist.all_reduce(flat)
+    grads, offset = {}, 0
+    for name, p in params:
+        grads[name] = flat[offset : offset + p.numel()].view_as(p)
+        offset += p.numel()
+    return float(flat[-1]), grads
+
+
+def compare_cases(rank: int, world_size: int, *, arch: str, cases) -> list | None:
+    """Rows (case, loss relative error, worst gradient error / its tensor's max |entry|, name)."""
+    rows = []
+    for layout, strategy, kind in cases:
+        loss, grads = cp_loss_and_grads(arch, kind, layout, strategy)
+        if rank != 0:
+            continue
+        ref_loss, ref_grads = reference(arch, kind)
+        worst, worst_name = 0.0, ""
+        for name, ref in ref_grads.items():
+            scale = ref.abs().max().item()
+            ratio = (grads[name] - ref).abs().max().item() / max(scale, 1e-30)
+            if not ratio <= worst:  # NaN counts as worst
+                worst, worst_name = ratio, name
+        rows.append(
+            ((layout, strategy, kind), abs(loss - ref_loss) / abs(ref_loss), worst, worst_name)
+        )
+    return rows if rank == 0 else None
+
+
+def _shift_documents(module, args, kwargs):
+    """A mutation: each document's mixer input rolled by one token (the state entering every
+    token from the wrong one), installed after parallelize's own pre-hook."""
+    kwargs = dict(kwargs)
+    kwargs["hidden_states"] = kwargs["hidden_states"].roll(1, dims=1)
+    return args, kwargs
+
+
+def mutated_errors(rank: int, world_size: int, *, arch: str) -> list | None:
+    """compare_cases with the mutation on every mixer: the tests must see it."""
+    from ringattn.integrations.hf.mixers import MIXERS
+
+    model = copy.deepcopy(build(arch))
+    ringattn.hf.parallelize(model, layout="zigzag")
+    for module in model.modules():
+        if type(module).__name__ in MIXERS:
+            module.register_forward_pre_hook(_shift_documents, with_kwargs=True)
+    _PARALLEL[(arch, "zigzag", "mutated")] = model  # compare_cases finds it under this key
+    return compare_cases(rank, world_size, arch=arch, cases=[("zigzag", "mutated", "packed")])
+
+
+class UserConv(torch.nn.Module):
+    """A user's module that mixes tokens (a causal depthwise convolution): ringattn cannot know."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x) + torch.nn.functional.pad(x, (0, 0, 1, 0))[:, :-1]
+
+
+def refuse(rank: int, world_size: int, *, what: str) -> None:
+    """Raise what ringattn raises for `what` (run through run_expect_error)."""
+    if what == "user_module":
+        model = copy.deepcopy(build("llama_like"))
+        model.model.layers[1].mlp = UserConv(32)
+        ringattn.hf.parallelize(model)
+    elif what == "conv_leaf":
+        model = copy.deepcopy(build("llama_like"))
+        model.model.layers[0].mlp.extra = torch.nn.Conv1d(4, 4, 3)
+        ringattn.hf.parallelize(model)
+    elif what == "generate":
+        model = copy.deepcopy(build(HYBRID_FOR_GENERATE))
+        ringattn.hf.generate(model, torch.tensor([[5, 6, 7, 8, 9]]), 4)
+    else:
+        raise AssertionError(what)
+
+
+HYBRID_FOR_GENERATE = "nemotron_h"
