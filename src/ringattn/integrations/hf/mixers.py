@@ -48,8 +48,9 @@ from torch import nn
 
 import ringattn
 from ringattn.comm import all_reduce, resolve_group
-from ringattn.integrations.hf import vision
+from ringattn.integrations.hf import mixer_heads, vision
 from ringattn.integrations.hf.attention import CONTEXT_ATTR
+from ringattn.integrations.hf.mixer_heads import HeadShare
 
 # class name -> the mixer it is. Each was checked against one process in tests/test_hf_hybrid.py
 # (forward and backward, three layouts, packed documents). Only classes defined in transformers'
@@ -151,11 +152,30 @@ def find_mixers(root: nn.Module) -> list[tuple[str, nn.Module]]:
 
 @dataclass
 class MixerState:
-    """Per model: the global document bounds of the forward in progress (set by `_capture`)."""
+    """Per model: the global document bounds of the forward in progress (set by `_capture`), the
+    head-parallel twins by module, and each running mixer's hand-over from pre-hook to hook."""
 
     context: object
     bounds: torch.Tensor | None = None
+    heads: dict[int, HeadShare] = field(default_factory=dict)
     pending: dict[int, tuple] = field(default_factory=dict)
+    # bytes this rank sends per mixer call, forward + backward, by layer (for benchmarks): a
+    # ring all-gather sends (W-1)/W of the gathered tensor, a ring all-reduce 2(W-1)/W of it
+    traffic: dict[str, int] = field(default_factory=dict)
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """Sum over the group, forward and backward (each rank's partial output -> the output; each
+    rank's gradient of its own rows -> the whole gradient, the rows being disjoint)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, info) -> torch.Tensor:
+        ctx.info = info
+        return all_reduce(x.contiguous(), info).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return all_reduce(grad.contiguous(), ctx.info).to(grad.dtype), None
 
 
 class _SumGrads(torch.autograd.Function):
@@ -222,7 +242,23 @@ def _before(module: nn.Module, args: tuple, kwargs: dict):
         for part in full.split(lengths, dim=1)
     ]
     docs = torch.cat(rows, dim=0)  # (n_docs, L_max, H)
-    state.pending[id(module)] = (lengths, bounds_list)
+    share = state.heads.get(id(module))
+    if info.world_size > 1:
+        volume = full.numel() * full.element_size() * (info.world_size - 1) / info.world_size
+        # in: all-gather forward, all-reduce of the gradient; head-parallel out: two all-reduces
+        state.traffic[where] = int(volume * (3 if share is None else 7))
+    if share is not None:  # head-parallel: this rank's heads, summed over the group
+        partial = _sequence(share(module, docs), lengths)  # (1, S, H)
+        summed = _AllReduceSum.apply(partial, info)
+        local = ringattn.shard(
+            summed, 1, group=context.group, layout=context.layout, cu_seqlens=bounds_list
+        )
+        state.pending[id(module)] = ("done", local)
+        # the layer's own forward still runs (hooks cannot skip it): on one zero token, its
+        # output dropped by the hook below
+        docs = x_local.new_zeros(1, 1, x_local.shape[-1])
+    else:
+        state.pending[id(module)] = (lengths, bounds_list)
     new = {}
     for name, parameter in signature.parameters.items():
         if parameter.kind is inspect.Parameter.VAR_KEYWORD:
@@ -234,16 +270,27 @@ def _before(module: nn.Module, args: tuple, kwargs: dict):
     return (), new
 
 
+def _sequence(y: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """(n_docs, L_max, H) right-padded documents -> (1, S, H), the documents end to end."""
+    return torch.cat([y[i : i + 1, :n] for i, n in enumerate(lengths)], dim=1)
+
+
 def _after(module: nn.Module, args: tuple, kwargs: dict, output):
     """Mixer hook: the documents' outputs -> the whole sequence -> this rank's rows."""
     state: MixerState = getattr(module, STATE_ATTR)
     lengths, bounds_list = state.pending.pop(id(module))
     context = state.context
-    y = output[0] if isinstance(output, tuple) else output
-    full = torch.cat([y[i : i + 1, :n] for i, n in enumerate(lengths)], dim=1)  # (1, S, H)
-    local = ringattn.shard(
-        full, 1, group=context.group, layout=context.layout, cu_seqlens=bounds_list
-    )
+    if lengths == "done":
+        local = bounds_list
+    else:
+        y = output[0] if isinstance(output, tuple) else output
+        local = ringattn.shard(
+            _sequence(y, lengths),
+            1,
+            group=context.group,
+            layout=context.layout,
+            cu_seqlens=bounds_list,
+        )
     if isinstance(output, tuple):
         return (local, *(None for _ in output[1:]))
     return local
@@ -253,12 +300,20 @@ def install(model: nn.Module, root: nn.Module, mixers: list[tuple[str, nn.Module
     """Hook each handled mixer under `root` (once) and the model's bounds capture."""
     context = getattr(model, CONTEXT_ATTR)
     state = MixerState(context)
-    setattr(model, STATE_ATTR, state)
-    if not getattr(model, "_ringattn_mixers_hooked", False):
-        model.register_forward_pre_hook(_capture, with_kwargs=True)
-        model._ringattn_mixers_hooked = True
+    # the bounds come from the model's forward, or its decoder's (ringattn.hf.loss calls the
+    # decoder alone): each of them keeps its call's cu_seq_lens_q for the mixers not given it
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    for entry in {id(m): m for m in (model, decoder) if m is not None}.values():
+        setattr(entry, STATE_ATTR, state)
+        if not getattr(entry, "_ringattn_mixers_hooked", False):
+            entry.register_forward_pre_hook(_capture, with_kwargs=True)
+            entry._ringattn_mixers_hooked = True
+    info = resolve_group(context.group, allow_2d=True)
+    config = model.config.get_text_config()
     for _, module in mixers:
         setattr(module, STATE_ATTR, state)
+        if mixer_heads.splits(module, info.world_size):
+            state.heads[id(module)] = HeadShare.build(module, config, info.rank, info.world_size)
         if not getattr(module, "_ringattn_mixer_hooked", False):
             module.register_forward_pre_hook(_before, with_kwargs=True)
             module.register_forward_hook(_after, with_kwargs=True)
