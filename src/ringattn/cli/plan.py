@@ -33,6 +33,7 @@ __all__ = ["add_parser", "run_plan"]
 
 from ringattn.planner.kernels import KERNEL_NAMES
 from ringattn.planner.schedule import PP_SCHEDULES
+from ringattn.planner.work import MIXER_SCHEMES
 
 _STRATEGIES = ("ring", "allgather", "ulysses", "hybrid")
 _LAYOUTS = ("zigzag", "striped", "contiguous")
@@ -77,6 +78,10 @@ def add_parser(sub) -> None:
     p.add_argument("--ep", type=int, default=1, help="MoE configs: expert-parallel degree, a "
                    "multiple of cp dividing dp x cp (the trainer's --ep)")  # fmt: skip
     p.add_argument("--strategy", choices=_STRATEGIES, default=None, help="default: search")
+    p.add_argument("--mixer-scheme", choices=MIXER_SCHEMES, default="gather",
+                   help="hybrid models: how the recurrent mixer layers run under CP: gather "
+                   "(all-gather the layer input, run it whole; what the library runs) or "
+                   "state_passing (all-gather fixed-size state summaries)")  # fmt: skip
     p.add_argument("--layout", choices=_LAYOUTS, default=None, help="default: search")
     p.add_argument("--dtype", choices=("bf16", "fp8", "fp32", "tf32"), default=None,
                    help="matmul precision (fp8: attention stays bf16 unless --fp8-attention; "
@@ -149,13 +154,16 @@ def _job(args: argparse.Namespace, calibration: dict | None):
                args.activation_checkpointing, kernel=args.attention_kernel,
                pp_schedule=args.pp_schedule, microbatches=args.microbatches,
                virtual_stages=args.virtual_stages, fp8_attention=args.fp8_attention,
-               attention_tflops=_tflops_pair(args.attention_tflops), ep=args.ep)  # fmt: skip
+               attention_tflops=_tflops_pair(args.attention_tflops), ep=args.ep,
+               mixer_scheme=args.mixer_scheme)  # fmt: skip
 
 
 def _table(plans: list[dict], top: int) -> str:
     head = (f"{'dp':>4} {'cp':>4} {'tp':>3} {'pp':>3} {'strategy':<10} {'layout':<11} "
             f"{'step s':>9} {'tok/s/gpu':>10} {'GiB/gpu':>8} {'fits':>4} {'exposed':>8} "
             f"{'bubble':>7} {'MFU':>5}")  # fmt: skip
+    if plans and plans[0]["breakdown"]["mixer"]:
+        head += f" {'mix t':>7} {'mix mem':>7} {'mix B':>7}"
     lines = [head]
     for p in plans[:top]:
         b = p["breakdown"]
@@ -168,6 +176,10 @@ def _table(plans: list[dict], top: int) -> str:
             f"{b['pipeline_bubble_s'] / p['step_time_s']:>7.1%} "
             f"{p['mfu'] if p['mfu'] is not None else float('nan'):>5.0%}"
         )
+        if b["mixer"]:  # hybrids: the mixer layers' shares
+            x = b["mixer"]
+            lines[-1] += (f" {x['time_share']:>7.1%} {x['memory_share']:>7.1%} "
+                          f"{x['traffic_share']:>7.1%}")  # fmt: skip
     if len(plans) > top:
         lines.append(f"... {len(plans) - top} more (--top N, or --json for all)")
     return "\n".join(lines)
@@ -205,6 +217,10 @@ def run_plan(args: argparse.Namespace) -> int:
     kernel = "" if job.hw.is_cpu else f", attention {shown[0]['attention_kernel']}"
     pipe = f", pp schedule {job.pp_schedule} x {job.microbatches} microbatches"
     pipe += f", experts over ep {job.ep}" if job.ep > 1 else ""
+    m = job.model
+    if m.mixer_layers:
+        pipe += (f", {m.mixer_layers} of {m.n_layers} layers {m.mixer.kind} (mixer scheme "
+                 f"{job.mixer_scheme}; mix: their share of time, memory, CP bytes)")  # fmt: skip
     print(f"{job.model.name} on {args.gpus} x {job.hw.name}, {job.seq_len} tokens x batch "
           f"{job.batch_size}, {job.dtype}{ac}{kernel}{pipe}: {len(plans)} plans, "
           f"{len(fitting)} fit")  # fmt: skip

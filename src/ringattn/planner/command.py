@@ -12,8 +12,8 @@ path (--hf PATH --data text:DATA, DATA being your text), a published shape by th
 config.json would have (NAME/config.json).
 
 Some plans price what the trainer does not run; the note says which: fp8 and TF32 matmuls,
-fp8 attention, the interleaved schedule, and a kernel other than the one `auto` picks (the trainer
-has no kernel flag: it runs backend auto).
+fp8 attention, the interleaved schedule, a mixer scheme other than gather, and a kernel other
+than the one `auto` picks (the trainer has no kernel flag: it runs backend auto).
 """
 
 from __future__ import annotations
@@ -58,6 +58,8 @@ def train_command(spec: PlanSpec) -> tuple[str, str | None]:
     flags += ["--dtype", TRAINER_DTYPES.get(spec.dtype, "bfloat16")]
     if spec.dtype not in TRAINER_DTYPES:
         notes.append(f"{spec.dtype} matmuls: the trainer runs bfloat16 or float32")
+    if spec.model.mixer_layers and spec.mixer_scheme != "gather":
+        notes.append(f"{spec.mixer_scheme} mixer scheme: the library runs gather")
     if spec.fp8_attention:
         notes.append("fp8 attention: the trainer's attention is bf16")
     if spec.activation_checkpointing:

@@ -34,6 +34,12 @@ once (`crossing_load`); gloo's all-gather is a ring (W - 1 steps, one message pe
 What hides behind compute hides once: the compute that covered the CP transfers on the link
 cannot also cover FSDP's there, so FSDP hides only behind the rest.
 
+Hybrid models (work.py's MixerShape): a mixer layer replaces attention by its projections (at the
+matmul rate), its chunked recurrence (at the matmul rate of C-row calls; mamba1's scan at the
+fp32 rate) and its memory-bound passes, backward 2x, 2.5x and 2x; its CP traffic per
+--mixer-scheme (work.py's MIXER_SCHEMES) is exposed: nothing runs while the gathered input or the
+summaries travel. Per block, attention and mixer costs are weighted by their layers' shares.
+
 gloo (every cpu plan): its reduce_scatter_tensor, which FSDP2 calls, is an all-reduce underneath:
 twice the bytes of a ring reduce-scatter. Measured over the two-hosts link (scripts/
 two_hosts_link.py, 4 ranks, in link times of one 128 KiB chunk C per direction): a ring hop 1.0,
@@ -47,10 +53,10 @@ from dataclasses import dataclass
 from ringattn.planner.hardware import Hardware
 from ringattn.planner.models import ModelSpec
 from ringattn.planner.schedule import bubble_slots
-from ringattn.planner.work import StepWork, allgather_work, group_ring_steps
+from ringattn.planner.work import StepWork, allgather_work, group_ring_steps, mixer_work
 from ringattn.strategies.ulysses import HeadPlan
 
-__all__ = ["PlanSpec", "attention_layer_s", "crossing_load", "step_time"]
+__all__ = ["PlanSpec", "attention_layer_s", "crossing_load", "mixer_shares", "step_time"]
 
 
 @dataclass(frozen=True)
@@ -87,6 +93,8 @@ class PlanSpec:
     """fp8 forward attention (flash3, cudnn) with --dtype fp8."""
     attention_tflops: tuple[float, float] | None = None
     """Overrides the kernel's plateau rates, forward and backward TFLOP/s."""
+    mixer_scheme: str = "gather"
+    """Hybrid models: how the mixer layers run under CP (work.MIXER_SCHEMES)."""
 
     @property
     def gpus(self) -> int:
@@ -211,6 +219,38 @@ def _attention(spec: PlanSpec, backward: bool) -> tuple[float, float, float, flo
     return c, hw.transfer_s(sent, cp_inter, messages=2 * (w - 1), load=load), sent, 0.0
 
 
+def _mixer(spec: PlanSpec, backward: bool) -> tuple[float, float, float]:
+    """(compute s, exposed comm s, comm bytes) of one mixer layer, forward or backward."""
+    m, hw = spec.model, spec.hw
+    mx = m.mixer
+    work = mixer_work(mx, spec.mixer_scheme, spec.layout, m.dim, spec.seq_len, spec.micro_batch,
+                      spec.cp, spec.tp, spec.elem_bytes)  # fmt: skip
+    dtype = "bf16" if spec.dtype == "fp8" else spec.dtype
+    scan = "fp32" if mx.kind == "mamba1" and not hw.is_cpu else dtype  # CUDA cores, not MMA
+    c = hw.matmul_s(work.matmul_flops, work.rows, m.dim, spec.dtype, spec.threads)
+    r = hw.matmul_s(work.recurrence_flops, mx.chunk, max(1, mx.state_dim), scan, spec.threads)
+    e = hw.elementwise_s(2 * work.elementwise_elems * spec.elem_bytes, spec.threads)
+    compute = (2 * c + 2.5 * r + 2 * e if backward else c + r + e) * hw.slowdown(spec.gpus)
+    sent, messages = work.sent[backward], work.messages[backward]
+    exposed = hw.transfer_s(sent, spec.spans_nodes(spec.cp * spec.tp), messages=max(1, messages))
+    return compute, exposed, sent
+
+
+def mixer_shares(spec: PlanSpec, time: dict, memory_share: float) -> dict | None:
+    """Hybrids: the mixer layers' scheme, count, seconds and shares of the step time, of the
+    memory per rank (given) and of the CP bytes; None without mixers."""
+    m = spec.model
+    if not m.mixer_layers:
+        return None
+    mixer_bytes = m.mixer_layers * time["mixer_bytes_per_layer"]
+    total = m.attention_layers * time["cp_bytes_per_layer"] + mixer_bytes
+    return {"scheme": spec.mixer_scheme, "kind": m.mixer.kind, "layers": m.mixer_layers,
+            "time_s": time["mixer_s"], "exposed_comm_s": time["mixer_exposed_comm_s"],
+            "bytes_per_layer": time["mixer_bytes_per_layer"],
+            "time_share": time["mixer_s"] / time["step_time_s"], "memory_share": memory_share,
+            "traffic_share": mixer_bytes / total if total else 0.0}  # fmt: skip
+
+
 def attention_layer_s(spec: PlanSpec, backward: bool) -> float:
     """Seconds of one layer's CP attention (compute + exposed communication), one direction."""
     compute, exposed, _, _ = _attention(spec, backward)
@@ -222,7 +262,10 @@ def _elementwise_bytes(spec: PlanSpec, tokens: int) -> float:
     reads and writes it): RMSNorm ~6 x 2, RoPE ~8 on q and k, SwiGLU ~4 on the hidden, residual
     adds and layout copies ~4 on the width. Backward is taken as twice this."""
     m, tp = spec.model, spec.tp
-    passes = 16 * m.dim / tp + 8 * (m.q_dim + m.kv_dim) / tp + 4 * m.hidden_dim / tp
+    rope = 8 * (m.q_dim + m.kv_dim) / tp  # attention layers only (a mixer prices its own)
+    if m.mixer_layers:
+        rope *= m.attention_layers / m.n_layers
+    passes = 16 * m.dim / tp + rope + 4 * m.hidden_dim / tp
     return 2 * tokens * passes * spec.elem_bytes
 
 
@@ -233,11 +276,23 @@ def step_time(spec: PlanSpec) -> dict:
     dtype = spec.dtype
     n = spec.seq_len // spec.cp
     tokens = spec.micro_batch * n  # rows of every matmul on this rank, per microbatch
-    mm_params = m.active_layer_params() - 2 * m.dim  # MoE: a token's top_k experts
+    # MoE: a token's top_k experts; hybrids: the mixers' weights are priced by _mixer
+    mm_params = m.active_layer_params() - 2 * m.dim - m.mixer_params()
     mm_f = hw.matmul_s(2 * tokens * mm_params / spec.tp, tokens, m.dim, dtype, threads) * slow
     ew_f = hw.elementwise_s(_elementwise_bytes(spec, tokens), threads) * slow
     att_f, att_f_exp, att_f_bytes, att_f_hid = _attention(spec, backward=False)
     att_b, att_b_exp, att_b_bytes, att_b_hid = _attention(spec, backward=True)
+    mix_f = mix_b = (0.0, 0.0, 0.0)
+    mix_bytes = 0.0
+    if m.mixer_layers:  # per block: attention and mixer weighted by their layers' shares
+        share, mix = m.attention_layers / m.n_layers, m.mixer_layers / m.n_layers
+        att_f, att_f_exp, att_f_hid = att_f * share, att_f_exp * share, att_f_hid * share
+        att_b, att_b_exp, att_b_hid = att_b * share, att_b_exp * share, att_b_hid * share
+        mix_f, mix_b = _mixer(spec, backward=False), _mixer(spec, backward=True)
+        mix_bytes = mix_f[2] + mix_b[2]
+        mix_f, mix_b = tuple(mix * x for x in mix_f), tuple(mix * x for x in mix_b)
+        att_f, att_f_exp = att_f + mix_f[0], att_f_exp + mix_f[1]
+        att_b, att_b_exp = att_b + mix_b[0], att_b_exp + mix_b[1]
     tp_bytes = 4 * (spec.tp - 1) / spec.tp * tokens * m.dim * spec.elem_bytes
     tp_s = hw.transfer_s(tp_bytes, spec.spans_nodes(spec.tp), 4) if spec.tp > 1 else 0.0
     fwd = mm_f + ew_f + att_f
@@ -301,7 +356,7 @@ def step_time(spec: PlanSpec) -> dict:
     return {
         "step_time_s": total,
         "compute_s": compute,
-        "attention_s": mb * layers * (att_f + att_b),
+        "attention_s": mb * layers * (att_f + att_b - mix_f[0] - mix_b[0]),
         "exposed_comm_s": exposed + fsdp_exposed,
         "exposed_cp_comm_s": mb * layers * (att_f_exp + att_b_exp),
         "pipeline_bubble_s": bubble,
@@ -310,6 +365,9 @@ def step_time(spec: PlanSpec) -> dict:
         "fsdp_comm_s": fsdp_s,
         "cp_bytes_per_layer": att_f_bytes + att_b_bytes,
         "ep_dispatch_s": mb * layers * sum(ep_s),
+        "mixer_s": mb * layers * (mix_f[0] + mix_f[1] + mix_b[0] + mix_b[1]),
+        "mixer_exposed_comm_s": mb * layers * (mix_f[1] + mix_b[1]),
+        "mixer_bytes_per_layer": mix_bytes,
     }
 
 

@@ -4,6 +4,7 @@ The count is the model's (what MFU means: recomputation and communication are no
 
     per token, forward    2 x (matmul parameters of the blocks + the output projection)
     per sequence, layer   attention 4 x heads x head_dim x S^2, halved when causal
+    per token, mixer      hybrids: its recurrence (planner.work.MixerShape), as a matmul's 2x
     backward              2 x the matmuls, 2.5 x the attention (the convention of cost.py and
                           DESIGN.md: flash backward recomputes the scores)
 
@@ -18,10 +19,11 @@ from __future__ import annotations
 import torch
 
 from ringattn.planner.calibrate import DEFAULT_PATH, load_calibration
+from ringattn.planner.cost import PlanSpec
 from ringattn.planner.hardware import HARDWARE
 from ringattn.planner.models import ModelSpec
 
-__all__ = ["peak_flops_per_device", "train_step_flops"]
+__all__ = ["model_flops_per_token", "peak_flops_per_device", "train_step_flops"]
 
 
 def train_step_flops(model: ModelSpec, seq_len: int, sequences: int, causal: bool = True) -> float:
@@ -30,8 +32,23 @@ def train_step_flops(model: ModelSpec, seq_len: int, sequences: int, causal: boo
     block_matmul = model.layer_params() - 2 * model.dim  # the two norm weights are not matmuls
     matmul = 2 * tokens * (model.n_layers * block_matmul + model.dim * model.vocab_size)
     pairs = seq_len * seq_len * (0.5 if causal else 1.0)
-    attention = model.n_layers * sequences * 4 * model.n_heads * model.d_head * pairs
+    attention = model.attention_layers * sequences * 4 * model.n_heads * model.d_head * pairs
+    if model.mixer_layers:  # hybrids: the recurrence (its projections are matmul parameters)
+        matmul += tokens * model.mixer_layers * model.mixer.recurrence_flops() / 2
     return 3 * matmul + 3.5 * attention
+
+
+def model_flops_per_token(spec: PlanSpec) -> float:
+    """Training FLOPs per token as MFU counts them: 6 x the matmul parameters (blocks and the
+    output projection) plus the attention matmuls, visible (causal) pairs only: 6 S q_dim per
+    layer (forward 2 S q_dim: QK^T and PV over S / 2 keys on average; backward twice that);
+    mixer layers: 3 x their recurrence (the gather scheme's replicated work is not the model's)."""
+    m = spec.model
+    matmul = m.n_layers * (m.active_layer_params() - 2 * m.dim) + m.vocab_size * m.dim
+    flops = 6 * matmul + 6 * m.attention_layers * spec.seq_len * m.q_dim
+    if m.mixer_layers:
+        flops += 3 * m.mixer_layers * m.mixer.recurrence_flops()
+    return flops
 
 
 def peak_flops_per_device(device: torch.device, override_tflops: float = 0.0) -> float | None:

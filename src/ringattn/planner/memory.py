@@ -22,6 +22,14 @@
                             allgather W K/V + W dK/dV, ulysses ~2 (Q + K/V), plus the float32
                             out/dq accumulators
     loss                    a chunk of float32 logits (and their gradient) of the chunked loss
+    mixer buffers           hybrids, the mixer layer being run: its chunk states (float32, one
+                            per chunk of its rows, and their gradients in backward); state
+                            passing adds the W x runs gathered summaries; gather adds the
+                            gathered input and its full-length gradient
+
+Hybrid activations: a mixer layer keeps its own tensors (work.MixerShape.activation_elems) in
+place of attention's; under the gather scheme it ran on all S rows, so it keeps W times as many,
+plus the gathered input. Attention and mixer parts are weighted by their layers' shares.
 
 With pp the first stage keeps the activations of schedule.kept(...) microbatches: all m with
 GPipe, min(m, pp) with 1F1B, a little more interleaved.
@@ -32,7 +40,7 @@ from __future__ import annotations
 from ringattn.planner.cost import PlanSpec
 from ringattn.planner.schedule import kept as kept_microbatches
 
-__all__ = ["memory_bytes"]
+__all__ = ["memory_bytes", "mixer_memory_bytes"]
 
 GIB = 1024**3
 
@@ -43,7 +51,46 @@ def _block_activation_elems(spec: PlanSpec) -> float:
     width = 4 * m.dim / tp  # sequence-parallel norms: split by tp as well
     attention = (3 * m.q_dim + 2 * m.kv_dim) / tp + (m.n_heads / tp) * 4 / spec.elem_bytes
     mlp = m.top_k * (m.expert_hidden or m.hidden_dim) if m.experts else m.hidden_dim
-    return width + attention + 4 * mlp / tp
+    mixer = 0.0
+    if m.mixer_layers:
+        attention *= m.attention_layers / m.n_layers
+        mixer = _mixer_elems(spec) * m.mixer_layers / m.n_layers
+    return width + attention + mixer + 4 * mlp / tp
+
+
+def _mixer_elems(spec: PlanSpec) -> float:
+    """Elements one mixer layer keeps per local token (the module docstring)."""
+    m, w = spec.model, spec.cp
+    elems = m.mixer.activation_elems(m.dim) / spec.tp
+    if spec.mixer_scheme == "gather" and w > 1:  # all S rows, and the gathered input
+        elems = w * (elems + m.dim / spec.tp)
+    return elems
+
+
+def _mixer_buffers(spec: PlanSpec, tokens: int) -> float:
+    """Bytes of the mixer layer being run, beyond its activations (the module docstring)."""
+    m, w, e = spec.model, spec.cp, spec.elem_bytes
+    mx = m.mixer
+    gather = spec.mixer_scheme == "gather" and w > 1
+    rows = tokens * w if gather else tokens
+    states = 2 * -(-rows // mx.chunk) * mx.state_bytes() / spec.tp
+    if gather:
+        return states + 2 * rows * m.dim / spec.tp * e
+    runs = 2 if spec.layout == "zigzag" else 1
+    return states + w * runs * spec.micro_batch * mx.summary_bytes() / spec.tp
+
+
+def mixer_memory_bytes(spec: PlanSpec) -> float:
+    """Of memory_bytes' total, what the mixer layers hold: their share of the activations
+    (without checkpointing) and the mixer buffers."""
+    m = spec.model
+    if not m.mixer_layers:
+        return 0.0
+    tokens = spec.micro_batch * (spec.seq_len // spec.cp)
+    layers = -(-m.n_layers // spec.pp) * m.mixer_layers / m.n_layers
+    in_flight = kept_microbatches(spec.pp_schedule, spec.pp, spec.pipe_microbatches, spec.virtual)
+    kept = 0.0 if spec.activation_checkpointing else layers * in_flight
+    return (kept * _mixer_elems(spec) * spec.elem_bytes * tokens) + _mixer_buffers(spec, tokens)
 
 
 def memory_bytes(spec: PlanSpec) -> dict:
@@ -102,6 +149,7 @@ def memory_bytes(spec: PlanSpec) -> dict:
         "attention_buffers": buffers + accumulators,
         "loss": loss,
         "expert_dispatch": dispatch,
+        "mixer_buffers": _mixer_buffers(spec, tokens) if m.mixer_layers else 0.0,
     }
     kinds["total"] = sum(kinds.values())
     return kinds

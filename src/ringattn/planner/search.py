@@ -30,10 +30,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from ringattn.planner.command import train_command
-from ringattn.planner.cost import PlanSpec, step_time
+from ringattn.planner.cost import PlanSpec, mixer_shares, step_time
+from ringattn.planner.flops import model_flops_per_token
 from ringattn.planner.hardware import Hardware
 from ringattn.planner.kernels import check_kernel, default_kernel
-from ringattn.planner.memory import GIB, memory_bytes
+from ringattn.planner.memory import GIB, memory_bytes, mixer_memory_bytes
 from ringattn.planner.models import ModelSpec
 from ringattn.planner.schedule import check_schedule
 
@@ -45,6 +46,7 @@ __all__ = [
     "describe_order",
     "evaluate",
     "measured_faster",
+    "model_flops_per_token",
     "predicted_faster",
     "search",
     "tie_groups",
@@ -81,6 +83,8 @@ class Job:
     attention_tflops: tuple[float, float] | None = None
     ep: int = 1
     """MoE: expert-parallel degree (fixed, not searched)."""
+    mixer_scheme: str = "gather"
+    """Hybrid models: how mixer layers run under CP (work.MIXER_SCHEMES; fixed, not searched)."""
 
 
 def _divisors(n: int) -> list[int]:
@@ -153,15 +157,6 @@ def check_plan(spec: PlanSpec) -> PlanSpec:
     return spec
 
 
-def model_flops_per_token(spec: PlanSpec) -> float:
-    """Training FLOPs per token as MFU counts them: 6 x the matmul parameters (blocks and the
-    output projection) plus the attention matmuls, visible (causal) pairs only: 6 S q_dim per
-    layer (forward 2 S q_dim: QK^T and PV over S / 2 keys on average; backward twice that)."""
-    m = spec.model
-    matmul = m.n_layers * (m.active_layer_params() - 2 * m.dim) + m.vocab_size * m.dim
-    return 6 * matmul + 6 * m.n_layers * spec.seq_len * m.q_dim
-
-
 def evaluate(spec: PlanSpec) -> dict:
     """One plan as the CLI prints it (the `plans` entries of --json)."""
     time = step_time(spec)
@@ -182,6 +177,7 @@ def evaluate(spec: PlanSpec) -> dict:
         "attention_kernel": None if spec.hw.is_cpu else spec.kernel,
         "pp_schedule": spec.pp_schedule, "microbatches": spec.pipe_microbatches,
         "virtual_stages": spec.virtual,
+        "mixer_scheme": spec.mixer_scheme if spec.model.mixer_layers else None,
         "step_time_s": time["step_time_s"],
         "tokens_per_s_per_gpu": rate,
         "model_tflops_per_gpu": model_tflops,
@@ -201,6 +197,7 @@ def evaluate(spec: PlanSpec) -> dict:
             "cp_bytes_per_layer": time["cp_bytes_per_layer"],
             "ep_dispatch_s": time["ep_dispatch_s"],
             "memory_gib": {k: v / GIB for k, v in mem.items() if k != "total"},
+            "mixer": mixer_shares(spec, time, mixer_memory_bytes(spec) / mem["total"]),
         },
     }  # fmt: skip
 
@@ -247,6 +244,7 @@ def _candidates(job: Job):
                     fp8_attention=job.fp8_attention,
                     attention_tflops=job.attention_tflops,
                     ep=job.ep,
+                    mixer_scheme=job.mixer_scheme,
                 )
 
 

@@ -1,4 +1,5 @@
-"""Attention work per rank and per ring step, read off the layouts' own block schedules.
+"""Sequence-mixing work: attention's per rank and ring step, read off the layouts' own block
+schedules; a recurrent mixer's per token (`MixerShape`, at the end).
 
 The unit is n^2 query-key pairs (n = tokens per rank) for one head: a full n x n block is 1, a
 causal (square, diagonal) block 1/2, a zigzag half block (n x n/2) 1/2. Because the planner asks
@@ -27,7 +28,16 @@ from functools import lru_cache
 
 from ringattn.layout import get_layout
 
-__all__ = ["StepWork", "allgather_work", "group_ring_steps"]
+__all__ = [
+    "MIXER_KINDS",
+    "MIXER_SCHEMES",
+    "MixerShape",
+    "MixerWork",
+    "StepWork",
+    "allgather_work",
+    "group_ring_steps",
+    "mixer_work",
+]
 
 _N = 4096  # local length used to read the schedules (any even length gives the same fractions)
 
@@ -98,3 +108,182 @@ def allgather_work(layout: str, world_size: int) -> StepWork:
             work = _add(work, _pair(layout, r, src, world_size))
         totals.append(work)
     return max(totals, key=lambda w: w.area)
+
+
+MIXER_KINDS = ("gated_deltanet", "mamba2", "mamba1", "short_conv")
+
+
+@dataclass(frozen=True)
+class MixerShape:
+    """Shape of a recurrent mixer layer. Its state per sequence is heads x state_dim x head_dim
+    float32 (S_t = A_t S_{t-1} + B_t, DESIGN.md §13); counts are per token, forward.
+
+        kind            heads          head_dim   state_dim   groups (B/C or key heads)
+        gated_deltanet  value heads    dv         dk          key heads (q, k repeated)
+        mamba2          heads          P          N           n_groups
+        mamba1          d_inner        1          N           -
+        short_conv      hidden size    1          0           -
+    """
+
+    kind: str
+    heads: int
+    head_dim: int
+    state_dim: int
+    groups: int = 0
+    conv_kernel: int = 4
+    chunk: int = 64
+    """Chunk length C of the chunked kernel (fla's 64 for the delta rule, chunk_size for SSD)."""
+    dt_rank: int = 0
+    """mamba1: rank of the time-step projection."""
+
+    @property
+    def inner(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def conv_channels(self) -> int:
+        """Channels of the depthwise causal convolution."""
+        if self.kind == "gated_deltanet":  # q, k, v
+            return 2 * self.groups * self.state_dim + self.inner
+        if self.kind == "mamba2":  # x, B, C
+            return self.inner + 2 * self.groups * self.state_dim
+        return self.inner
+
+    def matmul_params(self, dim: int) -> int:
+        """Projection weights: in (and the small ones), out."""
+        if self.kind == "gated_deltanet":  # in_proj_qkvz, in_proj_ba, out_proj
+            key = self.groups * self.state_dim
+            return dim * (2 * key + 2 * self.inner + 2 * self.heads) + self.inner * dim
+        if self.kind == "mamba2":  # in_proj (z, x, B, C, dt), out_proj
+            return dim * (self.inner + self.conv_channels + self.heads) + self.inner * dim
+        if self.kind == "mamba1":  # in_proj (x, z), x_proj (dt, B, C), dt_proj, out_proj
+            r = self.dt_rank
+            return dim * 2 * self.inner + self.inner * (r + 2 * self.state_dim) + (
+                r * self.inner) + self.inner * dim  # fmt: skip
+        return dim * 3 * dim + dim * dim  # short_conv: in_proj (B, C, x), out_proj
+
+    def params(self, dim: int) -> int:
+        """Matmul weights, the convolution and the per-head/per-channel vectors (A, D, dt bias,
+        the gated norm)."""
+        small = {"gated_deltanet": 2 * self.heads + self.head_dim,
+                 "mamba2": 3 * self.heads + self.inner,
+                 "mamba1": self.inner * (self.state_dim + 2) + self.dt_rank + 2 * self.state_dim,
+                 "short_conv": 0}[self.kind]  # fmt: skip
+        return self.matmul_params(dim) + self.conv_kernel * self.conv_channels + small
+
+    def recurrence_flops(self) -> float:
+        """The sequence mixing itself (not the projections, not the convolution), chunk C:
+
+        gated_deltanet  per value head 6 C dk + 4 C dv (the chunk's k k^T, its W and U, the
+                        intra-chunk q k^T and its product with the new values) + 6 dk dv (u - w S,
+                        the state update, q S) + 2 C^2 / 3 (the chunk's triangular solve)
+        mamba2 (SSD)    2 C N per group (C B^T) + per head 2 C P (the masked product with x)
+                        + 4 N P (the chunk state B^T x and the output C S)
+        mamba1          9 d_inner N (the selective scan, the count mamba's own benchmark uses)
+        """
+        c, dk, dv = self.chunk, self.state_dim, self.head_dim
+        if self.kind == "gated_deltanet":
+            return self.heads * (6 * c * dk + 4 * c * dv + 6 * dk * dv + 2 * c * c / 3)
+        if self.kind == "mamba2":
+            return self.groups * 2 * c * dk + self.heads * (2 * c * dv + 4 * dk * dv)
+        if self.kind == "mamba1":
+            return 9 * self.inner * dk
+        return 0.0
+
+    def flops(self, dim: int) -> float:
+        """Forward FLOPs per token: projections, convolution, recurrence."""
+        conv = 2 * self.conv_kernel * self.conv_channels
+        return 2 * self.matmul_params(dim) + conv + self.recurrence_flops()
+
+    def state_bytes(self) -> int:
+        """The recurrent state of one sequence, float32."""
+        return 4 * self.heads * self.state_dim * self.head_dim
+
+    def summary_bytes(self) -> int:
+        """What state passing exchanges per run: the state and the run's transition A_run
+        (a dk x dk matrix per head for the delta rule, a scalar decay per head for SSD, one per
+        channel and state for mamba1), float32."""
+        transition = {"gated_deltanet": self.heads * self.state_dim**2,
+                      "mamba2": self.heads, "mamba1": self.inner * self.state_dim,
+                      "short_conv": 0}[self.kind]  # fmt: skip
+        return self.state_bytes() + 4 * transition
+
+    def activation_elems(self, dim: int) -> int:
+        """Elements autograd keeps per token inside the mixer (the input norm is the block's):
+        the projections' outputs, the convolution's output, the recurrence's output and its
+        gated norm (gated_deltanet also the normalised q, k and the gates g, beta)."""
+        cc, inner = self.conv_channels, self.inner
+        if self.kind == "gated_deltanet":
+            return 2 * cc + 3 * inner + 2 * self.groups * self.state_dim + 2 * self.heads
+        if self.kind == "mamba2":
+            return inner + cc + self.heads + cc + 2 * inner
+        if self.kind == "mamba1":
+            return 5 * inner + self.dt_rank + 2 * self.state_dim
+        return 6 * dim
+
+
+MIXER_SCHEMES = ("gather", "state_passing")
+"""How a mixer layer runs under CP (DESIGN.md §13):
+
+    gather          all-gather the layer's input (S x hidden), run the whole mixer on the full
+                    sequence on every rank (its compute replicated W times), keep this rank's
+                    rows; backward all-reduces the input gradient (what the library runs today;
+                    a reduce-scatter would halve it). Bytes grow with S.
+    state_passing   each rank runs its runs of tokens (zigzag: 2, else 1) from a zero state to
+                    get each run's summary (state + transition), all-gathers the summaries over
+                    W, scans them, and runs its tokens again from the entering state; a conv halo
+                    of K - 1 tokens per run from the previous run's owner. Bytes flat in S.
+                    Striped runs are single tokens: an all-to-all lays the tokens out as runs and
+                    back (forward and backward).
+"""
+
+
+@dataclass(frozen=True)
+class MixerWork:
+    """One mixer layer on one rank, one microbatch: forward work (backward priced from it) and
+    the bytes it sends forward and backward, with their dependent message counts."""
+
+    rows: int
+    """Tokens the mixer runs on (S per sequence under gather, S / W under state passing)."""
+    matmul_flops: float
+    recurrence_flops: float
+    elementwise_elems: float
+    """Elements read and written once by the memory-bound passes (conv, gates, norms)."""
+    sent: tuple[float, float]
+    messages: tuple[int, int]
+
+
+def mixer_work(shape: MixerShape, scheme: str, layout: str, dim: int, seq_len: int, batch: int,
+               world_size: int, tp: int = 1, elem_bytes: int = 2) -> MixerWork:  # fmt: skip
+    """The work and traffic of one mixer layer under `scheme` (MIXER_SCHEMES), heads split by tp."""
+    if scheme not in MIXER_SCHEMES:
+        raise ValueError(f"unknown mixer scheme {scheme!r}; choose one of "
+                         f"{', '.join(MIXER_SCHEMES)}")  # fmt: skip
+    if shape.heads % tp or shape.groups % tp:
+        raise ValueError(f"{shape.kind}: {shape.heads} heads / {shape.groups} groups are not "
+                         f"divisible by tp={tp}")  # fmt: skip
+    w, n = world_size, seq_len // world_size
+    gather = scheme == "gather" and w > 1
+    rows = batch * (seq_len if gather else n)
+    matmul = 2 * rows * shape.matmul_params(dim) / tp
+    recurrence = rows * shape.recurrence_flops() / tp
+    passes = rows * (2 * shape.conv_channels + 6 * shape.inner) / tp
+    local_input = batch * n * dim / tp * elem_bytes  # this rank's rows of the layer input
+    if w == 1:
+        return MixerWork(rows, matmul, recurrence, passes, (0.0, 0.0), (0, 0))
+    if gather:
+        return MixerWork(rows, matmul, recurrence, passes,
+                         ((w - 1) * local_input, 2 * (w - 1) * local_input),
+                         (w - 1, 2 * (w - 1)))  # fmt: skip
+    runs = 2 if layout == "zigzag" else 1
+    recurrence *= 2  # the summary pass from a zero state, then the pass from the entering state
+    if shape.kind == "gated_deltanet":  # the run's transition: the product of its chunks' dk x dk
+        recurrence += rows * shape.heads * 2 * shape.state_dim**3 / shape.chunk / tp
+    summary = runs * batch * shape.summary_bytes() / tp
+    halo = runs * batch * (shape.conv_kernel - 1) * shape.conv_channels / tp * elem_bytes
+    sent = (w - 1) * summary + halo
+    messages = (w - 1 if summary else 0) + runs
+    if layout == "striped":  # lay the tokens out as runs and back
+        sent += 2 * (w - 1) / w * local_input
+        messages += 2 * (w - 1)
+    return MixerWork(rows, matmul, recurrence, passes, (sent, sent), (messages, messages))
