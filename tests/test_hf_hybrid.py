@@ -22,8 +22,9 @@ LOSS_RTOL, GRAD_RTOL = 1e-5, 1e-4
 FAMILIES = ["qwen3_5_text", "qwen3_next", "olmo_hybrid", "nemotron_h", "falcon_h1",
             "granitemoehybrid", "bamba", "zamba2", "mamba2", "jamba", "mamba", "lfm2",
             "minimax"]  # fmt: skip
-# one family per mixer kind at the larger world sizes (each case is a full forward + backward)
-PER_MIXER = ["qwen3_5_text", "nemotron_h", "jamba", "lfm2", "minimax"]
+# one family per mixer kind at the larger world sizes (each case is a full forward + backward);
+# the wide ones split their heads at W = 4 and run whole at W = 3
+PER_MIXER = ["qwen3_5_wide", "nemotron_h_wide", "jamba", "lfm2", "minimax"]
 CASES = [(layout, "ring", kind) for layout in LAYOUTS for kind in ("dense", "packed")]
 
 
@@ -50,7 +51,23 @@ def test_mixer_exact_at_cp3_and_cp4(pools, arch, world_size):
     _check(rows, f"{arch} at CP = {world_size}")
 
 
-@pytest.mark.parametrize("arch", ["nemotron_h", "qwen3_5_text"])
+@pytest.mark.parametrize(
+    ("arch", "world_size", "want"),
+    [
+        ("qwen3_5_text", 2, {"model.layers.0.linear_attn": ("gated DeltaNet", "heads")}),
+        ("qwen3_next", 2, {"model.layers.0.linear_attn": ("gated DeltaNet", "heads")}),
+        ("nemotron_h", 2, {"model.layers.0.mixer": ("Mamba2 (SSD)", "heads")}),
+        ("qwen3_5_wide", 4, {"model.layers.0.linear_attn": ("gated DeltaNet", "heads")}),
+        ("qwen3_5_wide", 3, {"model.layers.0.linear_attn": ("gated DeltaNet", "whole")}),
+        ("bamba", 2, {"model.layers.0.mamba": ("Mamba2 (SSD)", "whole")}),
+        ("lfm2", 2, {"model.layers.0.conv": ("short causal convolution", "whole")}),
+    ],
+)
+def test_each_mixer_runs_head_parallel_where_its_heads_divide(pools, arch, world_size, want):
+    assert pools(world_size).run("workers_hf_hybrid:schemes", arch=arch)[0] == want
+
+
+@pytest.mark.parametrize("arch", ["nemotron_h", "qwen3_5_text", "bamba"])
 def test_a_mutated_mixer_input_is_caught(pools, arch):
     """Each token's mixer input taken from the token before: far outside the gates."""
     ((_, loss, grad, _),) = pools(2).run("workers_hf_hybrid:mutated_errors", arch=arch)[0]

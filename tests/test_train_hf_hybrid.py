@@ -58,13 +58,20 @@ def test_cp2_training_equals_one_process(pools, hybrid, tmp_path):
                                torch.tensor(want["losses"], dtype=torch.float64),
                                rtol=1e-5, atol=0)  # fmt: skip
     assert got["losses"][0] != got["losses"][-1]
+    torch.testing.assert_close(torch.tensor(got["grad_norms"]), torch.tensor(want["grad_norms"]),
+                               rtol=1e-5, atol=0)  # fmt: skip
     start = dict(transformers.AutoModelForCausalLM.from_pretrained(hybrid[0]).named_parameters())
     mixer_moved = 0.0
     for name, value in want["params"].items():
-        torch.testing.assert_close(got["params"][name], value, rtol=1e-5, atol=1e-6, msg=name)
+        # the issue's gradient gate on what SGD did with them: each tensor's update (lr x the
+        # summed gradients of 3 steps) within 1e-4 of that update's largest entry, plus the
+        # weights' own rounding (A_log ~ 2 moves by 1e-5: its float32 spacing is 2.4e-7)
+        update = value - start[name.removeprefix("model.")]
+        error = (got["params"][name] - value).abs().max().item()
+        spacing = torch.finfo(torch.float32).eps * value.abs().max().item()
+        assert error <= 1e-4 * update.abs().max().item() + 2 * spacing, (name, error)
         if ".mixer." in name or ".linear_attn." in name:
-            moved = (value - start[name.removeprefix("model.")]).abs().max().item()
-            mixer_moved = max(mixer_moved, moved)
+            mixer_moved = max(mixer_moved, update.abs().max().item())
     assert mixer_moved > 100 * 1e-6  # the mixers trained, far beyond the tolerance
 
 

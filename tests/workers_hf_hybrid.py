@@ -63,6 +63,19 @@ def config(arch: str):
         )
     if arch == "olmo_hybrid":
         return tf.OlmoHybridConfig(**common, **gdn, num_hidden_layers=2, layer_types=hybrid)
+    if arch == "qwen3_5_even":  # as many value heads as key heads
+        return tf.Qwen3_5TextConfig(**common, **{**gdn, "linear_num_value_heads": 2}, head_dim=8,
+                                    num_hidden_layers=2, layer_types=hybrid)  # fmt: skip
+    if arch == "qwen3_5_wide":  # 4 key heads: head-parallel at W = 4 (and whole at W = 3)
+        return tf.Qwen3_5TextConfig(**common, **{**gdn, "linear_num_key_heads": 4,
+                                    "linear_num_value_heads": 8}, head_dim=8, num_hidden_layers=2,
+                                    layer_types=hybrid)  # fmt: skip
+    if arch == "nemotron_h_wide":  # 4 groups, biases: head-parallel at W = 4
+        return tf.NemotronHConfig(**common, head_dim=8, num_hidden_layers=2,
+                                  hybrid_override_pattern="M*", mamba_num_heads=8,
+                                  mamba_head_dim=4, ssm_state_size=8, n_groups=4, conv_kernel=4,
+                                  chunk_size=8, mamba_expand=1, use_bias=True,
+                                  use_conv_bias=True)  # fmt: skip
     if arch == "nemotron_h":  # Mamba2 + attention + MLP blocks
         return tf.NemotronHConfig(
             **common,
@@ -253,6 +266,13 @@ def cp_loss_and_grads(arch: str, kind: str, layout: str, strategy: str):
         grads[name] = flat[offset : offset + p.numel()].view_as(p)
         offset += p.numel()
     return float(flat[-1]), grads
+
+
+def schemes(rank: int, world_size: int, *, arch: str) -> dict:
+    """How each mixer of `arch` runs at this world size (mixers.schemes)."""
+    from ringattn.integrations.hf.mixers import schemes as mixer_schemes
+
+    return mixer_schemes(parallel_model(arch, "zigzag", "ring"))
 
 
 def compare_cases(rank: int, world_size: int, *, arch: str, cases) -> list | None:

@@ -48,6 +48,7 @@ def train(rank: int, world_size: int, options: dict) -> dict:
     params = full_parameters(run.model)
     return {
         "losses": [h["loss"] for h in run.history],
+        "grad_norms": [h["grad_norm"] for h in run.history],
         "accuracy": [h["accuracy"] for h in run.history],
         "supervised": [h["supervised"] for h in run.history],
         "start_step": run.start_step,

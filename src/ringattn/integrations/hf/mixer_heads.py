@@ -1,4 +1,4 @@
-"""Head-parallel gated DeltaNet: each rank runs the whole sequence for 1/W of the heads.
+"""Head-parallel mixers (gated DeltaNet, Nemotron-H's Mamba2): each rank runs 1/W of the heads.
 
 A gated DeltaNet layer (Qwen3.5, Qwen3-Next) is per-token projections around a recurrence that
 never mixes heads: in_proj (hidden -> q, k, v, z, b, a of every head), a depthwise causal
@@ -24,6 +24,11 @@ whole sequence (the layer's own kernel: flash-linear-attention's where installed
 PyTorch path otherwise), and the traffic per layer per rank is the all-gather of S x hidden in and
 an all-reduce of S x hidden out (and the same back): bytes grow with S, like Ulysses'. Needs W to
 divide the key-head count; otherwise mixers.py runs the layer whole on every rank.
+
+Nemotron-H's Mamba2 (SSD) splits the same way by groups of heads: each group's heads share its
+B and C rows and its gated-norm group, and its heads' decay, D and dt are their own (`_nemotron_h`;
+W must divide n_groups). Other Mamba2 families derive their inner width from hidden x expand,
+which a twin cannot divide; they run whole.
 """
 
 from __future__ import annotations
@@ -80,21 +85,62 @@ def _qwen3_next(m: nn.Module, r: int, w: int) -> dict[str, tuple[int, Ranges]]:
     }
 
 
-# class name -> how its parameters split by key-head groups (the config fields it divides are
-# linear_num_key_heads and linear_num_value_heads for both)
-SPLITS: dict[str, Callable[[nn.Module, int, int], dict[str, tuple[int, Ranges]]]] = {
-    "Qwen3_5GatedDeltaNet": _qwen3_5,
-    "Qwen3_5MoeGatedDeltaNet": _qwen3_5,
-    "Qwen3NextGatedDeltaNet": _qwen3_next,
+def _nemotron_h(m: nn.Module, r: int, w: int) -> dict[str, tuple[int, Ranges]]:
+    """Nemotron-H's Mamba2: in_proj rows [z | x B C | dt], x and z per head, B and C per group of
+    heads, the gated norm per group: a rank takes whole groups (their heads and B, C rows)."""
+    nh, ng, hd, n = m.num_heads, m.n_groups, m.head_dim, m.ssm_state_size
+    inner = nh * hd
+    g0, g1 = r * ng // w, (r + 1) * ng // w  # this rank's groups
+    h0, h1 = g0 * nh // ng, g1 * nh // ng  # and their heads
+    xbc = [(h0 * hd, h1 * hd), (inner + g0 * n, inner + g1 * n),
+           (inner + ng * n + g0 * n, inner + ng * n + g1 * n)]  # fmt: skip
+    projection = [(h0 * hd, h1 * hd), *((inner + a, inner + b) for a, b in xbc),
+                  (2 * inner + 2 * ng * n + h0, 2 * inner + 2 * ng * n + h1)]  # fmt: skip
+    heads = [(h0, h1)]
+    return {
+        "in_proj.weight": (0, projection),
+        "in_proj.bias": (0, projection),
+        "conv1d.weight": (0, xbc),
+        "conv1d.bias": (0, xbc),
+        "dt_bias": (0, heads),
+        "A_log": (0, heads),
+        "D": (0, heads),
+        "norm.weight": (0, [(h0 * hd, h1 * hd)]),
+        "out_proj.weight": (1, [(h0 * hd, h1 * hd)]),
+        "out_proj.bias": (0, "first"),
+    }
+
+
+@dataclass(frozen=True)
+class Split:
+    """How one mixer class splits: the config fields its twin divides by W (each read from the
+    module's attribute of the same meaning), the one that W must divide, and the parameters'
+    slices (dim, ranges; None: whole on every rank; "first": whole on rank 0, zeros elsewhere,
+    for an output bias that the sum over ranks must add once)."""
+
+    fields: dict[str, str]
+    unit: str
+    plan: Callable[[nn.Module, int, int], dict[str, tuple[int, Ranges | str]]]
+
+
+_GDN_FIELDS = {"linear_num_key_heads": "num_k_heads", "linear_num_value_heads": "num_v_heads"}
+SPLITS: dict[str, Split] = {
+    "Qwen3_5GatedDeltaNet": Split(_GDN_FIELDS, "num_k_heads", _qwen3_5),
+    "Qwen3_5MoeGatedDeltaNet": Split(_GDN_FIELDS, "num_k_heads", _qwen3_5),
+    "Qwen3NextGatedDeltaNet": Split(_GDN_FIELDS, "num_k_heads", _qwen3_next),
+    "NemotronHMamba2Mixer": Split(
+        {"mamba_num_heads": "num_heads", "n_groups": "n_groups"}, "n_groups", _nemotron_h
+    ),
 }
 
 
 def splits(module: nn.Module, world_size: int) -> bool:
     """True when `module` runs head-parallel over `world_size` ranks (its class has a split and
-    W divides its key heads)."""
-    if world_size < 2 or type(module).__name__ not in SPLITS:
+    W divides its key heads, or its groups)."""
+    split = SPLITS.get(type(module).__name__)
+    if world_size < 2 or split is None:
         return False
-    return module.num_k_heads % world_size == 0 and module.num_v_heads % module.num_k_heads == 0
+    return all(getattr(module, attr) % world_size == 0 for attr in split.fields.values())
 
 
 @dataclass
@@ -102,23 +148,24 @@ class HeadShare:
     """This rank's twin of one layer: the meta module and the index of each parameter's slice."""
 
     twin: nn.Module
-    index: dict[str, tuple[int, torch.Tensor | None]]
+    index: dict[str, tuple[int, torch.Tensor | str | None]]
 
     @classmethod
     def build(cls, module: nn.Module, config: object, rank: int, world_size: int) -> HeadShare:
+        split = SPLITS[type(module).__name__]
         twin_config = copy.copy(config)
-        twin_config.linear_num_key_heads = module.num_k_heads // world_size
-        twin_config.linear_num_value_heads = module.num_v_heads // world_size
+        for field_name, attr in split.fields.items():
+            setattr(twin_config, field_name, getattr(module, attr) // world_size)
         with torch.device("meta"):
             twin = type(module)(twin_config, module.layer_idx)
-        plan = SPLITS[type(module).__name__](module, rank, world_size)
+        plan = split.plan(module, rank, world_size)
         index = {}
         for name, parameter in module.named_parameters():
             dim, ranges = plan[name]  # a parameter the split does not name: KeyError, loudly
-            if ranges is None:
-                index[name] = (dim, None)
+            if ranges is None or ranges == "first":
+                index[name] = (dim, None if ranges is None or rank == 0 else "zeros")
                 continue
-            rows = torch.cat([torch.arange(a, b) for a, b in ranges]).to(parameter.device)
+            rows = torch.cat([torch.arange(a, b, device=parameter.device) for a, b in ranges])
             index[name] = (dim, rows)
             assert dict(twin.named_parameters())[name].shape[dim] == rows.numel(), name
         return cls(twin, index)
@@ -128,6 +175,9 @@ class HeadShare:
         params = {}
         for name, parameter in module.named_parameters():
             dim, rows = self.index[name]
+            if isinstance(rows, str):  # "zeros": added once, by rank 0
+                params[name] = torch.zeros_like(parameter)
+                continue
             if rows is not None and rows.device != parameter.device:  # the model moved
                 rows = rows.to(parameter.device)
                 self.index[name] = (dim, rows)

@@ -320,6 +320,18 @@ def install(model: nn.Module, root: nn.Module, mixers: list[tuple[str, nn.Module
             module._ringattn_mixer_hooked = True
 
 
+def schemes(model: nn.Module) -> dict[str, tuple[str, str]]:
+    """{module name: (the mixer it is, "heads" or "whole")} for a parallelized model: how each
+    recurrent mixer runs across the ranks (heads: mixer_heads.py; whole: the module docstring)."""
+    state: MixerState | None = getattr(model, STATE_ATTR, None)
+    out = {}
+    for name, module in model.named_modules():
+        if _known(module) and state is not None:
+            scheme = "heads" if id(module) in state.heads else "whole"
+            out[name] = (MIXERS[type(module).__name__], scheme)
+    return out
+
+
 def refuse_for_decoding(model: nn.Module, what: str) -> None:
     """ValueError when `model`'s text side has a recurrent or convolutional mixer (handled in
     training or not): ringattn's KV-cache decoding keeps keys and values only, not a mixer's
