@@ -151,6 +151,19 @@ def test_refusals_name_the_setting(tmp_path):
         ringattn.hf.with_context_parallel(object)
 
 
+def test_split_experts_refused_in_the_constructor(pools, tmp_path):
+    """A model whose experts parallelize(expert_group=...) split over the ranks: the Trainer's
+    DDP would broadcast rank 0's experts over rank 1's and average different experts'
+    gradients, so the constructor raises on every rank (before DDP, before any step)."""
+    case = {"kind": "trainer", "cp": 2, "arch": "qwen3_moe", "split_experts": True,
+            "construct_only": True}  # fmt: skip
+    pools(2).run_expect_error(
+        "workers_hf_trainer:run", case, str(tmp_path), exc_type=ValueError,
+        match=r"the model's experts are split over an expert group \(parallelize\(expert_group="
+              r"...\), 2 ranks.*ringattn train --hf DIR --ep E",
+    )  # fmt: skip
+
+
 def test_checkpoint_resumes_equal_and_save_model_loads(pools, tmp_path):
     """A Trainer checkpoint at step 2 resumed under cp=2 continues as the uninterrupted run;
     `save_model` writes the whole model, which `from_pretrained` loads in a plain process."""

@@ -116,6 +116,10 @@ def _trainer(case: dict, out_dir: str):
     transformers.logging.set_verbosity_error()
     tok = tokenizer()
     net = model(case.get("arch", "llama"), len(tok))
+    if case.get("split_experts"):  # by hand, before the Trainer (which must refuse it)
+        import torch.distributed as dist
+
+        ringattn.hf.parallelize(net, expert_group=dist.group.WORLD)
     common = {"output_dir": out_dir, "max_steps": case.get("steps", 5), "learning_rate": 3e-3,
               "per_device_train_batch_size": case.get("batch", 2), "logging_steps": 1,
               "report_to": "none", "use_cpu": True, "seed": 0, "save_strategy": "no",
@@ -194,6 +198,8 @@ def run(rank: int, world_size: int, case: dict, out_dir: str) -> dict:
 def _run(rank: int, world_size: int, case: dict, out_dir: str) -> dict:
     _env(rank, world_size)
     trainer = _trainer(case, out_dir)
+    if case.get("construct_only"):
+        return {}
     trainer.train(resume_from_checkpoint=case.get("resume"))
     result = _history(trainer)
     if case.get("eval"):
