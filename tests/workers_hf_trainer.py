@@ -1,9 +1,10 @@
 """Rank functions for the Trainer integration (ringattn.hf.with_context_parallel; see harness.py).
 
 `run(rank, world_size, case)` trains one case and returns what the tests compare: the logged
-per-step training losses, the eval losses, and (rank 0) the trained parameters (the adapters' only
-under LoRA). The same function is the reference: called in the test process with `cp=0` (no
-ringattn, the plain trainer class) on one process, or on a pool without CP (plain DDP).
+per-step training losses and gradient norms (before clipping), the eval losses, and (rank 0) the
+trained parameters (the adapters' only under LoRA). The same function is the reference: called
+in the test process with `cp=0` (no ringattn, the plain trainer class) on one process, or on a
+pool without CP (plain DDP).
 
 Everything is built here, offline and seeded: a character-level ChatML tokenizer whose template
 marks the assistant's turns ({% generation %}, for TRL's assistant_only_loss), tiny chat data, and
@@ -170,6 +171,7 @@ def _trainer(case: dict, out_dir: str):
 def _history(trainer) -> dict:
     logs = trainer.state.log_history
     return {"losses": [r["loss"] for r in logs if "loss" in r],
+            "grad_norms": [r["grad_norm"] for r in logs if "grad_norm" in r],
             "eval": [r["eval_loss"] for r in logs if "eval_loss" in r]}  # fmt: skip
 
 
