@@ -200,3 +200,39 @@ def test_import_ringattn_does_not_import_transformers():
     code = "import sys, ringattn; assert 'transformers' not in sys.modules, 'imported'"
     env = {**os.environ, "PYTHONPATH": os.path.join(os.path.dirname(__file__), "..", "src")}
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
+
+
+@pytest.mark.parametrize(
+    ("differ", "fields"),
+    [("input_ids", "'input_ids'"), ("labels", "'labels'"),
+     ("documents", "'cu_seqlens', 'position_ids'")],
+)  # fmt: skip
+def test_shard_batch_refuses_different_sequences(pools, differ, fields):
+    """A CP rank given another sequence of the same length (the shapes all agree) raises on every
+    rank, naming the ranks and what differs; the same sequence passes."""
+    pools(2).run_expect_error(
+        "workers_hf:different_sequences", differ=differ, exc_type=ValueError,
+        match=rf"ranks \[1\] differ from ranks \[0\] in \[{fields}\]; every rank of a CP group "
+              rf"must pass the same full sequence",
+    )  # fmt: skip
+    same = pools(2).run("workers_hf:different_sequences", differ="none")
+    assert same[0].shape == same[1].shape and not torch.equal(same[0], same[1])
+
+
+def test_batch_digest():
+    """The digest behind that check: a swap or a one-token change alters it, int64 never
+    overflows (ids near 2^62, many tokens), float tensors compare by their bits."""
+    from ringattn.integrations.hf.agreement import digest
+
+    ids = torch.randint(0, 2**62, (1, 5000), generator=torch.Generator().manual_seed(0))
+    swapped = ids.clone()
+    swapped[0, [7, 4000]] = swapped[0, [4000, 7]]
+    changed = ids.clone()
+    changed[0, 4999] += 1
+    digests = [digest(x).tolist() for x in (ids, swapped, changed)]
+    assert digests[0][0] == 5000 and all(0 <= s < 5000 * 2**31 for s in digests[0][1:])
+    assert len({tuple(d) for d in digests}) == 3
+    assert digest(ids).tolist() == digest(ids.clone()).tolist()
+    pixels = torch.randn(3, 4, dtype=torch.bfloat16)
+    assert digest(pixels).tolist() == digest(pixels.clone()).tolist()
+    assert digest(pixels).tolist() != digest(-pixels).tolist()

@@ -264,3 +264,16 @@ def test_serve_ep2_answers_as_model_generate(tmp_path):
             eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
         )  # fmt: skip
         assert answers[prompt] == tok.decode(out[0, len(ids) :], skip_special_tokens=True)
+
+
+def test_split_experts_under_ddp_are_refused(pools):
+    """torch DDP around a model whose experts are split (by hand: the Trainer refuses it in its
+    constructor, test_hf_trainer.py) takes every rank's weights for copies: its first forward
+    raises on every rank, before any step. DDP told to ignore the expert weights runs (rank 1
+    keeps its experts: the caller then owns their gradients)."""
+    pools(2).run_expect_error(
+        "workers_hf_experts:under_ddp", ignore_experts=False, exc_type=ValueError,
+        match=r"holds experts \[\d, \d\) of 4 \(parallelize\(expert_group=...\) over 2 ranks\) "
+              r"but runs inside torch DDP.*ringattn train --hf DIR --ep E",
+    )  # fmt: skip
+    assert pools(2).run("workers_hf_experts:under_ddp", ignore_experts=True) == [True, True]

@@ -2,8 +2,10 @@
 TRL's SFTTrainer (with PEFT's LoRA) equals the same trainer without context parallelism.
 
 Every case trains tiny float32 models built in workers_hf_trainer.py on tiny chat data for 5
-optimizer steps and compares the per-step logged losses (1e-5) and the trained weights: CP = 2 on
-2 ranks against one process, dp 2 x cp 2 on 4 ranks against plain DDP on 2. The references run
+optimizer steps and compares the per-step logged losses (1e-5), the logged gradient norms (before
+clipping: AdamW clipped at 1 would hide a gradient cp times too large) and the trained weights:
+CP = 2 on 2 ranks against one process, dp 2 x cp 2 on 4 ranks against plain DDP on 2; two cases
+under SGD without clipping, where the weights move by the gradient itself. The references run
 the same function with the plain trainer class (cp=0), in this process or on a pool.
 """
 
@@ -20,6 +22,7 @@ from workers_hf_trainer import run
 
 LOSS_ATOL = 1e-5
 WEIGHT_ATOL = 1e-5
+NORM_RTOL = 1e-5
 
 
 def _reference(case: dict, tmp_path) -> dict:
@@ -30,6 +33,10 @@ def _same(got: dict, want: dict, what: str) -> None:
     assert len(want["losses"]) == len(got["losses"]) >= 5, (what, got["losses"], want["losses"])
     for step, (a, b) in enumerate(zip(got["losses"], want["losses"]), 1):
         assert abs(a - b) <= LOSS_ATOL, f"{what}: step {step} loss {a} != {b}"
+    # the norm before clipping: clipped steps (AdamW too) hide a gradient scaled by cp
+    assert len(got["grad_norms"]) == len(want["grad_norms"]) == len(want["losses"]), what
+    for step, (a, b) in enumerate(zip(got["grad_norms"], want["grad_norms"]), 1):
+        assert abs(a - b) <= NORM_RTOL * b, f"{what}: step {step} grad_norm {a} != {b}"
     assert got["eval"] == pytest.approx(want["eval"], abs=LOSS_ATOL), what
     assert set(got["params"]) == set(want["params"]), what
     for name, value in want["params"].items():
@@ -136,6 +143,31 @@ def test_dp2_cp2_equals_plain_dp2(pools, tmp_path):
     _same(cp[0], plain[0], "dp 2 x cp 2 vs dp 2")
 
 
+SGD = {"optim": "sgd", "max_grad_norm": 0.0, "learning_rate": 0.05}
+"""No clipping, no per-element normalisation: a step moves each weight by lr x its gradient, so
+a gradient off by any factor (cp x, 1 / cp) shows in the weights."""
+
+
+def test_sgd_without_clipping_cp2_equals_one_process(pools, tmp_path):
+    """transformers.Trainer under SGD without clipping, 2 accumulation steps: losses, gradient
+    norms and the weights after 5 steps equal one process's."""
+    case = {"kind": "trainer", "cp": 2, "accumulation": 2, "args": SGD}
+    results = pools(2).run("workers_hf_trainer:run", case, str(tmp_path / "cp"), timeout=600)
+    _ranks_agree(results)
+    _same(results[0], _reference(case, tmp_path), "Trainer + SGD")
+
+
+def test_sgd_dp2_cp2_equals_plain_dp2(pools, tmp_path):
+    """dp 2 x cp 2 (DDP over 4 ranks averaging, cp summing) = plain DDP on 2, under SGD without
+    clipping."""
+    case = {"kind": "sft", "cp": 2, "args": SGD}
+    cp = pools(4).run("workers_hf_trainer:run", case, str(tmp_path / "cp"), timeout=600)
+    _ranks_agree(cp)
+    plain = pools(2).run("workers_hf_trainer:run", {**case, "cp": 0}, str(tmp_path / "dp"),
+                         timeout=600)  # fmt: skip
+    _same(cp[0], plain[0], "dp 2 x cp 2 vs dp 2, SGD")
+
+
 def test_refusals_name_the_setting(tmp_path):
     """Settings the integration cannot honour raise ValueError naming them (one process)."""
     import ringattn.hf
@@ -149,6 +181,19 @@ def test_refusals_name_the_setting(tmp_path):
         run(0, 1, {"kind": "trainer", "cp": 3}, str(tmp_path))
     with pytest.raises(TypeError, match="transformers.Trainer or a subclass"):
         ringattn.hf.with_context_parallel(object)
+
+
+def test_split_experts_refused_in_the_constructor(pools, tmp_path):
+    """A model whose experts parallelize(expert_group=...) split over the ranks: the Trainer's
+    DDP would broadcast rank 0's experts over rank 1's and average different experts'
+    gradients, so the constructor raises on every rank (before DDP, before any step)."""
+    case = {"kind": "trainer", "cp": 2, "arch": "qwen3_moe", "split_experts": True,
+            "construct_only": True}  # fmt: skip
+    pools(2).run_expect_error(
+        "workers_hf_trainer:run", case, str(tmp_path), exc_type=ValueError,
+        match=r"the model's experts are split over an expert group \(parallelize\(expert_group="
+              r"...\), 2 ranks.*ringattn train --hf DIR --ep E",
+    )  # fmt: skip
 
 
 def test_checkpoint_resumes_equal_and_save_model_loads(pools, tmp_path):

@@ -238,3 +238,22 @@ def deepcopy_parallelized(rank, world_size):
     batch = ringattn.hf.shard_batch(data("packed"), layout="zigzag")
     with torch.no_grad():
         return model(**batch).loss.item(), copy.deepcopy(model)(**batch).loss.item()
+
+
+def different_sequences(rank, world_size, *, differ):
+    """shard_batch where the last rank was given another sequence of the same length: `differ`
+    names what it changed ("input_ids": two tokens swapped, "labels": one label, "documents":
+    other document bounds, "none": nothing). Returns the input_ids it got back."""
+    batch = data("packed")
+    if rank == world_size - 1:
+        if differ == "input_ids":
+            ids = batch["input_ids"].clone()
+            ids[0, [3, 20]] = ids[0, [20, 3]]
+            assert not torch.equal(ids, batch["input_ids"])
+            batch["input_ids"] = ids
+        elif differ == "labels":
+            batch["labels"] = batch["labels"].clone()
+            batch["labels"][0, 5] = -100
+        elif differ == "documents":  # the same tokens and positions, bounds given another way
+            batch = {**data("cu_seqlens"), "cu_seqlens": [0, 12, SEQ_LEN]}
+    return ringattn.hf.shard_batch(batch, group=dist.group.WORLD)["input_ids"]

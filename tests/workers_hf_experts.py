@@ -197,3 +197,22 @@ def train(rank, world_size, options):
         "checkpoint": run.checkpoint,
         "params": full_parameters(run.model) if world_size == 1 else None,
     }
+
+
+def under_ddp(rank, world_size, *, ignore_experts):
+    """A forward of an expert-split model wrapped in torch DDP by hand (which has just broadcast
+    rank 0's experts over rank 1's); with `ignore_experts` DDP was told to leave the expert
+    weights alone (the caller's job then): it runs, returning whether rank 1 kept its own."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = copy.deepcopy(build("qwen3_moe"))
+    ringattn.hf.parallelize(model, expert_group=dist.group.WORLD)
+    experts = [(n, p) for n, p in model.named_parameters() if "experts" in n]
+    before = experts[0][1].detach().clone()
+    if ignore_experts:
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+            model, [n for n, _ in experts]
+        )
+    wrapped = DistributedDataParallel(model)
+    wrapped(**ringattn.hf.shard_batch(data("dense")))
+    return torch.equal(experts[0][1], before)

@@ -1,9 +1,10 @@
 """Rank functions for the Trainer integration (ringattn.hf.with_context_parallel; see harness.py).
 
 `run(rank, world_size, case)` trains one case and returns what the tests compare: the logged
-per-step training losses, the eval losses, and (rank 0) the trained parameters (the adapters' only
-under LoRA). The same function is the reference: called in the test process with `cp=0` (no
-ringattn, the plain trainer class) on one process, or on a pool without CP (plain DDP).
+per-step training losses and gradient norms (before clipping), the eval losses, and (rank 0) the
+trained parameters (the adapters' only under LoRA). The same function is the reference: called
+in the test process with `cp=0` (no ringattn, the plain trainer class) on one process, or on a
+pool without CP (plain DDP).
 
 Everything is built here, offline and seeded: a character-level ChatML tokenizer whose template
 marks the assistant's turns ({% generation %}, for TRL's assistant_only_loss), tiny chat data, and
@@ -116,6 +117,10 @@ def _trainer(case: dict, out_dir: str):
     transformers.logging.set_verbosity_error()
     tok = tokenizer()
     net = model(case.get("arch", "llama"), len(tok))
+    if case.get("split_experts"):  # by hand, before the Trainer (which must refuse it)
+        import torch.distributed as dist
+
+        ringattn.hf.parallelize(net, expert_group=dist.group.WORLD)
     common = {"output_dir": out_dir, "max_steps": case.get("steps", 5), "learning_rate": 3e-3,
               "per_device_train_batch_size": case.get("batch", 2), "logging_steps": 1,
               "report_to": "none", "use_cpu": True, "seed": 0, "save_strategy": "no",
@@ -166,6 +171,7 @@ def _trainer(case: dict, out_dir: str):
 def _history(trainer) -> dict:
     logs = trainer.state.log_history
     return {"losses": [r["loss"] for r in logs if "loss" in r],
+            "grad_norms": [r["grad_norm"] for r in logs if "grad_norm" in r],
             "eval": [r["eval_loss"] for r in logs if "eval_loss" in r]}  # fmt: skip
 
 
@@ -194,6 +200,8 @@ def run(rank: int, world_size: int, case: dict, out_dir: str) -> dict:
 def _run(rank: int, world_size: int, case: dict, out_dir: str) -> dict:
     _env(rank, world_size)
     trainer = _trainer(case, out_dir)
+    if case.get("construct_only"):
+        return {}
     trainer.train(resume_from_checkpoint=case.get("resume"))
     result = _history(trainer)
     if case.get("eval"):

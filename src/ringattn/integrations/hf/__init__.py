@@ -14,7 +14,8 @@ is `shard_batch`: it shards the tokens, keeps global RoPE positions, shifts the 
 global sequence before sharding and passes the whole sequence's supervised-token count, so that
 transformers' own causal-LM loss gives this rank's share of the single-device loss.
 
-Modules: attention.py (the attention and mask functions), batch.py (shard_batch), model.py
+Modules: attention.py (the attention and mask functions), batch.py (shard_batch), agreement.py
+(its check that every CP rank was given the same sequence), model.py
 (parallelize), moe.py (the MoE router loss over the whole sequence), experts.py (expert
 parallelism: experts split over ranks, tokens sent to them), vision.py (vision-language
 models: the decoder's sequence cut), loss.py (chunked cross-entropy), tensor_parallel.py (the

@@ -27,6 +27,8 @@ Every rank passes the same full batch and gets back its own tokens in the layout
    input_ids, the pixels and the token types stay whole (the model merges the image embeddings
    and numbers the 3-D positions on the whole sequence; a pre-hook on its text decoder cuts
    them); only the labels are sharded as above.
+6. Agreement. The ranks compare a digest of what they were given (agreement.py): one small
+   all-gather per call, ValueError on every rank when one was given another sequence.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import itertools
 import torch
 
 import ringattn
+from ringattn.integrations.hf.agreement import check_same_batch
 from ringattn.integrations.hf.vision import MULTIMODAL_KEYS
 from ringattn.packing import check_cu_seqlens
 
@@ -112,8 +115,9 @@ def shard_batch(
 ) -> dict[str, object]:
     """This rank's keyword arguments for `model(**...)` of a model prepared with `parallelize`.
 
-    `batch` holds the full (1, S) sequence, the same on every rank, any S: `input_ids`, optionally
-    `labels` (-100 = unsupervised, unshifted as for transformers), `position_ids` (restarting at 0
+    `batch` holds the full (1, S) sequence, the same on every rank of `group` (checked on every
+    call: ValueError naming the ranks that differ), any S: `input_ids`, optionally `labels`
+    (-100 = unsupervised, unshifted as for transformers), `position_ids` (restarting at 0
     per packed document, or 3-D M-RoPE positions (3, 1, S)), `cu_seqlens` ([0, e1, ..., S]),
     `attention_mask` (all ones only) and `num_items_in_batch` (a global supervised-token count to
     divide by instead of this sequence's, e.g. over data-parallel ranks or accumulation steps).
@@ -154,9 +158,12 @@ def shard_batch(
         else:
             _check_tokens("position_ids", position_ids, seq_len)
     bounds = _documents(position_ids, batch.get("cu_seqlens"), seq_len)
-    index = ringattn.positions(seq_len, group=group, layout=layout, cu_seqlens=bounds)
     if position_ids is None:
         position_ids = _default_positions(bounds, batch.get("cu_seqlens") is not None, ids.device)
+    fields = {"input_ids": ids, "labels": batch.get("labels"), "position_ids": position_ids,
+              "cu_seqlens": bounds, **{key: batch.get(key) for key in MULTIMODAL_KEYS}}  # fmt: skip
+    check_same_batch(fields, group, ids.device)  # one small all-gather: the same sequence?
+    index = ringattn.positions(seq_len, group=group, layout=layout, cu_seqlens=bounds)
     # kept on the CPU: the attention function reads the bounds on the host (a CUDA copy would
     # cost a device sync in every layer)
     cu = torch.tensor(bounds, dtype=torch.int32, device="cpu")

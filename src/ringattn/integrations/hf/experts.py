@@ -18,6 +18,12 @@ experts' own forward (whichever transformers experts implementation is configure
 No token is dropped, however unevenly the router sends them. Backward is the same two exchanges
 reversed (comm/rows.py). Shared experts (plain MLP modules) are not experts modules here and stay
 replicated; the router's load-balancing loss still sees every routing decision (moe.py).
+
+Data parallelism must know which ranks hold the same experts (train --hf: FSDP2 over them,
+train/hf/experts.py). DDP takes every rank's weights for copies of one model: it broadcasts rank
+0's slice over the others' and averages the gradients of different experts. The pre-hook refuses
+to run inside a DDP forward that synchronises this module's weights (`_refuse_ddp`), on every
+rank, before any step; ringattn.hf's Trainer refuses such a model in its constructor.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ class ExpertShard:
     local: int
     total: int
     pending: tuple | None = None  # the pre-hook's routing, for the hook of the same call
+    ddp_checked: int | None = None  # id of the DDP wrapper found not to synchronise this module
 
     def __deepcopy__(self, memo: dict) -> ExpertShard:
         return ExpertShard(self.info, self.start, self.local, self.total)
@@ -152,8 +159,30 @@ def _routing(module: torch.nn.Module, args: tuple, kwargs: dict) -> list[torch.T
     return values
 
 
+def _refuse_ddp(module: torch.nn.Module, shard: ExpertShard) -> None:
+    """ValueError when a DDP forward that synchronises this module's weights is running
+    (checked once per wrapper; DDP ignores the weights it was told to: `_ddp_ignored`)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    active = getattr(DistributedDataParallel, "_active_ddp_module", None)
+    if active is None or shard.info.world_size == 1 or shard.ddp_checked == id(active):
+        return
+    synced = {id(p) for p in getattr(active, "_module_parameters", ())}
+    if any(id(p) in synced for p in module.parameters(recurse=False)):
+        raise ValueError(
+            f"{type(module).__name__} holds experts [{shard.start}, {shard.start + shard.local})"
+            f" of {shard.total} (parallelize(expert_group=...) over {shard.info.world_size} "
+            f"ranks) but runs inside torch DDP, which broadcast rank 0's experts over every "
+            f"rank's and would average the gradients of different experts; wrap the model without "
+            f"expert_group (every rank holds every expert), or train expert parallelism with "
+            f"`ringattn train --hf DIR --ep E` (FSDP2 over the ranks holding the same experts)"
+        )
+    shard.ddp_checked = id(active)
+
+
 def _dispatch(module: torch.nn.Module, args: tuple, kwargs: dict):
     shard: ExpertShard = getattr(module, EXPERTS_ATTR)
+    _refuse_ddp(module, shard)
     hidden, index, weights = _routing(module, args, kwargs)
     tokens, k = index.shape
     expert = index.reshape(-1)  # (T k,) pair p = (token p // k, its (p % k)-th expert)

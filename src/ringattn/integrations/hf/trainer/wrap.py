@@ -29,7 +29,9 @@ global token mean. Checkpoints and `save_model` are the Trainer's: DDP keeps the
 every rank (FSDP's own state-dict settings apply), so rank 0 writes all of it.
 
 Settings that cannot be honoured raise ValueError in the constructor, on every rank (they are
-read from the arguments all ranks share), naming the setting.
+read from the arguments all ranks share), naming the setting. So does a model whose experts
+`parallelize(expert_group=...)` split over ranks: DDP and FSDP here replicate over all W ranks
+(train --hf has expert parallelism, FSDP2 over the ranks holding the same experts).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from ringattn.integrations.hf.batch import shard_batch
+from ringattn.integrations.hf.experts import EXPERTS_ATTR
 from ringattn.integrations.hf.model import parallelize
 from ringattn.integrations.hf.trainer.batch import one_row
 from ringattn.integrations.hf.trainer.chunked import install_chunked_loss
@@ -82,6 +85,24 @@ def _refuse(trainer: object, extra_settings: dict) -> None:
     for failed, setting, fix in checks:
         if failed:
             raise ValueError(f"ringattn.hf Trainer: {setting} is not supported: {fix}")
+
+
+def _refuse_split_experts(model: torch.nn.Module) -> None:
+    """ValueError for a model whose experts `parallelize(expert_group=...)` split over several
+    ranks: the Trainer's DDP (or FSDP) takes every rank's weights for copies of one model, so it
+    would broadcast rank 0's experts over the others' and average different experts' gradients.
+    Read from the model alone (every rank holds the same structure): raised on every rank."""
+    for name, module in model.named_modules():
+        shard = getattr(module, EXPERTS_ATTR, None)
+        if shard is not None and shard.info.world_size > 1:
+            raise ValueError(
+                f"ringattn.hf Trainer: the model's experts are split over an expert group "
+                f"(parallelize(expert_group=...), {shard.info.world_size} ranks, e.g. {name}), "
+                f"which the Trainer's DDP/FSDP would take for copies of one model (rank 0's "
+                f"experts broadcast over the others', gradients of different experts averaged); "
+                f"give the Trainer the model without expert_group (every rank holds every "
+                f"expert), or train expert parallelism with `ringattn train --hf DIR --ep E`"
+            )
 
 
 def _by_data_parallel_rank(loader: object, dp: int, dp_rank: int, world: int) -> object:
@@ -132,6 +153,7 @@ class _ContextParallel:
         self.cp_split = split_world(context_parallel)
         model = self.model
         base = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT
+        _refuse_split_experts(base)
         parallelize(base, self.cp_split.group, context_parallel.layout, context_parallel.strategy,
                     backend=context_parallel.backend)  # fmt: skip
         if getattr(self, "aux_loss_enabled", False):  # SFTTrainer's own MoE router loss
