@@ -1,7 +1,8 @@
 """`ringattn plan` for hybrid models: recurrent mixer layers (gated DeltaNet, Mamba2/SSD, Mamba1,
 short convolution) priced beside attention: FLOPs against hand counts, CP traffic per scheme
-(flat in S for state passing, linear in S for gather), the HF config families' layer patterns,
-and unknown layer kinds refused. Configs are written here (no download).
+(flat in S for state passing, linear in S and equal to the library's own counts for gather and
+heads), `auto` picking what the library runs, the HF config families' layer patterns, and
+unknown layer kinds refused. Configs are written here (no download).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from ringattn.planner.hardware import get_hardware
 from ringattn.planner.memory import memory_bytes
 from ringattn.planner.models import MixerShape, ModelSpec, get_model
 from ringattn.planner.search import model_flops_per_token
-from ringattn.planner.work import mixer_work
+from ringattn.planner.work import mixer_work, resolve_mixer_scheme
 
 # Qwen3.5-style: 32 layers, layer_types 3 linear : 1 full, gated DeltaNet 16 key / 32 value heads
 QWEN35 = {"model_type": "qwen3_5_text", "hidden_size": 4096, "num_hidden_layers": 32,
@@ -80,12 +81,73 @@ def test_state_passing_traffic_is_flat_in_s_and_gather_linear():
     assert long.sent[0] == 4 * short.sent[0] == 4 * 3 * 2**15 // 4 * m.dim * 2
     assert long.sent[1] == 2 * long.sent[0]  # backward all-reduces the input gradient
     assert long.rows == 2**17  # the whole sequence on every rank
+    # integrations/hf/mixers.py counts 3 x (W-1)/W x S x hidden x bytes per call
+    assert sum(long.sent) == 3 * 3 / 4 * 2**17 * m.dim * 2
+
+
+@pytest.mark.parametrize("w", [2, 4, 8])
+def test_heads_divides_the_compute_by_w_and_sends_the_library_bytes(w):
+    dim, mx = 4096, MixerShape("gated_deltanet", 32, 128, 128, 16)
+    gather, heads = (mixer_work(mx, s, "zigzag", dim, 2**16, 2, w) for s in ("gather", "heads"))
+    one = mixer_work(mx, "gather", "zigzag", dim, 2**16, 2, 1)  # one process, the whole sequence
+    assert heads.rows == gather.rows == one.rows == 2 * 2**16  # every rank runs all S rows
+    for key in ("matmul_flops", "recurrence_flops", "elementwise_elems"):
+        assert getattr(heads, key) == pytest.approx(getattr(one, key) / w)
+        assert getattr(gather, key) == pytest.approx(getattr(one, key))  # replicated
+    # all-gather in + all-reduce out; backward all-reduces the output and the input gradients:
+    # mixers.py's 7 x (W-1)/W x S x hidden x bytes per call (per sequence)
+    assert heads.sent == pytest.approx((3 * (w - 1) / w * 2 * 2**16 * dim * 2,
+                                        4 * (w - 1) / w * 2 * 2**16 * dim * 2))  # fmt: skip
+    assert sum(heads.sent) == pytest.approx(7 / 3 * sum(gather.sent))
+    assert heads.messages == (3 * (w - 1), 4 * (w - 1))
+    longer = mixer_work(mx, "heads", "zigzag", dim, 2**18, 2, w)
+    assert longer.sent == pytest.approx(tuple(4 * x for x in heads.sent))  # linear in S
+    with pytest.raises(ValueError, match="cp=3 to divide the 16 key heads"):
+        mixer_work(mx, "heads", "zigzag", dim, 3 * 2**12, 1, 3)
+    with pytest.raises(ValueError, match="splits gated_deltanet layers, not mamba2"):
+        mixer_work(MixerShape("mamba2", 4, 8, 16, 1), "heads", "zigzag", 16, 64, 1, 2)
+
+
+def test_auto_prices_what_the_library_runs(tmp_path, capsys):
+    # 4 key heads: the library splits them over 2 or 4 ranks, and runs the layer whole at cp 3
+    path = _write(tmp_path, {**QWEN35, "linear_num_key_heads": 4, "linear_num_value_heads": 8})
+    m = get_model(path)
+    assert m.mixer.head_parallel and m.mixer.groups == 4
+    base = ["plan", "--model", path, "--hardware", "h100", "--seq-len", "24576", "--tp", "1",
+            "--pp", "1", "--strategy", "ring", "--layout", "zigzag", "--json"]  # fmt: skip
+    for cp, scheme in ((2, "heads"), (3, "gather"), (4, "heads")):
+        assert main([*base, "--gpus", str(cp), "--cp", str(cp)]) == 0
+        (plan,) = json.loads(capsys.readouterr().out)["plans"]
+        assert plan["mixer_scheme"] == "auto"
+        assert plan["mixer_schemes"] == {"gated_deltanet": scheme}, cp
+        mixer = plan["breakdown"]["mixer"]
+        assert mixer["scheme"] == mixer["library_scheme"] == scheme
+        assert plan["train_note"] is None  # the trainer runs what was priced
+        spec = _spec(m, cp, 24576, "auto")
+        assert spec.mixer_run == scheme
+        assert step_time(spec) == step_time(_spec(m, cp, 24576, scheme))
+    # forcing another scheme is priced and noted
+    assert main([*base, "--gpus", "4", "--cp", "4", "--mixer-scheme", "gather"]) == 0
+    (plan,) = json.loads(capsys.readouterr().out)["plans"]
+    assert plan["mixer_schemes"] == {"gated_deltanet": "gather"}
+    note = "gather mixer scheme: the library runs heads for gated_deltanet at cp 4"
+    assert plan["train_note"] == note
+    with pytest.raises(SystemExit):
+        main([*base, "--gpus", "3", "--cp", "3", "--mixer-scheme", "heads"])
+    assert "no plan can run: the heads mixer scheme needs cp=3 to divide the 4 key heads" in (
+        capsys.readouterr().err)  # fmt: skip
+    # a gated DeltaNet family the library does not split (OLMo hybrid) runs gather
+    olmo = get_model(_write(tmp_path, {**QWEN35, "model_type": "olmo_hybrid"}, "olmo"))
+    assert not olmo.mixer.head_parallel
+    assert resolve_mixer_scheme(olmo.mixer, "auto", 4) == "gather"
+    assert resolve_mixer_scheme(olmo.mixer, "heads", 4) == "heads"  # a what-if
+    assert resolve_mixer_scheme(m.mixer, "auto", 1) == "gather"  # no CP: nothing to split
 
 
 def test_qwen35_prices_three_quarters_of_its_layers_as_mixers(tmp_path, capsys):
     m = get_model(_write(tmp_path, QWEN35))
     assert (m.n_layers, m.mixer_layers, m.attention_layers) == (32, 24, 8)
-    assert m.mixer == MixerShape("gated_deltanet", 32, 128, 128, 16, 4, 64)
+    assert m.mixer == MixerShape("gated_deltanet", 32, 128, 128, 16, 4, 64, head_parallel=True)
     dense = get_model(_write(tmp_path, {k: v for k, v in QWEN35.items()
                                         if not k.startswith("linear")
                                         and k != "layer_types"}, "dense"))  # fmt: skip
@@ -98,26 +160,33 @@ def test_qwen35_prices_three_quarters_of_its_layers_as_mixers(tmp_path, capsys):
     spec = _spec(m, 4, seq, "gather")
     # attention FLOPs shrink to 8 layers; the recurrence is linear in S
     assert model_flops_per_token(spec) < model_flops_per_token(_spec(dense, 4, seq, "gather"))
-    times = {s: step_time(_spec(m, 4, seq, s)) for s in ("gather", "state_passing")}
-    passing, gather = (times[s]["mixer_bytes_per_layer"] for s in ("state_passing", "gather"))
-    assert 0 < passing < gather
+    schemes = ("gather", "heads", "state_passing")
+    times = {s: step_time(_spec(m, 4, seq, s)) for s in schemes}
+    passing, gather, heads = (times[s]["mixer_bytes_per_layer"] for s in
+                              ("state_passing", "gather", "heads"))  # fmt: skip
+    assert 0 < passing < gather < heads == pytest.approx(7 / 3 * gather)
     assert times["state_passing"]["mixer_s"] < times["gather"]["mixer_s"]  # gather replicates
-    mems = {s: memory_bytes(_spec(m, 4, seq, s)) for s in ("gather", "state_passing")}
-    assert mems["state_passing"]["activations"] < mems["gather"]["activations"]
+    assert times["heads"]["mixer_s"] < times["gather"]["mixer_s"]
+    mems = {s: memory_bytes(_spec(m, 4, seq, s)) for s in schemes}
+    assert mems["state_passing"]["activations"] < mems["heads"]["activations"]
+    assert mems["heads"]["activations"] < mems["gather"]["activations"]
     argv = ["plan", "--model", str(tmp_path / "m" / "config.json"), "--hardware", "h100",
             "--gpus", "8", "--seq-len", str(seq), "--cp", "4", "--tp", "1", "--pp", "1",
             "--strategy", "ring", "--layout", "zigzag", "--json"]  # fmt: skip
     assert main(argv) == 0
     (plan,) = json.loads(capsys.readouterr().out)["plans"]
     mixer = plan["breakdown"]["mixer"]
-    assert plan["mixer_scheme"] == mixer["scheme"] == "gather"
+    assert plan["mixer_scheme"] == "auto"  # the library splits the 16 key heads over cp 4
+    assert mixer["scheme"] == "heads" and plan["mixer_schemes"] == {"gated_deltanet": "heads"}
     assert mixer["layers"] == 24 and mixer["kind"] == "gated_deltanet"
     for key in ("time_share", "memory_share", "traffic_share"):
         assert 0 < mixer[key] < 1, (key, mixer)
     assert main(argv[:-1] + ["--mixer-scheme", "state_passing"]) == 0
     out = capsys.readouterr().out
     assert "24 of 32 layers gated_deltanet (mixer scheme state_passing" in out
-    assert "mix t" in out and "the library runs gather" in out
+    assert "mix t" in out and "state_passing" in out.splitlines()[2]  # the mixer column
+    assert ("state_passing mixer scheme: a what-if the library never runs; the library runs "
+            "heads for gated_deltanet at cp 4") in out  # fmt: skip
 
 
 @pytest.mark.parametrize(

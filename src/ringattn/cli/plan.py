@@ -33,7 +33,7 @@ __all__ = ["add_parser", "run_plan"]
 
 from ringattn.planner.kernels import KERNEL_NAMES
 from ringattn.planner.schedule import PP_SCHEDULES
-from ringattn.planner.work import MIXER_SCHEMES
+from ringattn.planner.work import MIXER_CHOICES
 
 _STRATEGIES = ("ring", "allgather", "ulysses", "hybrid")
 _LAYOUTS = ("zigzag", "striped", "contiguous")
@@ -78,10 +78,13 @@ def add_parser(sub) -> None:
     p.add_argument("--ep", type=int, default=1, help="MoE configs: expert-parallel degree, a "
                    "multiple of cp dividing dp x cp (the trainer's --ep)")  # fmt: skip
     p.add_argument("--strategy", choices=_STRATEGIES, default=None, help="default: search")
-    p.add_argument("--mixer-scheme", choices=MIXER_SCHEMES, default="gather",
-                   help="hybrid models: how the recurrent mixer layers run under CP: gather "
-                   "(all-gather the layer input, run it whole; what the library runs) or "
-                   "state_passing (all-gather fixed-size state summaries)")  # fmt: skip
+    p.add_argument("--mixer-scheme", choices=MIXER_CHOICES, default="auto",
+                   help="hybrid models: how the recurrent mixer layers run under CP: auto (what "
+                   "the library runs: heads where it can, else gather), gather (all-gather the "
+                   "layer input, run it whole on every rank), heads (gated DeltaNet: 1/cp of the "
+                   "key heads per rank on the whole sequence, outputs summed; cp must divide "
+                   "the key heads) or state_passing (all-gather fixed-size state summaries; a "
+                   "what-if the library does not run)")  # fmt: skip
     p.add_argument("--layout", choices=_LAYOUTS, default=None, help="default: search")
     p.add_argument("--dtype", choices=("bf16", "fp8", "fp32", "tf32"), default=None,
                    help="matmul precision (fp8: attention stays bf16 unless --fp8-attention; "
@@ -163,7 +166,7 @@ def _table(plans: list[dict], top: int) -> str:
             f"{'step s':>9} {'tok/s/gpu':>10} {'GiB/gpu':>8} {'fits':>4} {'exposed':>8} "
             f"{'bubble':>7} {'MFU':>5}")  # fmt: skip
     if plans and plans[0]["breakdown"]["mixer"]:
-        head += f" {'mix t':>7} {'mix mem':>7} {'mix B':>7}"
+        head += f" {'mixer':<13} {'mix t':>7} {'mix mem':>7} {'mix B':>7}"
     lines = [head]
     for p in plans[:top]:
         b = p["breakdown"]
@@ -178,8 +181,8 @@ def _table(plans: list[dict], top: int) -> str:
         )
         if b["mixer"]:  # hybrids: the mixer layers' shares
             x = b["mixer"]
-            lines[-1] += (f" {x['time_share']:>7.1%} {x['memory_share']:>7.1%} "
-                          f"{x['traffic_share']:>7.1%}")  # fmt: skip
+            lines[-1] += (f" {x['scheme']:<13} {x['time_share']:>7.1%} "
+                          f"{x['memory_share']:>7.1%} {x['traffic_share']:>7.1%}")  # fmt: skip
     if len(plans) > top:
         lines.append(f"... {len(plans) - top} more (--top N, or --json for all)")
     return "\n".join(lines)
@@ -220,7 +223,8 @@ def run_plan(args: argparse.Namespace) -> int:
     m = job.model
     if m.mixer_layers:
         pipe += (f", {m.mixer_layers} of {m.n_layers} layers {m.mixer.kind} (mixer scheme "
-                 f"{job.mixer_scheme}; mix: their share of time, memory, CP bytes)")  # fmt: skip
+                 f"{job.mixer_scheme}; mixer: the scheme priced; mix: their share of time, "
+                 f"memory, CP bytes)")  # fmt: skip
     print(f"{job.model.name} on {args.gpus} x {job.hw.name}, {job.seq_len} tokens x batch "
           f"{job.batch_size}, {job.dtype}{ac}{kernel}{pipe}: {len(plans)} plans, "
           f"{len(fitting)} fit")  # fmt: skip

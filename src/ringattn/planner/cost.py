@@ -37,8 +37,9 @@ cannot also cover FSDP's there, so FSDP hides only behind the rest.
 Hybrid models (work.py's MixerShape): a mixer layer replaces attention by its projections (at the
 matmul rate), its chunked recurrence (at the matmul rate of C-row calls; mamba1's scan at the
 fp32 rate) and its memory-bound passes, backward 2x, 2.5x and 2x; its CP traffic per
---mixer-scheme (work.py's MIXER_SCHEMES) is exposed: nothing runs while the gathered input or the
-summaries travel. Per block, attention and mixer costs are weighted by their layers' shares.
+--mixer-scheme (work.py's MIXER_SCHEMES; `auto`: what the library runs) is exposed: nothing runs
+while the gathered input, the summed outputs or the summaries travel. Per block, attention and
+mixer costs are weighted by their layers' shares.
 
 gloo (every cpu plan): its reduce_scatter_tensor, which FSDP2 calls, is an all-reduce underneath:
 twice the bytes of a ring reduce-scatter. Measured over the two-hosts link (scripts/
@@ -54,6 +55,7 @@ from ringattn.planner.hardware import Hardware
 from ringattn.planner.models import ModelSpec
 from ringattn.planner.schedule import bubble_slots
 from ringattn.planner.work import StepWork, allgather_work, group_ring_steps, mixer_work
+from ringattn.planner.work import resolve_mixer_scheme as resolve_mixer
 from ringattn.strategies.ulysses import HeadPlan
 
 __all__ = ["PlanSpec", "attention_layer_s", "crossing_load", "mixer_shares", "step_time"]
@@ -93,8 +95,13 @@ class PlanSpec:
     """fp8 forward attention (flash3, cudnn) with --dtype fp8."""
     attention_tflops: tuple[float, float] | None = None
     """Overrides the kernel's plateau rates, forward and backward TFLOP/s."""
-    mixer_scheme: str = "gather"
-    """Hybrid models: how the mixer layers run under CP (work.MIXER_SCHEMES)."""
+    mixer_scheme: str = "auto"
+    """Hybrid models: how the mixer layers run under CP (work.MIXER_CHOICES; `mixer_run`)."""
+
+    @property
+    def mixer_run(self) -> str:
+        """The mixer scheme priced: mixer_scheme, `auto` resolved for this cp and tp."""
+        return resolve_mixer(self.model.mixer, self.mixer_scheme, self.cp, self.tp)
 
     @property
     def gpus(self) -> int:
@@ -223,7 +230,7 @@ def _mixer(spec: PlanSpec, backward: bool) -> tuple[float, float, float]:
     """(compute s, exposed comm s, comm bytes) of one mixer layer, forward or backward."""
     m, hw = spec.model, spec.hw
     mx = m.mixer
-    work = mixer_work(mx, spec.mixer_scheme, spec.layout, m.dim, spec.seq_len, spec.micro_batch,
+    work = mixer_work(mx, spec.mixer_run, spec.layout, m.dim, spec.seq_len, spec.micro_batch,
                       spec.cp, spec.tp, spec.elem_bytes)  # fmt: skip
     dtype = "bf16" if spec.dtype == "fp8" else spec.dtype
     scan = "fp32" if mx.kind == "mamba1" and not hw.is_cpu else dtype  # CUDA cores, not MMA
@@ -244,7 +251,8 @@ def mixer_shares(spec: PlanSpec, time: dict, memory_share: float) -> dict | None
         return None
     mixer_bytes = m.mixer_layers * time["mixer_bytes_per_layer"]
     total = m.attention_layers * time["cp_bytes_per_layer"] + mixer_bytes
-    return {"scheme": spec.mixer_scheme, "kind": m.mixer.kind, "layers": m.mixer_layers,
+    return {"scheme": spec.mixer_run, "kind": m.mixer.kind, "layers": m.mixer_layers,
+            "library_scheme": resolve_mixer(m.mixer, "auto", spec.cp, spec.tp),
             "time_s": time["mixer_s"], "exposed_comm_s": time["mixer_exposed_comm_s"],
             "bytes_per_layer": time["mixer_bytes_per_layer"],
             "time_share": time["mixer_s"] / time["step_time_s"], "memory_share": memory_share,

@@ -25,11 +25,14 @@
     mixer buffers           hybrids, the mixer layer being run: its chunk states (float32, one
                             per chunk of its rows, and their gradients in backward); state
                             passing adds the W x runs gathered summaries; gather adds the
-                            gathered input and its full-length gradient
+                            gathered input and its full-length gradient; heads adds those and
+                            the full-length output gradient (the summed output's is S x hidden)
 
 Hybrid activations: a mixer layer keeps its own tensors (work.MixerShape.activation_elems) in
 place of attention's; under the gather scheme it ran on all S rows, so it keeps W times as many,
-plus the gathered input. Attention and mixer parts are weighted by their layers' shares.
+plus the gathered input; under heads it ran on all S rows for 1/W of the heads, so it keeps as
+many as one shard's, plus the gathered input. Attention and mixer parts are weighted by their
+layers' shares.
 
 With pp the first stage keeps the activations of schedule.kept(...) microbatches: all m with
 GPipe, min(m, pp) with 1F1B, a little more interleaved.
@@ -60,10 +63,12 @@ def _block_activation_elems(spec: PlanSpec) -> float:
 
 def _mixer_elems(spec: PlanSpec) -> float:
     """Elements one mixer layer keeps per local token (the module docstring)."""
-    m, w = spec.model, spec.cp
+    m, w, scheme = spec.model, spec.cp, spec.mixer_run
     elems = m.mixer.activation_elems(m.dim) / spec.tp
-    if spec.mixer_scheme == "gather" and w > 1:  # all S rows, and the gathered input
+    if w > 1 and scheme == "gather":  # all S rows, and the gathered input
         elems = w * (elems + m.dim / spec.tp)
+    elif w > 1 and scheme == "heads":  # all S rows of 1/W of the heads, and the gathered input
+        elems += w * m.dim / spec.tp
     return elems
 
 
@@ -71,11 +76,13 @@ def _mixer_buffers(spec: PlanSpec, tokens: int) -> float:
     """Bytes of the mixer layer being run, beyond its activations (the module docstring)."""
     m, w, e = spec.model, spec.cp, spec.elem_bytes
     mx = m.mixer
-    gather = spec.mixer_scheme == "gather" and w > 1
-    rows = tokens * w if gather else tokens
+    scheme = spec.mixer_run if w > 1 else "state_passing"  # W = 1: the shard is the sequence
+    rows = tokens * w if scheme in ("gather", "heads") else tokens
     states = 2 * -(-rows // mx.chunk) * mx.state_bytes() / spec.tp
-    if gather:
+    if scheme == "gather":
         return states + 2 * rows * m.dim / spec.tp * e
+    if scheme == "heads":  # 1/W of the states; input, input and output gradients all S rows
+        return states / w + 3 * rows * m.dim / spec.tp * e
     runs = 2 if spec.layout == "zigzag" else 1
     return states + w * runs * spec.micro_batch * mx.summary_bytes() / spec.tp
 

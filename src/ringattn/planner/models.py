@@ -8,7 +8,8 @@ Qwen3-MoE, gpt-oss: `num_local_experts` / `num_experts`, `num_experts_per_tok`) 
 by `experts` SwiGLU experts of `expert_hidden` and a router; each token runs `top_k` of them.
 
 Hybrid models replace the attention of some layers by a recurrent sequence mixer (`layer_kinds`,
-one `MixerShape` per model): gated_deltanet (Qwen3-Next, Qwen3.5: linear_num_value_heads...),
+one `MixerShape` per model): gated_deltanet (Qwen3-Next, Qwen3.5: linear_num_value_heads...;
+head-parallel in the library for the model_types of work.HEAD_PARALLEL_FAMILIES),
 mamba2 (SSD: Nemotron-H, Falcon-H1 beside attention in every layer, Granite 4.0 hybrid, Bamba,
 Zamba2), mamba1 (Jamba's selective scan), short_conv (LFM2's gated convolution, conv_L_cache).
 """
@@ -20,7 +21,7 @@ import os
 from dataclasses import dataclass
 
 from ringattn.models import MODEL_SIZES
-from ringattn.planner.work import MIXER_KINDS, MixerShape
+from ringattn.planner.work import HEAD_PARALLEL_FAMILIES, MIXER_KINDS, MixerShape
 
 __all__ = ["MIXER_KINDS", "MODELS", "MixerShape", "ModelSpec", "get_model", "model_names"]
 
@@ -190,7 +191,8 @@ def _mixer_shape(cfg: dict, dim: int) -> MixerShape | None:
         return MixerShape("gated_deltanet", heads, int(get("linear_value_head_dim") or 128),
                           int(get("linear_key_head_dim") or 128),
                           int(get("linear_num_key_heads") or heads),
-                          int(get("linear_conv_kernel_dim") or 4), chunk=64)  # fmt: skip
+                          int(get("linear_conv_kernel_dim") or 4), chunk=64,
+                          head_parallel=get("model_type") in HEAD_PARALLEL_FAMILIES)  # fmt: skip
     if "conv_L_cache" in cfg or "conv" in (get("layer_types") or ()):
         return MixerShape("short_conv", dim, 1, 0, conv_kernel=int(get("conv_L_cache") or 3))
     heads = get("mamba_num_heads") or get("mamba_n_heads") or get("n_mamba_heads")

@@ -37,6 +37,7 @@ from ringattn.planner.kernels import check_kernel, default_kernel
 from ringattn.planner.memory import GIB, memory_bytes, mixer_memory_bytes
 from ringattn.planner.models import ModelSpec
 from ringattn.planner.schedule import check_schedule
+from ringattn.planner.work import resolve_mixer_scheme
 
 __all__ = [
     "PLAN_MARGIN",
@@ -83,8 +84,8 @@ class Job:
     attention_tflops: tuple[float, float] | None = None
     ep: int = 1
     """MoE: expert-parallel degree (fixed, not searched)."""
-    mixer_scheme: str = "gather"
-    """Hybrid models: how mixer layers run under CP (work.MIXER_SCHEMES; fixed, not searched)."""
+    mixer_scheme: str = "auto"
+    """Hybrid models: how mixer layers run under CP (work.MIXER_CHOICES; fixed, not searched)."""
 
 
 def _divisors(n: int) -> list[int]:
@@ -146,6 +147,8 @@ def check_plan(spec: PlanSpec) -> PlanSpec:
                 f"--ep {spec.ep} must be a multiple of cp={spec.cp} dividing dp x cp "
                 f"= {shards} (experts fold onto whole cp groups and part of dp)"
             )
+    if m.mixer_layers:  # ValueError for a scheme this cp and tp cannot run
+        resolve_mixer_scheme(m.mixer, spec.mixer_scheme, spec.cp, spec.tp)
     if spec.dtype == "fp8" and not spec.hw.fp8_tflops:
         raise ValueError(f"{spec.hw.name} has no fp8 matmuls; use --dtype bf16")
     if spec.hw.is_cpu and spec.dtype in ("fp8", "tf32"):
@@ -178,6 +181,8 @@ def evaluate(spec: PlanSpec) -> dict:
         "pp_schedule": spec.pp_schedule, "microbatches": spec.pipe_microbatches,
         "virtual_stages": spec.virtual,
         "mixer_scheme": spec.mixer_scheme if spec.model.mixer_layers else None,
+        "mixer_schemes": {spec.model.mixer.kind: spec.mixer_run} if spec.model.mixer_layers
+        else None,
         "step_time_s": time["step_time_s"],
         "tokens_per_s_per_gpu": rate,
         "model_tflops_per_gpu": model_tflops,

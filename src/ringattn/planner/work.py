@@ -29,6 +29,8 @@ from functools import lru_cache
 from ringattn.layout import get_layout
 
 __all__ = [
+    "HEAD_PARALLEL_FAMILIES",
+    "MIXER_CHOICES",
     "MIXER_KINDS",
     "MIXER_SCHEMES",
     "MixerShape",
@@ -37,6 +39,7 @@ __all__ = [
     "allgather_work",
     "group_ring_steps",
     "mixer_work",
+    "resolve_mixer_scheme",
 ]
 
 _N = 4096  # local length used to read the schedules (any even length gives the same fractions)
@@ -111,6 +114,10 @@ def allgather_work(layout: str, world_size: int) -> StepWork:
 
 
 MIXER_KINDS = ("gated_deltanet", "mamba2", "mamba1", "short_conv")
+HEAD_PARALLEL_FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe",
+                          "qwen3_5_moe_text")  # fmt: skip
+"""Config model_types whose gated DeltaNet the library splits by key heads (the classes of
+integrations/hf/mixer_heads.py's SPLITS: Qwen3-Next, Qwen3.5, Qwen3.5-MoE)."""
 
 
 @dataclass(frozen=True)
@@ -135,6 +142,9 @@ class MixerShape:
     """Chunk length C of the chunked kernel (fla's 64 for the delta rule, chunk_size for SSD)."""
     dt_rank: int = 0
     """mamba1: rank of the time-step projection."""
+    head_parallel: bool = False
+    """gated_deltanet: the library runs this family's layer head-parallel when cp divides the
+    key heads (HEAD_PARALLEL_FAMILIES); the `heads` scheme is then what `auto` prices."""
 
     @property
     def inner(self) -> int:
@@ -222,20 +232,57 @@ class MixerShape:
         return 6 * dim
 
 
-MIXER_SCHEMES = ("gather", "state_passing")
-"""How a mixer layer runs under CP (DESIGN.md §13):
+MIXER_SCHEMES = ("gather", "heads", "state_passing")
+"""How a mixer layer runs under CP (DESIGN.md §13), per layer and rank, X = S x hidden bytes:
 
-    gather          all-gather the layer's input (S x hidden), run the whole mixer on the full
-                    sequence on every rank (its compute replicated W times), keep this rank's
-                    rows; backward all-reduces the input gradient (what the library runs today;
-                    a reduce-scatter would halve it). Bytes grow with S.
-    state_passing   each rank runs its runs of tokens (zigzag: 2, else 1) from a zero state to
-                    get each run's summary (state + transition), all-gathers the summaries over
-                    W, scans them, and runs its tokens again from the entering state; a conv halo
-                    of K - 1 tokens per run from the previous run's owner. Bytes flat in S.
-                    Striped runs are single tokens: an all-to-all lays the tokens out as runs and
-                    back (forward and backward).
+    gather          all-gather the layer's input, run the whole mixer on the full sequence on
+                    every rank (its compute replicated W times), keep this rank's rows; backward
+                    all-reduces the input gradient: (W-1)/W X forward, 2 (W-1)/W X backward
+                    (integrations/hf/mixers.py's count, 3 (W-1)/W X per call). Bytes grow with S.
+    heads           gated DeltaNet split by key heads (integrations/hf/mixer_heads.py): all-gather
+                    the input, run the whole sequence for 1/W of the heads (compute 1/W of one
+                    process's), all-reduce the partial outputs; backward all-reduces the output
+                    gradient and the input gradient: 3 (W-1)/W X forward, 4 (W-1)/W X backward
+                    (the library's 7 (W-1)/W X). Needs W to divide the key heads.
+    state_passing   a what-if, not run by the library: each rank runs its runs of tokens
+                    (zigzag: 2, else 1) from a zero state to get each run's summary (state +
+                    transition), all-gathers the summaries over W, scans them, and runs its
+                    tokens again from the entering state; a conv halo of K - 1 tokens per run
+                    from the previous run's owner. Bytes flat in S. Striped runs are single
+                    tokens: an all-to-all lays the tokens out as runs and back (both directions).
 """
+MIXER_CHOICES = ("auto", *MIXER_SCHEMES)
+"""--mixer-scheme: `auto` is what the library runs: heads where it splits the layer, else gather."""
+
+
+def _splits(shape: MixerShape, world_size: int, tp: int) -> bool:
+    """True when the layer's key heads (per tp rank) split evenly over world_size ranks."""
+    if shape.kind != "gated_deltanet" or not shape.groups or shape.heads % shape.groups:
+        return False
+    return (shape.groups // tp) % world_size == 0
+
+
+def resolve_mixer_scheme(shape: MixerShape | None, scheme: str, world_size: int,
+                         tp: int = 1) -> str:  # fmt: skip
+    """The scheme (MIXER_SCHEMES) a mixer layer of `shape` is priced under for `scheme`
+    (MIXER_CHOICES): `auto` -> heads when the library splits the layer (shape.head_parallel and
+    W divides the key heads), else gather. ValueError for `heads` where the heads do not split."""
+    if scheme not in MIXER_CHOICES:
+        raise ValueError(f"unknown mixer scheme {scheme!r}; choose one of "
+                         f"{', '.join(MIXER_CHOICES)}")  # fmt: skip
+    if shape is None:
+        return scheme
+    if scheme == "auto":
+        library = world_size > 1 and shape.head_parallel and _splits(shape, world_size, tp)
+        return "heads" if library else "gather"
+    if scheme == "heads" and not _splits(shape, world_size, tp):
+        if shape.kind != "gated_deltanet":
+            raise ValueError(f"the heads mixer scheme splits gated_deltanet layers, not "
+                             f"{shape.kind}; use auto, gather or state_passing")  # fmt: skip
+        raise ValueError(f"the heads mixer scheme needs cp={world_size} to divide the "
+                         f"{shape.groups // tp} key heads per tp rank; pick cp among their "
+                         f"divisors, or use auto")  # fmt: skip
+    return scheme
 
 
 @dataclass(frozen=True)
@@ -244,7 +291,8 @@ class MixerWork:
     the bytes it sends forward and backward, with their dependent message counts."""
 
     rows: int
-    """Tokens the mixer runs on (S per sequence under gather, S / W under state passing)."""
+    """Tokens the mixer runs on (S per sequence under gather and heads, S / W under state
+    passing)."""
     matmul_flops: float
     recurrence_flops: float
     elementwise_elems: float
@@ -263,18 +311,24 @@ def mixer_work(shape: MixerShape, scheme: str, layout: str, dim: int, seq_len: i
         raise ValueError(f"{shape.kind}: {shape.heads} heads / {shape.groups} groups are not "
                          f"divisible by tp={tp}")  # fmt: skip
     w, n = world_size, seq_len // world_size
-    gather = scheme == "gather" and w > 1
-    rows = batch * (seq_len if gather else n)
-    matmul = 2 * rows * shape.matmul_params(dim) / tp
-    recurrence = rows * shape.recurrence_flops() / tp
-    passes = rows * (2 * shape.conv_channels + 6 * shape.inner) / tp
-    local_input = batch * n * dim / tp * elem_bytes  # this rank's rows of the layer input
+    whole = scheme in ("gather", "heads") and w > 1  # the mixer runs on all S rows
+    rows = batch * (seq_len if whole else n)
+    split = tp * (w if scheme == "heads" else 1)  # heads: 1/W of the heads on each rank
+    matmul = 2 * rows * shape.matmul_params(dim) / split
+    recurrence = rows * shape.recurrence_flops() / split
+    passes = rows * (2 * shape.conv_channels + 6 * shape.inner) / split
+    local_input = batch * n * dim / tp * elem_bytes  # (W-1) of them: (W-1)/W of S x hidden
     if w == 1:
         return MixerWork(rows, matmul, recurrence, passes, (0.0, 0.0), (0, 0))
-    if gather:
+    if scheme == "gather":  # all-gather in; backward all-reduce of the input gradient
         return MixerWork(rows, matmul, recurrence, passes,
                          ((w - 1) * local_input, 2 * (w - 1) * local_input),
                          (w - 1, 2 * (w - 1)))  # fmt: skip
+    if scheme == "heads":  # + an all-reduce of the output, forward and of its gradient backward
+        resolve_mixer_scheme(shape, scheme, w, tp)
+        return MixerWork(rows, matmul, recurrence, passes,
+                         (3 * (w - 1) * local_input, 4 * (w - 1) * local_input),
+                         (3 * (w - 1), 4 * (w - 1)))  # fmt: skip
     runs = 2 if layout == "zigzag" else 1
     recurrence *= 2  # the summary pass from a zero state, then the pass from the entering state
     if shape.kind == "gated_deltanet":  # the run's transition: the product of its chunks' dk x dk
