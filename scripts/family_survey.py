@@ -361,6 +361,14 @@ def _error(err: BaseException) -> dict:
             "error": f"{type(err).__name__}: {first}", "where": where}  # fmt: skip
 
 
+def _copy(model: torch.nn.Module, model_type: str) -> torch.nn.Module:
+    """A copy for the CP side: a deep copy, or the same seeded build where buffers refuse one."""
+    try:
+        return copy.deepcopy(model)
+    except RuntimeError:  # recurrent_gemma: a non-leaf tensor attribute
+        return build(model_type)
+
+
 class FamilyTimeout(BaseException):
     """The per-family time limit (a BaseException: the per-case handlers let it through)."""
 
@@ -383,7 +391,7 @@ def run_family(model_type: str, group) -> dict:
     cases = {}
     for layout in LAYOUTS:
         try:
-            parallel = ringattn.hf.parallelize(copy.deepcopy(model), group=group, layout=layout)
+            parallel = ringattn.hf.parallelize(_copy(model, model_type), group=group, layout=layout)
         except Exception as err:
             cases.update({f"{layout}/{kind}": _error(err) for kind in KINDS})
             continue
