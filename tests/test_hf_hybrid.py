@@ -19,9 +19,9 @@ pytest.importorskip("transformers")
 from ringattn.layout import LAYOUTS
 
 LOSS_RTOL, GRAD_RTOL = 1e-5, 1e-4
-FAMILIES = ["qwen3_5_text", "qwen3_next", "olmo_hybrid", "nemotron_h", "falcon_h1",
-            "granitemoehybrid", "bamba", "zamba2", "mamba2", "jamba", "mamba", "lfm2",
-            "minimax"]  # fmt: skip
+FAMILIES = ["qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid", "nemotron_h",
+            "falcon_h1", "granitemoehybrid", "bamba", "zamba2", "mamba2", "jamba", "mamba",
+            "falcon_mamba", "lfm2", "minimax"]  # fmt: skip
 # one family per mixer kind at the larger world sizes (each case is a full forward + backward);
 # the wide ones split their heads at W = 4 and run whole at W = 3
 PER_MIXER = ["qwen3_5_wide", "nemotron_h_wide", "jamba", "lfm2", "minimax"]

@@ -65,6 +65,20 @@ def test_sft_packing_cp2_equals_one_process(pools, tmp_path, lora, packing):
         assert all("lora_" in name for name in results[0]["params"])
 
 
+@pytest.mark.parametrize("arch", ["nemotron_h", "qwen3_5"])
+def test_sft_packing_hybrid_cp2_equals_cp1(pools, tmp_path, arch):
+    """SFTTrainer with packing on a hybrid (Mamba2 / gated DeltaNet beside attention): cp 2
+    equals the same Trainer at cp 1, under SGD without clipping. The reference is ringattn at
+    cp 1, whose mixers restart at every packed document: transformers' own one-process path
+    runs Mamba2 across document boundaries and refuses packed gated DeltaNet."""
+    case = {"kind": "sft", "cp": 2, "arch": arch, "args": SGD}
+    results = pools(2).run("workers_hf_trainer:run", case, str(tmp_path / "cp"), timeout=600)
+    _ranks_agree(results)
+    want = pools(1).run("workers_hf_trainer:run", {**case, "cp": 1}, str(tmp_path / "one"),
+                        timeout=600)[0]  # fmt: skip
+    _same(results[0], want, f"SFTTrainer + packing, {arch}")
+
+
 def test_sft_moe_router_loss_cp2(pools, tmp_path):
     """SFTTrainer's own MoE router loss (Qwen3-MoE, peaked routing, coef 10) over the whole packed
     sequence: without the gathered router logits step 1 is already off by 2.5e-4."""

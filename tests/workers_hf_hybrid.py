@@ -63,6 +63,11 @@ def config(arch: str):
         )
     if arch == "olmo_hybrid":
         return tf.OlmoHybridConfig(**common, **gdn, num_hidden_layers=2, layer_types=hybrid)
+    if arch == "qwen3_5_moe_text":
+        return tf.Qwen3_5MoeTextConfig(**common, **gdn, head_dim=8, num_hidden_layers=2,
+                                       layer_types=hybrid, num_experts=4, num_experts_per_tok=2,
+                                       moe_intermediate_size=16,
+                                       shared_expert_intermediate_size=16)  # fmt: skip
     if arch == "qwen3_5_even":  # as many value heads as key heads
         return tf.Qwen3_5TextConfig(**common, **{**gdn, "linear_num_value_heads": 2}, head_dim=8,
                                     num_hidden_layers=2, layer_types=hybrid)  # fmt: skip
@@ -177,6 +182,10 @@ def config(arch: str):
             time_step_rank=4,
             initializer_range=0.2,
         )
+    if arch == "falcon_mamba":
+        return tf.FalconMambaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                                    state_size=8, conv_kernel=4, expand=2, time_step_rank=4,
+                                    initializer_range=0.2)  # fmt: skip
     raise ValueError(f"unknown test architecture {arch!r}")
 
 
@@ -295,12 +304,12 @@ def compare_cases(rank: int, world_size: int, *, arch: str, cases) -> list | Non
     return rows if rank == 0 else None
 
 
-def _shift_documents(module, args, kwargs):
-    """A mutation: each document's mixer input rolled by one token (the state entering every
-    token from the wrong one), installed after parallelize's own pre-hook."""
-    kwargs = dict(kwargs)
-    kwargs["hidden_states"] = kwargs["hidden_states"].roll(1, dims=1)
-    return args, kwargs
+def _shift_tokens(module, args, kwargs):
+    """A mutation: the mixer's input rows rolled by one token on each rank (every token's state
+    entering from the wrong token), run before parallelize's own pre-hook."""
+    if args:
+        return (args[0].roll(1, dims=1), *args[1:]), kwargs
+    return args, {**kwargs, "hidden_states": kwargs["hidden_states"].roll(1, dims=1)}
 
 
 def mutated_errors(rank: int, world_size: int, *, arch: str) -> list | None:
@@ -311,7 +320,7 @@ def mutated_errors(rank: int, world_size: int, *, arch: str) -> list | None:
     ringattn.hf.parallelize(model, layout="zigzag")
     for module in model.modules():
         if type(module).__name__ in MIXERS:
-            module.register_forward_pre_hook(_shift_documents, with_kwargs=True)
+            module.register_forward_pre_hook(_shift_tokens, with_kwargs=True, prepend=True)
     _PARALLEL[(arch, "zigzag", "mutated")] = model  # compare_cases finds it under this key
     return compare_cases(rank, world_size, arch=arch, cases=[("zigzag", "mutated", "packed")])
 

@@ -77,6 +77,18 @@ def model(arch: str, vocab: int):
         config = tf.Qwen3MoeConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
                                    head_dim=8, output_router_logits=True,
                                    router_aux_loss_coef=10.0, **common)  # fmt: skip
+    elif arch == "nemotron_h":  # Mamba2 (head-parallel at cp 2) + attention + MLP blocks
+        config = tf.NemotronHConfig(head_dim=8, hybrid_override_pattern="M*", mamba_num_heads=4,
+                                    mamba_head_dim=8, ssm_state_size=8, n_groups=2, conv_kernel=4,
+                                    chunk_size=8, mamba_expand=1, initializer_range=0.1,
+                                    **common)  # fmt: skip
+    elif arch == "qwen3_5":  # gated DeltaNet (head-parallel at cp 2) + gated attention
+        config = tf.Qwen3_5TextConfig(head_dim=8,
+                                      layer_types=["linear_attention", "full_attention"],
+                                      linear_num_key_heads=2, linear_num_value_heads=4,
+                                      linear_key_head_dim=8, linear_value_head_dim=8,
+                                      linear_conv_kernel_dim=4, initializer_range=0.1,
+                                      **common)  # fmt: skip
     else:
         raise ValueError(f"unknown test architecture {arch!r}")
     torch.manual_seed(0)

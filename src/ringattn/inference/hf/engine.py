@@ -38,7 +38,7 @@ import ringattn
 from ringattn.comm import all_gather_ints, all_reduce, resolve_group
 from ringattn.inference.hf.kv_attention import Decode, Extend, Fresh, KVState, attach, restore
 from ringattn.inference.turns import Turn, choose_mode
-from ringattn.integrations.hf import mixers
+from ringattn.integrations.hf import families, mixers, vision
 from ringattn.layout import get_layout
 from ringattn.packing import place
 
@@ -48,6 +48,10 @@ class KVEngine:
 
     def __init__(self, model: torch.nn.Module, *, group: object = None, layout: str = "zigzag",
                  offload: bool = False):  # fmt: skip
+        if vision.is_multimodal(model):
+            vision.check_family(model)
+        else:
+            families.check_family(model)
         mixers.refuse_for_decoding(model, "ringattn's KV-cache decoding (generate, serve)")
         self.model, self.group, self.layout = model, group, layout
         self.info = resolve_group(group)

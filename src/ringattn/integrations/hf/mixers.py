@@ -192,8 +192,16 @@ class _SumGrads(torch.autograd.Function):
 
 
 def _capture(module: nn.Module, args: tuple, kwargs: dict) -> None:
-    """Model pre-hook: keep the forward's `cu_seq_lens_q` for the mixers that are not given it."""
+    """Model pre-hook: keep the forward's `cu_seq_lens_q` (None without) for the mixers that are
+    not given it."""
     getattr(module, STATE_ATTR).bounds = kwargs.get("cu_seq_lens_q")
+
+
+def _capture_inner(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Decoder pre-hook: the same when the decoder is called alone (ringattn.hf.loss); a model
+    that does not pass the bounds on to its decoder (Mamba2) keeps the model's."""
+    if kwargs.get("cu_seq_lens_q") is not None:
+        getattr(module, STATE_ATTR).bounds = kwargs["cu_seq_lens_q"]
 
 
 def _hidden(signature: inspect.Signature, args: tuple, kwargs: dict) -> inspect.BoundArguments:
@@ -303,11 +311,14 @@ def install(model: nn.Module, root: nn.Module, mixers: list[tuple[str, nn.Module
     # the bounds come from the model's forward, or its decoder's (ringattn.hf.loss calls the
     # decoder alone): each of them keeps its call's cu_seq_lens_q for the mixers not given it
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
-    for entry in {id(m): m for m in (model, decoder) if m is not None}.values():
-        setattr(entry, STATE_ATTR, state)
-        if not getattr(entry, "_ringattn_mixers_hooked", False):
-            entry.register_forward_pre_hook(_capture, with_kwargs=True)
-            entry._ringattn_mixers_hooked = True
+    for entry, hook in ((model, _capture), (decoder, _capture_inner)):
+        if entry is None:
+            continue
+        setattr(entry, STATE_ATTR, state)  # a second parallelize: the new state, hooks kept
+        if getattr(entry, "_ringattn_mixers_hooked", False):
+            continue
+        entry.register_forward_pre_hook(hook, with_kwargs=True)
+        entry._ringattn_mixers_hooked = True
     info = resolve_group(context.group, allow_2d=True)
     config = model.config.get_text_config()
     for _, module in mixers:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from ringattn.api import STRATEGIES
 from ringattn.comm import resolve_group
-from ringattn.integrations.hf import experts, mixers, moe, vision
+from ringattn.integrations.hf import experts, families, mixers, moe, vision
 from ringattn.integrations.hf.attention import ATTENTION_NAME, CONTEXT_ATTR, CPContext, register
 from ringattn.layout import get_layout
 from ringattn.validate import check_names
@@ -79,7 +79,9 @@ def parallelize(
             )
     multimodal = vision.is_multimodal(model)
     if multimodal:
-        vision.check_family(model)
+        vision.check_family(model)  # the VLM allow-list
+    else:
+        families.check_family(model)  # the text allow-list: an unlisted family is refused
     # the text side only: a vision tower keeps its own (whole-image) convolutions and attention
     text_root = model.get_decoder() if multimodal else model
     found_mixers = mixers.find_mixers(text_root)  # refuses an unknown token mixer, changes nothing
