@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 import ringattn
+from ringattn.integrations.hf.source import model_source
 from ringattn.runtime.launch import LaunchError, init_distributed, launch, running_under_torchrun
 from ringattn.testing import tiny_hf
 
@@ -82,10 +83,11 @@ def batch(seed: int) -> dict[str, torch.Tensor]:
     """The packed batch (DataCollatorWithFlattening's form): ids avoiding special tokens, label
     -100 at each document's first token, positions restarting at 0."""
     gen = torch.Generator().manual_seed(seed + 1)
-    ids = torch.randint(0, tiny_hf.VOCAB - tiny_hf.SPECIAL_IDS, (1, sum(DOCUMENTS)), generator=gen)
+    high = tiny_hf.VOCAB - tiny_hf.SPECIAL_IDS
+    ids = torch.randint(0, high, (1, sum(DOCUMENTS)), generator=gen, device="cpu")
     labels = ids.clone()
     labels[:, list(itertools.accumulate((0, *DOCUMENTS[:-1])))] = -100
-    positions = torch.cat([torch.arange(n) for n in DOCUMENTS]).unsqueeze(0)
+    positions = torch.cat([torch.arange(n, device="cpu") for n in DOCUMENTS]).unsqueeze(0)
     return {"input_ids": ids, "labels": labels, "position_ids": positions}
 
 
@@ -131,8 +133,6 @@ def reference(full_config: object, seed: int) -> Reference:
 def load_config(path: str) -> object:
     """The transformers config at --hf PATH (a model directory or a .json file)."""
     from transformers import AutoConfig
-
-    from ringattn.integrations.hf.source import model_source
 
     source = model_source(path)
     try:
@@ -231,7 +231,7 @@ def hf_rank(cfg: HFCheckConfig, ref: Reference | None = None) -> list[dict]:
     from transformers.utils import logging
 
     logging.set_verbosity_error()  # W ranks each warning about a slow CPU path
-    init_distributed(timeout_s=cfg.timeout_s)
+    init_distributed("gloo", timeout_s=cfg.timeout_s)  # tiny float32 models: CPU, any machine
     ref = reference(load_config(cfg.path), cfg.seed) if ref is None else ref
     base = tiny_hf.build(ref.config, cfg.seed)
     base.load_state_dict(ref.state)

@@ -19,7 +19,7 @@ so it takes the family's config and keeps its *structure* while dropping its *si
    num_hidden_layers), whether it is in every layer-index list (increasing ints below that
    count), and where it falls in every period (jamba's `attn_layer_period`/`_offset`,
    `decoder_sparse_step`, `first_k_dense_replace`...). The kept layers are the shortest prefix
-   that shows every signature, and the lists are re-indexed to them.
+   that shows every signature (at least 2 layers), and the lists are re-indexed to them.
 2. Widths. Every int whose name says it is a width (`*_size`, `*_dim`, `*heads`, `*_rank`,
    `*state*`) is set to a small value by its kind; names that are not widths (kernels, patches,
    windows, chunks, blocks, positions) keep theirs.
@@ -115,7 +115,7 @@ def _keep_layers(d: dict) -> None:
             indexed.append(name)
     signatures = _signatures(d, count, per_layer, indexed)
     first_seen = sorted({s: i for i, s in reversed(list(enumerate(signatures)))}.values())
-    prefix = first_seen[-1] + 1 if first_seen else 1
+    prefix = max(first_seen[-1] + 1 if first_seen else 1, min(2, count))  # 2: layers compose
     keep = list(range(prefix)) if prefix <= MAX_LAYERS else first_seen
     if key is not None:
         d[key] = len(keep)
