@@ -19,6 +19,7 @@ pytest.importorskip("transformers")
 import torch.distributed as dist
 import transformers as tf
 
+from ringattn.cli import check_hf
 from ringattn.cli.main import main
 from ringattn.testing import tiny_hf
 
@@ -98,6 +99,19 @@ def test_fault_on_one_rank_is_wrong_and_exits_1(llama_dir, monkeypatch, capfd):
     assert code == 1
 
 
+def test_refusals_are_ringattn_own_errors():
+    """A ValueError raised in ringattn's code is a refusal; one raised elsewhere (transformers,
+    torch, here) is a crash."""
+    import ringattn.hf
+
+    with pytest.raises(ValueError) as ours:
+        ringattn.hf.shard_batch({"input_ids": None, "pixels": None})
+    with pytest.raises(ValueError) as theirs:
+        int("not a number")
+    assert check_hf._raised_by_ringattn(ours.value)
+    assert not check_hf._raised_by_ringattn(theirs.value)
+
+
 def test_bad_path_exits_2(tmp_path, capsys):
     with pytest.raises(SystemExit) as info:
         main(["check", "--hf", str(tmp_path / "missing")])
@@ -116,6 +130,7 @@ def test_bad_path_exits_2(tmp_path, capsys):
         ("bamba", {"attn_layer_indices": [9, 18, 27]}, "attn_layer_indices", [1]),
         ("jamba", {}, "num_hidden_layers", 5),  # attention every 8th layer from the 4th
         ("llama", {"num_hidden_layers": 30}, "num_hidden_layers", 2),
+        ("mistral", {}, "sliding_window", tiny_hf.WINDOW),  # shorter than the documents
     ],
 )  # fmt: skip
 def test_tiny_config_keeps_the_layer_pattern(model_type, overrides, key, expected):

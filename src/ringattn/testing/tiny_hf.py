@@ -13,7 +13,9 @@ so it takes the family's config and keeps its *structure* while dropping its *si
       that shows them all, in order)            layers: the shortest prefix holding every kind
     the mixers (attention, Mamba, linear        (at most 8; beyond that one of each kind)
       attention, convolutions), MoE, vision
-    windows, chunk sizes, conv kernels          dropout and router jitter -> 0
+    conv kernels, scan chunk sizes              dropout and router jitter -> 0
+                                                windows (sliding, chunked attention) -> 8
+                                                  tokens: shorter than the documents checked
 
 1. Layers. Each layer gets a signature: its entry in every per-layer list (a list of length
    num_hidden_layers), whether it is in every layer-index list (increasing ints below that
@@ -43,6 +45,8 @@ HEADS = 4
 HEAD_DIM = 16
 FFN = 96
 RANK = 16
+WINDOW = 8
+_WINDOWS = ("sliding_window", "attention_chunk_size")
 VOCAB = 256
 MAX_LAYERS = 8
 MAX_EXPERTS = 16
@@ -261,6 +265,9 @@ def _shrink(d: dict) -> dict:
     for name, value in list(d.items()):
         if ("dropout" in name or "jitter" in name) and isinstance(value, float):
             d[name] = 0.0
+    for name in _WINDOWS:
+        if isinstance(d.get(name), int) and d[name] > WINDOW:
+            d[name] = WINDOW
     if "initializer_range" in d:
         d["initializer_range"] = INIT_RANGE
     if "output_router_logits" in d:  # a batch-wide loss term: the reference runs per document
