@@ -1,9 +1,9 @@
 """`ringattn check --hf`: a model family's config at a tiny width, cp 1 against cp W, one line per
 case and the exit code: exact (Llama, 2 launched ranks, every layout), refused (Llama 4's chunked
-attention, which parallelize refuses) and WRONG (a fault injected on one rank through the
-documented test seam, --inject-fault). The refused and WRONG cases run in this process as a
-1-rank torchrun world (no spawn: the whole file stays well under a minute). Also: the tiny config
-keeps the layer pattern, and bad paths exit 2 before anything is built.
+attention, which parallelize refuses; in this process as a 1-rank torchrun world, no spawn) and
+WRONG (a fault injected on rank 1 of 2 through the documented test seam, --inject-fault). About
+25 s on 2 cores. Also: the tiny config keeps the layer pattern, refusals are ringattn's own
+errors, and bad paths exit 2 before anything is built.
 """
 
 from __future__ import annotations
@@ -86,13 +86,12 @@ def test_refused_model_is_reported_not_failed(tmp_path, monkeypatch, capfd):
     assert code == 0
 
 
-def test_fault_on_one_rank_is_wrong_and_exits_1(llama_dir, monkeypatch, capfd):
-    _as_torchrun_rank_zero(monkeypatch)
-    code = _main_in_process(["check", "--hf", llama_dir, "--layouts", "zigzag",
-                             "--inject-fault", "0"])  # fmt: skip
+def test_fault_on_one_rank_is_wrong_and_exits_1(llama_dir, capfd):
+    code = main(["check", "--hf", llama_dir, "--nproc", "2", "--layouts", "zigzag",
+                 "--inject-fault", "1"])  # fmt: skip
     out = capfd.readouterr().out
     rows = _rows(out)
-    assert [(r[0], r[1], r[3]) for r in rows] == [("1", "zigzag", "WRONG")], out
+    assert [(r[0], r[1], r[3]) for r in rows] == [("2", "zigzag", "WRONG")], out
     loss_error = float(re.search(r"loss (\S+)", rows[0][4]).group(1))
     assert loss_error > 1e-5  # logits scaled by 1 + 1e-3 move the loss beyond the gate
     assert "0 exact, 0 refused, 1 wrong, 0 crashed" in out
