@@ -111,11 +111,16 @@ def test_refusals_are_ringattn_own_errors():
     assert not check_hf._raised_by_ringattn(theirs.value)
 
 
-def test_bad_path_exits_2(tmp_path, capsys):
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [([], "no such directory or file"), (["--layouts", "zig"], "unknown layout 'zig'")],
+)
+def test_bad_input_exits_2_before_building(tmp_path, capsys, extra, message):
+    path = tmp_path / "missing" if not extra else _save(tf.LlamaConfig(), tmp_path / "llama")
     with pytest.raises(SystemExit) as info:
-        main(["check", "--hf", str(tmp_path / "missing")])
+        main(["check", "--hf", str(path), *extra])
     assert info.value.code == 2
-    assert "no such directory or file" in capsys.readouterr().err
+    assert message in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

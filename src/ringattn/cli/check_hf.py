@@ -40,7 +40,9 @@ import torch
 import torch.distributed as dist
 
 import ringattn
+from ringattn.api import STRATEGIES
 from ringattn.integrations.hf.source import model_source
+from ringattn.layout import LAYOUTS
 from ringattn.runtime.launch import LaunchError, init_distributed, launch, running_under_torchrun
 from ringattn.testing import tiny_hf
 
@@ -272,6 +274,11 @@ def run_check_hf(cfg: HFCheckConfig) -> int:
     """Run every case (launching W local processes per world size); return the exit code."""
     if not cfg.world_sizes or any(w < 1 for w in cfg.world_sizes):
         raise ValueError(f"world sizes must be positive ints, got {cfg.world_sizes}")
+    for kind, names, choices in (("layout", cfg.layouts, LAYOUTS),
+                                 ("strategy", cfg.strategies, STRATEGIES)):  # fmt: skip
+        for name in names:  # a typo must not come back as a case that parallelize "refused"
+            if name not in choices:
+                raise ValueError(f"unknown {kind} {name!r}; choose from {', '.join(choices)}")
     from transformers.utils import logging
 
     logging.set_verbosity_error()

@@ -70,7 +70,8 @@ def add_check_command(sub) -> None:
         default=None,
         help="instead of the matrix: a Hugging Face model directory or config.json, built at a "
         "tiny width; cp 1 vs cp W per layout and strategy, one line each: exact, refused "
-        "(with ringattn's reason) or WRONG",
+        "(with ringattn's reason) or WRONG; takes --nproc/--world-sizes, --layouts, "
+        "--strategies and --seed (the other flags are the matrix's)",
     )
     p.add_argument(
         "--nproc", type=int, default=None, help="run only this world size (same as --world-sizes N)"
@@ -103,7 +104,7 @@ def add_check_command(sub) -> None:
     p.add_argument("--head-dim", type=int, default=c.head_dim, help="dimension per head")
     p.add_argument("--backend", default=c.backend, help="kernel backend: auto or a kernel name")
     p.add_argument("--seed", type=int, default=c.seed, help="seed for the inputs")
-    # test seam of check_hf.py: this rank's logits get +1e-3, so the run must end WRONG
+    # test seam of check_hf.py: this rank's logits scaled by 1 + 1e-3, so the run must end WRONG
     p.add_argument("--inject-fault", type=int, default=None, metavar="RANK", help=argparse.SUPPRESS)
     p.set_defaults(run=_run_check)
 
