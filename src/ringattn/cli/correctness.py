@@ -10,6 +10,7 @@ import argparse
 
 from ringattn.cli.attention_demo import DemoConfig, run_demo
 from ringattn.cli.check import CheckConfig, run_check
+from ringattn.cli.check_hf import HFCheckConfig, run_check_hf
 from ringattn.cli.options import LAYOUTS as _LAYOUTS
 from ringattn.cli.options import STRATEGIES as _STRATEGIES
 from ringattn.cli.options import int_list as _int_list
@@ -64,13 +65,22 @@ def add_check_command(sub) -> None:
         "Under torchrun the current world is used and --world-sizes is ignored.",
     )
     p.add_argument(
+        "--hf",
+        metavar="DIR_OR_CONFIG",
+        default=None,
+        help="instead of the matrix: a Hugging Face model directory or config.json, built at a "
+        "tiny width; cp 1 vs cp W per layout and strategy, one line each: exact, refused "
+        "(with ringattn's reason) or WRONG; takes --nproc/--world-sizes, --layouts, "
+        "--strategies and --seed (the other flags are the matrix's)",
+    )
+    p.add_argument(
         "--nproc", type=int, default=None, help="run only this world size (same as --world-sizes N)"
     )
     p.add_argument(
         "--world-sizes",
         type=_int_list,
-        default=c.world_sizes,
-        help="comma-separated world sizes to launch, e.g. 1,2,3,4",
+        default=None,
+        help="comma-separated world sizes to launch (default 1,2,3,4; with --hf 2,3,4)",
     )
     p.add_argument(
         "--dtypes",
@@ -94,6 +104,8 @@ def add_check_command(sub) -> None:
     p.add_argument("--head-dim", type=int, default=c.head_dim, help="dimension per head")
     p.add_argument("--backend", default=c.backend, help="kernel backend: auto or a kernel name")
     p.add_argument("--seed", type=int, default=c.seed, help="seed for the inputs")
+    # test seam of check_hf.py: this rank's logits scaled by 1 + 1e-3, so the run must end WRONG
+    p.add_argument("--inject-fault", type=int, default=None, metavar="RANK", help=argparse.SUPPRESS)
     p.set_defaults(run=_run_check)
 
 
@@ -105,7 +117,12 @@ def _run_demo(args: argparse.Namespace) -> int:
 
 def _run_check(args: argparse.Namespace) -> int:
 
-    options = {k: v for k, v in vars(args).items() if k not in ("command", "nproc", "run")}
-    if args.nproc is not None:
-        options["world_sizes"] = [args.nproc]
-    return run_check(CheckConfig(**options))
+    world_sizes = [args.nproc] if args.nproc is not None else args.world_sizes
+    if args.hf is not None:  # --dtypes, --seq-local, --head-dim, --backend: the matrix's only
+        cfg = HFCheckConfig(args.hf, layouts=args.layouts, strategies=args.strategies,
+                            seed=args.seed, fault_rank=args.inject_fault)  # fmt: skip
+        cfg.world_sizes = world_sizes or cfg.world_sizes
+        return run_check_hf(cfg)
+    skip = ("command", "nproc", "run", "hf", "inject_fault", "world_sizes")
+    options = {k: v for k, v in vars(args).items() if k not in skip}
+    return run_check(CheckConfig(**options, world_sizes=world_sizes or CheckConfig().world_sizes))

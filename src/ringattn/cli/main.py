@@ -5,7 +5,8 @@
     ringattn generate        decoding from a checkpoint over a KV cache sharded across ranks
     ringattn serve           an OpenAI-compatible HTTP server over that sharded decoding
     ringattn attention-demo  one long sequence on W processes: time, memory, error vs 1 process
-    ringattn check    the correctness matrix against a float64 reference
+    ringattn check    the correctness matrix against a float64 reference; --hf DIR: is a
+                      Hugging Face model family exact under CP (check_hf.py)
     ringattn layout   per-rank tokens and attention work for a layout, documents and window
     ringattn bench    one rank's share of an emulated W-way ring vs monolithic attention
 

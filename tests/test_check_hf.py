@@ -1,0 +1,145 @@
+"""`ringattn check --hf`: a model family's config at a tiny width, cp 1 against cp W, one line per
+case and the exit code: exact (Llama, 2 launched ranks, every layout), refused (Llama 4's chunked
+attention, which parallelize refuses; in this process as a 1-rank torchrun world, no spawn) and
+WRONG (a fault injected on rank 1 of 2 through the documented test seam, --inject-fault). About
+25 s on 2 cores. Also: the tiny config keeps the layer pattern, refusals are ringattn's own
+errors, and bad paths exit 2 before anything is built.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+
+import pytest
+
+pytest.importorskip("transformers")
+
+import torch.distributed as dist
+import transformers as tf
+
+from ringattn.cli import check_hf
+from ringattn.cli.main import main
+from ringattn.testing import tiny_hf
+
+ROW = re.compile(r"^cp (\d+)\s+(\w+)\s+(\w+)\s+(exact|refused|WRONG|CRASH)\b(.*)$")
+
+
+def _rows(out: str) -> list[tuple[str, ...]]:
+    return [m.groups() for line in out.splitlines() if (m := ROW.match(line))]
+
+
+def _save(config, directory) -> str:
+    config.save_pretrained(directory)
+    return str(directory)
+
+
+@pytest.fixture
+def llama_dir(tmp_path):
+    sizes = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4}
+    config = tf.LlamaConfig(vocab_size=1000, num_attention_heads=8, num_key_value_heads=2, **sizes)
+    return _save(config, tmp_path / "llama")
+
+
+def _as_torchrun_rank_zero(monkeypatch) -> None:
+    """Run in this process as rank 0 of a 1-rank torchrun world (cp 1 under ringattn)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"),
+                        ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(port))):  # fmt: skip
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("RINGATTN_LAUNCHED", raising=False)
+
+
+def _main_in_process(argv: list[str]) -> int:
+    try:
+        return main(argv)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_llama_is_exact_in_every_layout(llama_dir, capfd):
+    code = main(["check", "--hf", llama_dir, "--nproc", "2"])
+    out = capfd.readouterr().out
+    rows = _rows(out)
+    assert [(r[0], r[1], r[3]) for r in rows] == [
+        ("2", layout, "exact") for layout in ("contiguous", "zigzag", "striped")
+    ], out
+    assert "same as the documents alone" in out  # Llama's own packed forward keeps them apart
+    assert "3 exact, 0 refused, 0 wrong, 0 crashed" in out
+    assert code == 0
+
+
+def test_refused_model_is_reported_not_failed(tmp_path, monkeypatch, capfd):
+    path = _save(tf.AutoConfig.for_model("llama4_text"), tmp_path / "llama4")
+    _as_torchrun_rank_zero(monkeypatch)
+    code = _main_in_process(["check", "--hf", path, "--layouts", "zigzag,striped"])
+    out = capfd.readouterr().out
+    rows = _rows(out)
+    assert [(r[0], r[1], r[3]) for r in rows] == [("1", "zigzag", "refused"),
+                                                  ("1", "striped", "refused")], out  # fmt: skip
+    assert all("attention_chunk_size" in r[4] for r in rows)  # ringattn's reason, on the line
+    assert "0 exact, 2 refused, 0 wrong, 0 crashed" in out
+    assert code == 0
+
+
+def test_fault_on_one_rank_is_wrong_and_exits_1(llama_dir, capfd):
+    code = main(["check", "--hf", llama_dir, "--nproc", "2", "--layouts", "zigzag",
+                 "--inject-fault", "1"])  # fmt: skip
+    out = capfd.readouterr().out
+    rows = _rows(out)
+    assert [(r[0], r[1], r[3]) for r in rows] == [("2", "zigzag", "WRONG")], out
+    loss_error = float(re.search(r"loss (\S+)", rows[0][4]).group(1))
+    assert loss_error > 1e-5  # logits scaled by 1 + 1e-3 move the loss beyond the gate
+    assert "0 exact, 0 refused, 1 wrong, 0 crashed" in out
+    assert code == 1
+
+
+def test_refusals_are_ringattn_own_errors():
+    """A ValueError raised in ringattn's code is a refusal; one raised elsewhere (transformers,
+    torch, here) is a crash."""
+    import ringattn.hf
+
+    with pytest.raises(ValueError) as ours:
+        ringattn.hf.shard_batch({"input_ids": None, "pixels": None})
+    with pytest.raises(ValueError) as theirs:
+        int("not a number")
+    assert check_hf._raised_by_ringattn(ours.value)
+    assert not check_hf._raised_by_ringattn(theirs.value)
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [([], "no such directory or file"), (["--layouts", "zig"], "unknown layout 'zig'")],
+)
+def test_bad_input_exits_2_before_building(tmp_path, capsys, extra, message):
+    path = tmp_path / "missing" if not extra else _save(tf.LlamaConfig(), tmp_path / "llama")
+    with pytest.raises(SystemExit) as info:
+        main(["check", "--hf", str(path), *extra])
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("model_type", "overrides", "key", "expected"),
+    [
+        ("qwen3_next", {}, "layer_types",
+         ["linear_attention"] * 3 + ["full_attention"]),
+        ("lfm2", {"layer_types": None, "full_attn_idxs": [2, 5, 8], "num_hidden_layers": 10},
+         "full_attn_idxs", [2]),
+        # 10 layers to show both kinds: over 8, so one of each instead
+        ("bamba", {"attn_layer_indices": [9, 18, 27]}, "attn_layer_indices", [1]),
+        ("jamba", {}, "num_hidden_layers", 5),  # attention every 8th layer from the 4th
+        ("llama", {"num_hidden_layers": 30}, "num_hidden_layers", 2),
+        ("mistral", {}, "sliding_window", tiny_hf.WINDOW),  # shorter than the documents
+    ],
+)  # fmt: skip
+def test_tiny_config_keeps_the_layer_pattern(model_type, overrides, key, expected):
+    tiny = tiny_hf.tiny_config(tf.AutoConfig.for_model(model_type, **overrides))
+    assert getattr(tiny, key) == expected
+    assert tiny.hidden_size == tiny_hf.HIDDEN and tiny.vocab_size == tiny_hf.VOCAB
+    assert tiny.initializer_range == tiny_hf.INIT_RANGE
+    json.dumps(tiny.to_dict())  # a plain config: it saves and loads like any other
