@@ -56,16 +56,24 @@ def tokenizer():
     return fast
 
 
-def save_chat_model(directory) -> tuple[torch.nn.Module, object]:
-    """The model (eval, float32) and tokenizer saved in `directory`."""
+def save_chat_model(directory, family: str = "llama") -> tuple[torch.nn.Module, object]:
+    """The model (eval, float32) and tokenizer saved in `directory`; `family` "nemotron_h": a
+    hybrid (Mamba2, attention and MLP blocks) instead of Llama."""
     import transformers
 
     tok = tokenizer()
-    config = transformers.LlamaConfig(
-        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=CONTEXT,
-        eos_token_id=tok.eos_token_id, bos_token_id=None, pad_token_id=tok.pad_token_id,
-    )  # fmt: skip
+    common = {"vocab_size": len(tok), "hidden_size": 32, "intermediate_size": 64,
+              "num_attention_heads": 4, "num_key_value_heads": 2,
+              "max_position_embeddings": CONTEXT, "eos_token_id": tok.eos_token_id,
+              "bos_token_id": None, "pad_token_id": tok.pad_token_id}  # fmt: skip
+    if family == "nemotron_h":
+        config = transformers.NemotronHConfig(
+            **common, head_dim=8, hybrid_override_pattern="M*-M", mamba_num_heads=4,
+            mamba_head_dim=8, ssm_state_size=8, n_groups=2, conv_kernel=4, chunk_size=8,
+            mamba_expand=1, initializer_range=0.1,
+        )  # fmt: skip
+    else:
+        config = transformers.LlamaConfig(num_hidden_layers=2, **common)
     torch.manual_seed(5)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(directory)

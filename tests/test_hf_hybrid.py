@@ -74,14 +74,43 @@ def test_a_mutated_mixer_input_is_caught(pools, arch):
     assert loss > 100 * LOSS_RTOL or grad > 100 * GRAD_RTOL, (loss, grad)
 
 
+DECODED = [f for f in FAMILIES if f not in ("minimax", "zamba2")]
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]]
+
+
+def _check_generation(result, label):
+    assert result["got"] == result["want"], f"{label}: ragged batch"
+    assert result["turn"] == result["want_turn"], f"{label}: a follow-up turn (Session)"
+    assert result["steps"] == result["want_steps"], f"{label}: the server's packed steps"
+
+
+@pytest.mark.parametrize("arch", DECODED)
+def test_greedy_decoding_equals_transformers_generate_at_cp2(pools, arch):
+    """The states of a CP prefill carried into decoding: a ragged batch, a follow-up turn after
+    held states, and the server's steps (a prompt in two chunks beside a decode) each equal
+    transformers' own greedy generate on one process."""
+    result = pools(2).run("workers_hf_hybrid:generate_case", arch=arch, prompts=PROMPTS, new=6)
+    _check_generation(result[0], f"{arch} at CP 2")
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+@pytest.mark.parametrize("arch", ["nemotron_h", "qwen3_5_text", "jamba", "lfm2"])
+def test_greedy_decoding_at_cp1_and_cp3(pools, arch, world_size):
+    result = pools(world_size).run(
+        "workers_hf_hybrid:generate_case", arch=arch, prompts=PROMPTS, new=6
+    )
+    _check_generation(result[0], f"{arch} at CP {world_size}")
+
+
 @pytest.mark.parametrize(
     ("what", "match"),
     [
         ("user_module", r"UserConv \(layer 1, module 'model.layers.1.mlp'.*not a module ringattn"),
         ("conv_leaf", r"Conv1d \(layer 0, module 'model.layers.0.mlp.extra'\) mixes tokens"),
-        ("generate", r"NemotronHMamba2Mixer \(layer 0\) carries a recurrent"),
+        ("generate", r"MiniMaxLightningAttention .* keeps its lightning-attention cache"),
+        ("generate_zamba2", r"model_type='zamba2'\): its shared attention block"),
     ],
-    ids=["unknown-module", "conv-leaf", "generate"],
+    ids=["unknown-module", "conv-leaf", "generate-minimax", "generate-zamba2"],
 )
 def test_refused_on_every_rank(pools, what, match):
     pools(2).run_expect_error(

@@ -346,11 +346,49 @@ def refuse(rank: int, world_size: int, *, what: str) -> None:
         model = copy.deepcopy(build("llama_like"))
         model.model.layers[0].mlp.extra = torch.nn.Conv1d(4, 4, 3)
         ringattn.hf.parallelize(model)
-    elif what == "generate":
-        model = copy.deepcopy(build(HYBRID_FOR_GENERATE))
+    elif what.startswith("generate"):
+        model = build("zamba2" if what == "generate_zamba2" else "minimax")
         ringattn.hf.generate(model, torch.tensor([[5, 6, 7, 8, 9]]), 4)
     else:
         raise AssertionError(what)
 
 
-HYBRID_FOR_GENERATE = "nemotron_h"
+def generate_case(rank: int, world_size: int, *, arch: str, prompts: list, new: int) -> dict:
+    """ringattn.hf.generate of a ragged batch (prefill packed, states carried into decoding),
+    a follow-up turn through a Session, and the server's packed steps, against transformers'
+    own greedy generate of each prompt on this process."""
+    from ringattn.inference.hf.engine import KVEngine
+
+    model = build(arch)
+    model.generation_config.eos_token_id = None  # exactly `new` tokens on both sides
+    model.generation_config.pad_token_id = 0
+    prompts = [torch.tensor(p)[None] for p in prompts]
+    with torch.no_grad():
+        want = [model.generate(p, max_new_tokens=new, do_sample=False) for p in prompts]
+        got = ringattn.hf.generate(model, prompts, new)
+        session = ringattn.hf.Session(model)
+        first = session.generate(prompts[0], new)
+        second = session.generate(prompts[1], new)
+        whole = torch.cat([prompts[0], first[:, -new:], prompts[1]], dim=1)
+        want_turn = model.generate(whole, max_new_tokens=new, do_sample=False)
+        # the server's steps: a prompt in two chunks beside a decoding sequence
+        engine = KVEngine(model, layout="zigzag")
+        a, b = prompts[0][0], prompts[1][0]
+        with engine.holding():
+            sa, sb = engine.open(), engine.open()
+            _, (la,) = engine.step([], [(sa, a)])
+            _, (lb,) = engine.step([], [(sb, b[:3])])
+            decoded, (lb,) = engine.step([(sa, int(la.argmax()))], [(sb, b[3:])])
+            steps = [int(la.argmax()), int(decoded[0].argmax()), int(lb.argmax())]
+    return {
+        "got": [g.tolist() for g in got],
+        "want": [w.tolist() for w in want],
+        "turn": second[0, -new:].tolist(),  # the session returns the turn and its answer
+        "want_turn": want_turn[0, -new:].tolist(),
+        "steps": steps,
+        "want_steps": [
+            want[0][0, a.numel()].item(),
+            want[0][0, a.numel() + 1].item(),
+            want[1][0, b.numel()].item(),
+        ],
+    }

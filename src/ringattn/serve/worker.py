@@ -49,6 +49,7 @@ from ringattn.inference.hf.engine import KVEngine
 from ringattn.inference.hf.weights import lay_out_for_decode
 from ringattn.integrations.hf import vision
 from ringattn.integrations.hf.experts import split_experts
+from ringattn.integrations.hf.mixers import has_mixers
 from ringattn.integrations.hf.source import load_model, load_tokenizer, model_source
 from ringattn.integrations.hf.tensor_parallel import split_cp_tp
 from ringattn.runtime.heartbeat import report_progress
@@ -169,7 +170,10 @@ def pool_blocks(model, cfg: ServeConfig, info: GroupInfo, device: torch.device) 
 
 
 def prefix_cacheable(model) -> bool:
-    """Prefix reuse copies whole chunks; a sliding window evicts inside them, so not with one."""
+    """Prefix reuse copies whole chunks; a sliding window evicts inside them, so not with one,
+    and a hybrid's recurrent and convolution states cannot be rebuilt from copied rows."""
+    if has_mixers(model):
+        return False
     text = model.config.get_text_config()
     windowed = "sliding_attention" in (getattr(text, "layer_types", None) or ())
     return not windowed and not (getattr(text, "sliding_window", None)
@@ -279,5 +283,10 @@ def serve_worker(cfg: ServeConfig) -> dict:
         print(f"[serve] {name} ({type(model).__name__}, {source.describe()}, {dtype}) on "
               f"{ranks}, {cfg.layout}, {device.type}: listening on http://{host}:{port}/v1{key}",
               file=sys.stderr, flush=True)  # fmt: skip
+        if cfg.prefix_cache and has_mixers(model):
+            print(f"[serve] prefix reuse is off: {type(model).__name__} has recurrent or "
+                  f"convolutional mixers, whose per-sequence states cannot be rebuilt from a "
+                  f"shared prefix's cached rows; every prompt is prefilled whole",
+                  file=sys.stderr, flush=True)  # fmt: skip
     served = rank_loop(model, tokenizer, info, cfg.layout, jobs, http, cfg, groups, metrics)
     return {"rank": info.rank, "served": served}

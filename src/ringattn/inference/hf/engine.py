@@ -36,6 +36,7 @@ import torch
 
 import ringattn
 from ringattn.comm import all_gather_ints, all_reduce, resolve_group
+from ringattn.inference.hf import mixer_states
 from ringattn.inference.hf.kv_attention import Decode, Extend, Fresh, KVState, attach, restore
 from ringattn.inference.turns import Turn, choose_mode
 from ringattn.integrations.hf import families, mixers, vision
@@ -52,13 +53,16 @@ class KVEngine:
             vision.check_family(model)
         else:
             families.check_family(model)
-        mixers.refuse_for_decoding(model, "ringattn's KV-cache decoding (generate, serve)")
+        # a hybrid's mixers: refuse a token mixer ringattn does not know, carry the others'
+        # states per sequence (mixer_states.py)
+        mixers.find_mixers(model.get_decoder() if vision.is_multimodal(model) else model)
+        mixer_states.install(model)
         self.model, self.group, self.layout = model, group, layout
         self.info = resolve_group(group)
         text = model.config.get_text_config()
         self.n_layers = getattr(text, "num_hidden_layers", 0)
         self.state = KVState(self.info, group, layout, offload, self.n_layers)
-        self.n_heads = text.num_attention_heads
+        self.n_heads = getattr(text, "num_attention_heads", None) or 1  # Mamba: no attention
         self.n_kv_heads = getattr(text, "num_key_value_heads", None) or self.n_heads
         self.lengths: list[int] = []  # tokens in each sequence so far
         self.decoded: list[int] = []  # tokens decoded one at a time per sequence (round-robin)

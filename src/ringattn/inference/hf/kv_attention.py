@@ -87,6 +87,10 @@ class KVState:
         self.room: dict[int, int] = {}  # by sequence: rows its buffers may grow to (the pool's)
         self.on_layer = None  # progress: on_layer(layer index) after each prefill layer
         self.segments: list[tuple[int, int, Fresh | Decode | Extend]] = []  # [start, stop) rows
+        # a hybrid's mixers (mixer_states.py): states by (module id, sequence), and each
+        # running mixer's output from its pre-hook to its hook
+        self.mixer_states: dict[tuple[int, int], dict] = {}
+        self.mixer_out: dict[int, torch.Tensor] = {}
         # a VLM's prefill (vision.py's decoder pre-hook reads these): real is not None while
         # the whole prompt goes in, positions the packed index of each local row; the hook
         # notes the first decoded position (M-RoPE numbers images by their grid)
@@ -111,6 +115,8 @@ class KVState:
     def drop(self, seq: int) -> None:
         for key in [key for key in self.caches if key[1] == seq]:
             del self.caches[key]
+        for key in [key for key in self.mixer_states if key[1] == seq]:
+            del self.mixer_states[key]
         self.room.pop(seq, None)
 
     @property

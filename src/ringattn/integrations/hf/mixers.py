@@ -33,8 +33,8 @@ zigzag's two runs, striped's runs of one token) and every W, and kernel-agnostic
 passing scheme (each rank runs only its own runs from entering states exchanged as fixed-size
 summaries, DESIGN.md section 13) is the faster path still to come for the popular mixers.
 
-Decoding carries these states from token to token; `refuse_for_decoding` says which models
-ringattn's KV-cache decoding cannot run yet.
+KV-cache decoding (generate, serve) carries these states per sequence instead: the layer stands
+aside here while inference/hf/mixer_states.py runs it.
 """
 
 from __future__ import annotations
@@ -213,6 +213,8 @@ def _hidden(signature: inspect.Signature, args: tuple, kwargs: dict) -> inspect.
 
 def _before(module: nn.Module, args: tuple, kwargs: dict):
     """Mixer pre-hook: this rank's rows -> the whole sequence, one row per document."""
+    if getattr(module, vision.KV_STATE_ATTR, None) is not None:
+        return None  # KV-cache decoding runs this layer (inference/hf/mixer_states.py)
     state: MixerState = getattr(module, STATE_ATTR)
     signature = inspect.signature(module.forward)
     bound = _hidden(signature, args, kwargs)
@@ -285,6 +287,8 @@ def _sequence(y: torch.Tensor, lengths: list[int]) -> torch.Tensor:
 
 def _after(module: nn.Module, args: tuple, kwargs: dict, output):
     """Mixer hook: the documents' outputs -> the whole sequence -> this rank's rows."""
+    if getattr(module, vision.KV_STATE_ATTR, None) is not None:
+        return None
     state: MixerState = getattr(module, STATE_ATTR)
     lengths, bounds_list = state.pending.pop(id(module))
     context = state.context
@@ -331,6 +335,11 @@ def install(model: nn.Module, root: nn.Module, mixers: list[tuple[str, nn.Module
             module._ringattn_mixer_hooked = True
 
 
+def has_mixers(model: nn.Module) -> bool:
+    """True when `model` has a recurrent or convolutional mixer ringattn knows (a hybrid)."""
+    return any(_known(module) for module in model.modules())
+
+
 def schemes(model: nn.Module) -> dict[str, tuple[str, str]]:
     """{module name: (the mixer it is, "heads" or "whole")} for a parallelized model: how each
     recurrent mixer runs across the ranks (heads: mixer_heads.py; whole: the module docstring)."""
@@ -341,18 +350,3 @@ def schemes(model: nn.Module) -> dict[str, tuple[str, str]]:
             scheme = "heads" if id(module) in state.heads else "whole"
             out[name] = (MIXERS[type(module).__name__], scheme)
     return out
-
-
-def refuse_for_decoding(model: nn.Module, what: str) -> None:
-    """ValueError when `model`'s text side has a recurrent or convolutional mixer (handled in
-    training or not): ringattn's KV-cache decoding keeps keys and values only, not a mixer's
-    running state, so each decoded token would see a zero state."""
-    root = model.get_decoder() if vision.is_multimodal(model) else model
-    for name, module in root.named_modules():
-        if _known(module) or isinstance(module, _TOKEN_MIXING_LEAVES):
-            raise ValueError(
-                f"{what}: {type(module).__name__} ({_layer_of(name)}) carries a recurrent or "
-                f"convolution state from token to token, which ringattn's KV-cache decoding does "
-                f"not keep yet; decode this model with transformers' own model.generate on one "
-                f"process (training and scoring under CP: ringattn.hf.parallelize)"
-            )
