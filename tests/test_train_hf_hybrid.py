@@ -50,7 +50,10 @@ def hybrid(request, tmp_path_factory):
 
 
 def test_cp2_training_equals_one_process(pools, hybrid, tmp_path):
-    sgd = {"optimizer": "sgd", "lr": 1.0}
+    # lr 0.1: at lr 1.0 the third step's gated DeltaNet is ill-conditioned (its UT solve
+    # amplifies float32 rounding: the grad norm at step 3 moved 1 % between two runs that
+    # differed only in summation order, the mixers run whole on both sides)
+    sgd = {"optimizer": "sgd", "lr": 0.1}
     want = pools(1).run("workers_train:train", _options(*hybrid, tmp_path / "1", cp=1, **sgd))[0]
     options = _options(*hybrid, tmp_path / "2", cp=2, layout="zigzag", **sgd)
     got = pools(2).run("workers_train:train", options)[0]

@@ -206,7 +206,8 @@ def _mixer_shape(cfg: dict, dim: int) -> MixerShape | None:
         groups = get("n_groups") or get("mamba_n_groups") or get("mamba_ngroups") or 1
         chunk = get("chunk_size") or get("mamba_chunk_size") or 256
         return MixerShape("mamba2", int(heads), head_dim, state or 128, int(groups), kernel,
-                          int(chunk))  # fmt: skip
+                          int(chunk),
+                          head_parallel=get("model_type") in HEAD_PARALLEL_FAMILIES)  # fmt: skip
     if state:  # Jamba: Mamba1
         rank = get("mamba_dt_rank")
         rank = -(-dim // 16) if rank in (None, "auto") else int(rank)

@@ -115,9 +115,10 @@ def allgather_work(layout: str, world_size: int) -> StepWork:
 
 MIXER_KINDS = ("gated_deltanet", "mamba2", "mamba1", "short_conv")
 HEAD_PARALLEL_FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe",
-                          "qwen3_5_moe_text")  # fmt: skip
-"""Config model_types whose gated DeltaNet the library splits by key heads (the classes of
-integrations/hf/mixer_heads.py's SPLITS: Qwen3-Next, Qwen3.5, Qwen3.5-MoE)."""
+                          "qwen3_5_moe_text", "nemotron_h")  # fmt: skip
+"""Config model_types whose mixer the library splits by heads (the classes of
+integrations/hf/mixer_heads.py's SPLITS: Qwen3-Next, Qwen3.5, Qwen3.5-MoE gated DeltaNet by key
+heads; Nemotron-H's Mamba2 by groups of heads)."""
 
 
 @dataclass(frozen=True)
@@ -143,8 +144,8 @@ class MixerShape:
     dt_rank: int = 0
     """mamba1: rank of the time-step projection."""
     head_parallel: bool = False
-    """gated_deltanet: the library runs this family's layer head-parallel when cp divides the
-    key heads (HEAD_PARALLEL_FAMILIES); the `heads` scheme is then what `auto` prices."""
+    """The library runs this family's layer head-parallel when cp divides the key heads (Mamba2:
+    the groups) (HEAD_PARALLEL_FAMILIES); the `heads` scheme is then what `auto` prices."""
 
     @property
     def inner(self) -> int:
@@ -256,8 +257,11 @@ MIXER_CHOICES = ("auto", *MIXER_SCHEMES)
 
 
 def _splits(shape: MixerShape, world_size: int, tp: int) -> bool:
-    """True when the layer's key heads (per tp rank) split evenly over world_size ranks."""
-    if shape.kind != "gated_deltanet" or not shape.groups or shape.heads % shape.groups:
+    """True when the layer's key heads (Mamba2: its groups), per tp rank, split evenly over
+    world_size ranks."""
+    if shape.kind not in ("gated_deltanet", "mamba2") or not shape.groups:
+        return False
+    if shape.heads % shape.groups:
         return False
     return (shape.groups // tp) % world_size == 0
 
@@ -276,12 +280,12 @@ def resolve_mixer_scheme(shape: MixerShape | None, scheme: str, world_size: int,
         library = world_size > 1 and shape.head_parallel and _splits(shape, world_size, tp)
         return "heads" if library else "gather"
     if scheme == "heads" and not _splits(shape, world_size, tp):
-        if shape.kind != "gated_deltanet":
-            raise ValueError(f"the heads mixer scheme splits gated_deltanet layers, not "
+        if shape.kind not in ("gated_deltanet", "mamba2"):
+            raise ValueError(f"the heads mixer scheme splits gated_deltanet and mamba2 layers, not "
                              f"{shape.kind}; use auto, gather or state_passing")  # fmt: skip
         raise ValueError(f"the heads mixer scheme needs cp={world_size} to divide the "
-                         f"{shape.groups // tp} key heads per tp rank; pick cp among their "
-                         f"divisors, or use auto")  # fmt: skip
+                         f"{shape.groups // tp} key heads (Mamba2: groups) per tp rank; pick "
+                         f"cp among their divisors, or use auto")  # fmt: skip
     return scheme
 
 
@@ -320,15 +324,15 @@ def mixer_work(shape: MixerShape, scheme: str, layout: str, dim: int, seq_len: i
     local_input = batch * n * dim / tp * elem_bytes  # (W-1) of them: (W-1)/W of S x hidden
     if w == 1:
         return MixerWork(rows, matmul, recurrence, passes, (0.0, 0.0), (0, 0))
-    if scheme == "gather":  # all-gather in; backward all-reduce of the input gradient
+    if scheme == "gather":  # all-gather in; backward a reduce-scatter of the input gradient
         return MixerWork(rows, matmul, recurrence, passes,
-                         ((w - 1) * local_input, 2 * (w - 1) * local_input),
-                         (w - 1, 2 * (w - 1)))  # fmt: skip
-    if scheme == "heads":  # + an all-reduce of the output, forward and of its gradient backward
+                         ((w - 1) * local_input, (w - 1) * local_input),
+                         (w - 1, w - 1))  # fmt: skip
+    if scheme == "heads":  # + a reduce-scatter of the output forward, an all-gather backward
         resolve_mixer_scheme(shape, scheme, w, tp)
         return MixerWork(rows, matmul, recurrence, passes,
-                         (3 * (w - 1) * local_input, 4 * (w - 1) * local_input),
-                         (3 * (w - 1), 4 * (w - 1)))  # fmt: skip
+                         (2 * (w - 1) * local_input, 2 * (w - 1) * local_input),
+                         (2 * (w - 1), 2 * (w - 1)))  # fmt: skip
     runs = 2 if layout == "zigzag" else 1
     recurrence *= 2  # the summary pass from a zero state, then the pass from the entering state
     if shape.kind == "gated_deltanet":  # the run's transition: the product of its chunks' dk x dk

@@ -11,7 +11,7 @@ head's channels -> hidden). So heads split exactly, as in Megatron's gated-Delta
                                  heads, its parameters the rows (columns for out_proj) of key-head
                                  groups [r*nk/W, (r+1)*nk/W) of the layer's own parameters
                   -> (S, hidden) this rank's heads' share of out_proj's sum
-    sum over ranks (all-reduce) -> the layer's output; each rank keeps its own rows
+    sum over ranks, each rank's rows (a reduce-scatter, mixer_comm.py) -> the layer's output
 
 The twin is a module of the same class on the meta device (no memory), run with
 `torch.func.functional_call` and slices of the real parameters, so autograd takes each rank's
@@ -21,8 +21,9 @@ its gradients sum over the ranks like any replicated parameter's.
 
 Compute and activation memory of the layer are 1/W of one process's, the recurrence runs on the
 whole sequence (the layer's own kernel: flash-linear-attention's where installed, transformers'
-PyTorch path otherwise), and the traffic per layer per rank is the all-gather of S x hidden in and
-an all-reduce of S x hidden out (and the same back): bytes grow with S, like Ulysses'. Needs W to
+PyTorch path otherwise), and the traffic per layer per rank is an all-gather of S x hidden in and
+a reduce-scatter of S x hidden out (and the same back): 4 (W-1)/W x S x hidden elements per layer,
+growing with S like Ulysses' all-to-alls (Megatron's sequence parallelism around TP). Needs W to
 divide the key-head count; otherwise mixers.py runs the layer whole on every rank.
 
 Nemotron-H's Mamba2 (SSD) splits the same way by groups of heads: each group's heads share its

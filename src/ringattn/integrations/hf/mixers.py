@@ -9,8 +9,8 @@ checked to come from transformers) runs here on the whole sequence instead, thro
 hooks on the mixer module and nothing else:
 
     pre-hook   x_local (1, S_local, H)   this rank's rows, layout order, padding rows included
-               x = unshard(x_local)      (1, S, H) global order: one all-gather of S x H
-               x = sum_grads(x)          identity forward; backward all-reduces the gradient
+               x = gather_rows(x_local)  (1, S, H) global order: an all-gather forward, a
+                                         reduce-scatter of the gradient backward (mixer_comm.py)
                docs = split(x, bounds)   one row per packed document, right-padded to the
                                          longest: (n_docs, L_max, H); causal mixers never read
                                          the padding (it is after every real token of its row)
@@ -24,10 +24,14 @@ checkpoint saves and loads as before). Backward is exact: each rank's parameter 
 from its own rows' outputs only (the other rows' outputs are dropped by `shard`), so they sum to
 the single-process gradients over the group, as every per-token layer's do; the input's
 gradient, which on each rank holds its own rows' contributions to every position, is summed over
-the group (`sum_grads`) before `unshard`'s backward keeps this rank's rows.
+the group and each rank keeps its rows (`gather_rows`' reduce-scatter).
+
+This is the "whole" scheme. A mixer class that splits by heads (mixer_heads.py: gated DeltaNet,
+Nemotron-H's Mamba2) runs its heads' share instead, on the same gathered input, and the partial
+outputs are summed into each rank's rows by a reduce-scatter (`scatter_rows`).
 
 Cost ("gather" in the planner): per mixer layer per rank, an all-gather of S x H activations and
-an all-reduce of their gradient; the mixer's compute and activations are those of the whole
+a reduce-scatter of their gradient; the mixer's compute and activations are those of the whole
 sequence on every rank (W times the work of one shard). It is exact for every layout (contiguous,
 zigzag's two runs, striped's runs of one token) and every W, and kernel-agnostic; the state-
 passing scheme (each rank runs only its own runs from entering states exchanged as fixed-size
@@ -47,10 +51,13 @@ import torch
 from torch import nn
 
 import ringattn
-from ringattn.comm import all_reduce, resolve_group
+from ringattn.comm import resolve_group
 from ringattn.integrations.hf import mixer_heads, vision
-from ringattn.integrations.hf.attention import CONTEXT_ATTR
+from ringattn.integrations.hf.attention import CONTEXT_ATTR, _check_padding_mask
+from ringattn.integrations.hf.mixer_comm import gather_rows, scatter_rows
 from ringattn.integrations.hf.mixer_heads import HeadShare
+from ringattn.layout import get_layout
+from ringattn.sharding import local_placement
 
 # class name -> the mixer it is. Each was checked against one process in tests/test_hf_hybrid.py
 # (forward and backward, three layouts, packed documents). Only classes defined in transformers'
@@ -164,33 +171,6 @@ class MixerState:
     traffic: dict[str, int] = field(default_factory=dict)
 
 
-class _AllReduceSum(torch.autograd.Function):
-    """Sum over the group, forward and backward (each rank's partial output -> the output; each
-    rank's gradient of its own rows -> the whole gradient, the rows being disjoint)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, info) -> torch.Tensor:
-        ctx.info = info
-        return all_reduce(x.contiguous(), info).to(x.dtype)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return all_reduce(grad.contiguous(), ctx.info).to(grad.dtype), None
-
-
-class _SumGrads(torch.autograd.Function):
-    """Identity forward; backward sums the gradient over the group (the gathered input's)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, info) -> torch.Tensor:
-        ctx.info = info
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return all_reduce(grad.contiguous(), ctx.info).to(grad.dtype), None
-
-
 def _capture(module: nn.Module, args: tuple, kwargs: dict) -> None:
     """Model pre-hook: keep the forward's `cu_seq_lens_q` (None without) for the mixers that are
     not given it."""
@@ -239,12 +219,13 @@ def _before(module: nn.Module, args: tuple, kwargs: dict):
             f"{where}: expected hidden states (1, S_local, H), got {tuple(x_local.shape)}"
         )
     context = state.context
+    mask = bound.arguments.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2:  # padding: all ones on every rank
+        _check_padding_mask(mask, module, context)
     info = resolve_group(context.group, allow_2d=True)
     bounds_list = [int(b) for b in bounds.tolist()]
-    full = ringattn.unshard(
-        x_local, 1, group=context.group, layout=context.layout, cu_seqlens=bounds_list
-    )  # (1, S, H)
-    full = _SumGrads.apply(full, info)
+    placement = local_placement(get_layout(context.layout), info, x_local.shape[1], bounds_list)
+    full = gather_rows(x_local[0], placement, info)[None]  # (1, S, H)
     lengths = [b - a for a, b in itertools.pairwise(bounds_list) if b > a]
     longest = max(lengths)
     rows = [
@@ -255,14 +236,12 @@ def _before(module: nn.Module, args: tuple, kwargs: dict):
     share = state.heads.get(id(module))
     if info.world_size > 1:
         volume = full.numel() * full.element_size() * (info.world_size - 1) / info.world_size
-        # in: all-gather forward, all-reduce of the gradient; head-parallel out: two all-reduces
-        state.traffic[where] = int(volume * (3 if share is None else 7))
+        # in: an all-gather forward, a reduce-scatter of the gradient backward; head-parallel
+        # out: a reduce-scatter forward, an all-gather backward (mixer_comm.py)
+        state.traffic[where] = int(volume * (2 if share is None else 4))
     if share is not None:  # head-parallel: this rank's heads, summed over the group
         partial = _sequence(share(module, docs), lengths)  # (1, S, H)
-        summed = _AllReduceSum.apply(partial, info)
-        local = ringattn.shard(
-            summed, 1, group=context.group, layout=context.layout, cu_seqlens=bounds_list
-        )
+        local = scatter_rows(partial[0], placement, info)[None]  # (1, S_local, H)
         state.pending[id(module)] = ("done", local)
         # the layer's own forward still runs (hooks cannot skip it): on one zero token, its
         # output dropped by the hook below
