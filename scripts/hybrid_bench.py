@@ -7,17 +7,19 @@ Two random-init hybrids of tens of millions of parameters (most of them the 16k 
 - qwen3_5: Qwen3.5-style, 8 layers, 3 gated DeltaNet : 1 gated attention, hidden 384, 4 key and
   8 value heads of 64 in the DeltaNet (head-parallel at W = 2, 4: mixer_heads.py);
 - nemotron_h: a Mamba2 hybrid, 8 blocks "M-M*M-M-" (Mamba2, MLP, attention), hidden 384, 8
-  Mamba heads of 48, state 64 (run whole on every rank: mixers.py).
+  Mamba heads of 48 in 2 groups, state 64 (head-parallel by groups at W = 2).
 
-For each model and S, one process with W threads (the baseline for W ranks) and W gloo ranks of one
-thread each (zigzag, ring) run the same packed-free sequence: a warm-up step, then --steps timed
-forward + backward steps (chunked cross-entropy, ringattn.hf.loss). Step time is rank 0's median
-(the ranks wait on each other every layer). Peak memory is each rank's peak of tensor bytes over one
-step (the profiler's allocation events: bench.common.PeakMemory), the largest over ranks. Bytes per
-mixer layer per rank are those the layer's hooks send (mixers.py's traffic: a ring collective's
-share, forward and backward). Targets (issue 46): per-rank peak at W = 2 <= 0.55x one process at
-16k; step time at W = 2 <= 0.6x one process with 2 threads. Prints a table, writes JSON (machine,
-versions, command) to --json.
+For each model, S and W, one process with W threads (the baseline for W ranks; a process of its
+own) and W gloo ranks of one thread each (zigzag, ring) run the same unpacked sequence: a warm-up
+step, then --steps timed forward + backward steps (chunked cross-entropy, ringattn.hf.loss). Step
+time is rank 0's median (the ranks wait on each other every layer). Peak memory is each rank's
+peak of tensor bytes over one step (the profiler's allocation events: bench.common.PeakMemory),
+the largest over ranks. Bytes per mixer layer per rank are those the layer's hooks send
+(mixers.py's traffic: a ring collective's share, forward and backward). Targets (issue 46):
+per-rank peak at W = 2 <= 0.55x one process at 16k; step time at W = 2 <= 0.6x one process with
+2 threads. Prints a table, writes JSON (machine, versions, command) to --json.
+
+Nemotron-H's Mamba2 has 2 groups here: head-parallel at W = 2, whole at W = 4.
 """
 
 from __future__ import annotations
@@ -114,12 +116,18 @@ def measure(name: str, seq_len: int, steps: int, parallel: bool) -> dict:
     return {"step_s": statistics.median(times), "peak_mb": peak.mb, "traffic": traffic}
 
 
-def rank_main(models: list[str], seqs: list[int], steps: int) -> list[dict]:
+def rank_main(model: str, seq_len: int, steps: int) -> dict:
     from ringattn.runtime.launch import init_distributed
 
     init_distributed()
     torch.set_num_threads(1)
-    return [measure(m, s, steps, parallel=True) for m in models for s in seqs]
+    return measure(model, seq_len, steps, parallel=True)
+
+
+def single_main(model: str, seq_len: int, steps: int, threads: int) -> dict:
+    """The one-process baseline, in a process of its own (its memory goes with it)."""
+    torch.set_num_threads(threads)
+    return measure(model, seq_len, steps, parallel=False)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -138,26 +146,27 @@ def main(argv: list[str] | None = None) -> int:
     from ringattn.runtime.launch import launch
 
     rows = []
-    for w in worlds:
-        torch.set_num_threads(w)  # the baseline for W ranks: one process with W threads
-        single = {(m, s): measure(m, s, args.steps, parallel=False) for m in models for s in seqs}
-        ranks = launch(rank_main, w, models, seqs, args.steps) if w > 1 else None
-        for i, (m, s) in enumerate((m, s) for m in models for s in seqs):
-            base = single[(m, s)]
-            row = {"model": m, "seq_len": s, "world_size": w, "one_process_step_s": base["step_s"],
-                   "one_process_peak_mb": base["peak_mb"], "threads": w}  # fmt: skip
-            if ranks is not None:
-                per_rank = [ranks[r][i] for r in range(w)]
-                traffic = per_rank[0]["traffic"]
-                row.update({
-                    "step_s": per_rank[0]["step_s"],
-                    "peak_mb_per_rank": [r["peak_mb"] for r in per_rank],
-                    "bytes_per_mixer_layer": max(traffic.values()) if traffic else 0,
-                    "bytes_by_layer": traffic,
-                })  # fmt: skip
-                row["step_ratio"] = row["step_s"] / base["step_s"]
-                row["peak_ratio"] = max(row["peak_mb_per_rank"]) / base["peak_mb"]
-            rows.append(row)
+    for m in models:
+        for seq_len in seqs:
+            for w in worlds:  # the baseline for W ranks: one process with W threads, alone
+                base = launch(single_main, 1, m, seq_len, args.steps, w)[0]
+                row = {"model": m, "seq_len": seq_len, "world_size": w, "threads": w,
+                       "one_process_step_s": base["step_s"],
+                       "one_process_peak_mb": base["peak_mb"]}  # fmt: skip
+                if w > 1:
+                    per_rank = launch(rank_main, w, m, seq_len, args.steps)
+                    traffic = per_rank[0]["traffic"]
+                    row.update({
+                        "step_s": per_rank[0]["step_s"],
+                        "peak_mb_per_rank": [per_rank[r]["peak_mb"] for r in range(w)],
+                        "bytes_per_mixer_layer": max(traffic.values()) if traffic else 0,
+                        "bytes_by_layer": traffic,
+                    })  # fmt: skip
+                    row["step_ratio"] = row["step_s"] / base["step_s"]
+                    row["peak_ratio"] = max(row["peak_mb_per_rank"]) / base["peak_mb"]
+                rows.append(row)
+                print(json.dumps({k: v for k, v in row.items() if k != "bytes_by_layer"}),
+                      flush=True)  # fmt: skip
     print(f"{'model':>11} {'S':>6} {'W':>2} {'1-proc s':>9} {'CP s':>8} {'ratio':>6} "
           f"{'1-proc MB':>10} {'CP MB/rank':>11} {'ratio':>6} {'MB/mixer layer':>15}")  # fmt: skip
     for r in rows:

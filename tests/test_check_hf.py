@@ -73,6 +73,18 @@ def test_llama_is_exact_in_every_layout(llama_dir, capfd):
     assert code == 0
 
 
+def test_a_hybrid_is_exact_in_every_layout(tmp_path, capfd):
+    """Nemotron-H (Mamba2 by groups of heads, attention, MLP blocks), the user's config at a tiny
+    width: its mixers exact under CP, not just its attention."""
+    config = tf.NemotronHConfig(hybrid_override_pattern="M*-M", num_hidden_layers=4)
+    code = main(["check", "--hf", _save(config, tmp_path / "nemotron"), "--nproc", "2"])
+    out = capfd.readouterr().out
+    assert [(r[0], r[1], r[3]) for r in _rows(out)] == [
+        ("2", layout, "exact") for layout in ("contiguous", "zigzag", "striped")
+    ], out
+    assert code == 0
+
+
 def test_refused_model_is_reported_not_failed(tmp_path, monkeypatch, capfd):
     path = _save(tf.AutoConfig.for_model("llama4_text"), tmp_path / "llama4")
     _as_torchrun_rank_zero(monkeypatch)
