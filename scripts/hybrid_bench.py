@@ -5,7 +5,7 @@
 
 Two random-init hybrids of tens of millions of parameters (most of them the 16k vocabulary):
 - qwen3_5: Qwen3.5-style, 8 layers, 3 gated DeltaNet : 1 gated attention, hidden 384, 4 key and
-  8 value heads of 64 in the DeltaNet (head-parallel at W = 2, 4: mixer_heads.py);
+  8 value heads of 64 in the DeltaNet (head-parallel at W = 2, 4: mixers/heads.py);
 - nemotron_h: a Mamba2 hybrid, 8 blocks "M-M*M-M-" (Mamba2, MLP, attention), hidden 384, 8
   Mamba heads of 48 in 2 groups, state 64 (head-parallel by groups at W = 2).
 
@@ -15,7 +15,7 @@ step, then --steps timed forward + backward steps (chunked cross-entropy, ringat
 time is rank 0's median (the ranks wait on each other every layer). Peak memory is each rank's
 peak of tensor bytes over one step (the profiler's allocation events: bench.common.PeakMemory),
 the largest over ranks. Bytes per mixer layer per rank are those the layer's hooks send
-(mixers.py's traffic: a ring collective's share, forward and backward). Targets (issue 46):
+(mixers/hooks.py's traffic: a ring collective's share, forward and backward). Targets (issue 46):
 per-rank peak at W = 2 <= 0.55x one process at 16k; step time at W = 2 <= 0.6x one process with
 2 threads. Prints a table, writes JSON (machine, versions, command) to --json.
 
@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
                     "cpus": os.cpu_count()},
         "torch": torch.__version__, "transformers": transformers.__version__,
         "method": "step: rank 0's median of --steps after a warm-up; peak: profiler tensor "
-                  "bytes over one step, largest rank; bytes: mixers.py's per-call traffic",
+                  "bytes over one step, largest rank; bytes: mixers/hooks.py's per-call traffic",
         "rows": rows,
     }  # fmt: skip
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)

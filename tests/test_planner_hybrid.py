@@ -81,7 +81,7 @@ def test_state_passing_traffic_is_flat_in_s_and_gather_linear():
     assert long.sent[0] == 4 * short.sent[0] == 4 * 3 * 2**15 // 4 * m.dim * 2
     assert long.sent[1] == long.sent[0]  # backward reduce-scatters the input gradient
     assert long.rows == 2**17  # the whole sequence on every rank
-    # integrations/hf/mixers.py counts 2 x (W-1)/W x S x hidden x bytes per call
+    # integrations/hf/mixers/hooks.py counts 2 x (W-1)/W x S x hidden x bytes per call
     assert sum(long.sent) == 2 * 3 / 4 * 2**17 * m.dim * 2
 
 
@@ -94,8 +94,8 @@ def test_heads_divides_the_compute_by_w_and_sends_the_library_bytes(w):
     for key in ("matmul_flops", "recurrence_flops", "elementwise_elems"):
         assert getattr(heads, key) == pytest.approx(getattr(one, key) / w)
         assert getattr(gather, key) == pytest.approx(getattr(one, key))  # replicated
-    # all-gather in + reduce-scatter out; backward the same in reverse (mixer_comm.py):
-    # mixers.py's 4 x (W-1)/W x S x hidden x bytes per call (per sequence)
+    # all-gather in + reduce-scatter out; backward the same in reverse (mixers/comm.py):
+    # mixers/hooks.py's 4 x (W-1)/W x S x hidden x bytes per call (per sequence)
     assert heads.sent == pytest.approx((2 * (w - 1) / w * 2 * 2**16 * dim * 2,
                                         2 * (w - 1) / w * 2 * 2**16 * dim * 2))  # fmt: skip
     assert sum(heads.sent) == pytest.approx(2 * sum(gather.sent))

@@ -117,7 +117,7 @@ MIXER_KINDS = ("gated_deltanet", "mamba2", "mamba1", "short_conv")
 HEAD_PARALLEL_FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe",
                           "qwen3_5_moe_text", "nemotron_h")  # fmt: skip
 """Config model_types whose mixer the library splits by heads (the classes of
-integrations/hf/mixer_heads.py's SPLITS: Qwen3-Next, Qwen3.5, Qwen3.5-MoE gated DeltaNet by key
+integrations/hf/mixers/heads.py's SPLITS: Qwen3-Next, Qwen3.5, Qwen3.5-MoE gated DeltaNet by key
 heads; Nemotron-H's Mamba2 by groups of heads)."""
 
 
@@ -238,13 +238,14 @@ MIXER_SCHEMES = ("gather", "heads", "state_passing")
 
     gather          all-gather the layer's input, run the whole mixer on the full sequence on
                     every rank (its compute replicated W times), keep this rank's rows; backward
-                    all-reduces the input gradient: (W-1)/W X forward, 2 (W-1)/W X backward
-                    (integrations/hf/mixers.py's count, 3 (W-1)/W X per call). Bytes grow with S.
-    heads           gated DeltaNet split by key heads (integrations/hf/mixer_heads.py): all-gather
-                    the input, run the whole sequence for 1/W of the heads (compute 1/W of one
-                    process's), all-reduce the partial outputs; backward all-reduces the output
-                    gradient and the input gradient: 3 (W-1)/W X forward, 4 (W-1)/W X backward
-                    (the library's 7 (W-1)/W X). Needs W to divide the key heads.
+                    reduce-scatters the input gradient: (W-1)/W X forward, (W-1)/W X backward
+                    (integrations/hf/mixers/hooks.py's count, 2 (W-1)/W X per call). Bytes grow
+                    with S.
+    heads           gated DeltaNet split by key heads, Nemotron-H's Mamba2 by groups
+                    (integrations/hf/mixers/heads.py): all-gather the input, run the whole
+                    sequence for 1/W of the heads (compute 1/W of one process's), reduce-scatter
+                    the partial outputs; backward an all-gather and a reduce-scatter: 2 (W-1)/W X
+                    each way (the library's 4 (W-1)/W X). Needs W to divide the key heads.
     state_passing   a what-if, not run by the library: each rank runs its runs of tokens
                     (zigzag: 2, else 1) from a zero state to get each run's summary (state +
                     transition), all-gathers the summaries over W, scans them, and runs its

@@ -22,7 +22,7 @@ the layer's own forward and a view of the right sequences' states:
              sequence's states (transformers' chunked-prefill path), shard back
 
 The layer's own call then runs on one zero token without a cache and the hook returns the
-computed rows instead (as in integrations/hf/mixers.py's head-parallel path). The states are
+computed rows instead (as in integrations/hf/mixers/hooks.py's head-parallel path). The states are
 whole on every rank (they are small and every rank runs every decode token). A prefix's K/V can
 be copied between sequences; these states cannot be rebuilt from rows, so the server turns prefix
 reuse off for such models (serve/worker.py).
@@ -37,9 +37,9 @@ import torch
 from torch import nn
 
 import ringattn
+from ringattn.inference.hf.kv_attention import STATE_ATTR, Decode, Extend, Fresh
 from ringattn.integrations.hf.mixers import MIXERS, _known
 
-STATE_ATTR = "ringattn_kv_state"  # kv_attention.py's: the engine's KVState while attached
 # mixers whose cache interface is not the five methods above (MiniMax keeps a "linear cache")
 NOT_CARRIED = {"MiniMaxLightningAttention": "its lightning-attention cache (get_linear_cache)"}
 # Mamba1 mixers scan a whole sequence from a zero state only (their cache is read by the
@@ -123,8 +123,6 @@ def _call(module: nn.Module, x: torch.Tensor, view: StateView) -> torch.Tensor:
 
 def _run(module: nn.Module, state: object, x: torch.Tensor) -> torch.Tensor:
     """The layer's output for the forward's local rows `x` (B, S_local, hidden), by segment."""
-    from ringattn.inference.hf.kv_attention import Decode, Extend, Fresh
-
     store, key = state.mixer_states, id(module)
     if x.shape[1] == 1 and len(state.segments) == 1:  # decode alone: a batch (L, 1, hidden)
         (_, _, step), = state.segments  # fmt: skip

@@ -10,7 +10,7 @@ transformers adds next month stays refused until someone checks it and adds it h
 `REFUSED` says why the known ones are not listed. Vision-language models are listed in vision.py
 (their text decoders' families need not be listed here: vision.py's own tests cover them).
 
-Families with recurrent or convolutional mixers (hybrids) are exact through mixers.py, each mixer
+Families with recurrent or convolutional mixers (hybrids) are exact through mixers/, each mixer
 class by name; their tests are tests/test_hf_hybrid.py.
 """
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 # model_type (the causal LM's own config.model_type: Emu3's is emu3_text_model) -> what was
 # checked (docs/families.md shows the table)
 _SURVEYED = "transformers' own classes, CP 2 zigzag, packed documents"
-_HYBRID = "recurrent mixers exact (mixers.py); CP 2-4, three layouts, packed documents"
+_HYBRID = "recurrent mixers exact (mixers/hooks.py); CP 2-4, three layouts, packed documents"
 EXACT: dict[str, str] = {
     name: _SURVEYED
     for name in (

@@ -18,8 +18,8 @@ attention (only the text config is switched) while a pre-hook on its text decode
 embeddings and positions into this rank's rows (vision.py). With `expert_group`, each MoE layer's
 experts module keeps a slice of the experts and two hooks send tokens to them (experts.py).
 A hybrid model's recurrent and convolutional mixers (Mamba, gated DeltaNet, short convolutions)
-get two hooks each that run them on the whole sequence (mixers.py); a module that mixes tokens
-and is not on mixers.py's allow-list makes parallelize raise, naming its class and layer.
+get two hooks each that run them on the whole sequence (mixers/hooks.py); a module that mixes tokens
+and is not on mixers/hooks.py's allow-list makes parallelize raise, naming its class and layer.
 """
 
 from __future__ import annotations

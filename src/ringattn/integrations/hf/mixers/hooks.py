@@ -10,7 +10,7 @@ hooks on the mixer module and nothing else:
 
     pre-hook   x_local (1, S_local, H)   this rank's rows, layout order, padding rows included
                x = gather_rows(x_local)  (1, S, H) global order: an all-gather forward, a
-                                         reduce-scatter of the gradient backward (mixer_comm.py)
+                                         reduce-scatter of the gradient backward (comm.py)
                docs = split(x, bounds)   one row per packed document, right-padded to the
                                          longest: (n_docs, L_max, H); causal mixers never read
                                          the padding (it is after every real token of its row)
@@ -26,7 +26,7 @@ the single-process gradients over the group, as every per-token layer's do; the 
 gradient, which on each rank holds its own rows' contributions to every position, is summed over
 the group and each rank keeps its rows (`gather_rows`' reduce-scatter).
 
-This is the "whole" scheme. A mixer class that splits by heads (mixer_heads.py: gated DeltaNet,
+This is the "whole" scheme. A mixer class that splits by heads (heads.py: gated DeltaNet,
 Nemotron-H's Mamba2) runs its heads' share instead, on the same gathered input, and the partial
 outputs are summed into each rank's rows by a reduce-scatter (`scatter_rows`).
 
@@ -52,10 +52,10 @@ from torch import nn
 
 import ringattn
 from ringattn.comm import resolve_group
-from ringattn.integrations.hf import mixer_heads, vision
+from ringattn.integrations.hf import vision
 from ringattn.integrations.hf.attention import CONTEXT_ATTR, _check_padding_mask
-from ringattn.integrations.hf.mixer_comm import gather_rows, scatter_rows
-from ringattn.integrations.hf.mixer_heads import HeadShare
+from ringattn.integrations.hf.mixers.comm import gather_rows, scatter_rows
+from ringattn.integrations.hf.mixers.heads import HeadShare, splits
 from ringattn.layout import get_layout
 from ringattn.sharding import local_placement
 
@@ -237,7 +237,7 @@ def _before(module: nn.Module, args: tuple, kwargs: dict):
     if info.world_size > 1:
         volume = full.numel() * full.element_size() * (info.world_size - 1) / info.world_size
         # in: an all-gather forward, a reduce-scatter of the gradient backward; head-parallel
-        # out: a reduce-scatter forward, an all-gather backward (mixer_comm.py)
+        # out: a reduce-scatter forward, an all-gather backward (comm.py)
         state.traffic[where] = int(volume * (2 if share is None else 4))
     if share is not None:  # head-parallel: this rank's heads, summed over the group
         partial = _sequence(share(module, docs), lengths)  # (1, S, H)
@@ -306,7 +306,7 @@ def install(model: nn.Module, root: nn.Module, mixers: list[tuple[str, nn.Module
     config = model.config.get_text_config()
     for _, module in mixers:
         setattr(module, STATE_ATTR, state)
-        if mixer_heads.splits(module, info.world_size):
+        if splits(module, info.world_size):
             state.heads[id(module)] = HeadShare.build(module, config, info.rank, info.world_size)
         if not getattr(module, "_ringattn_mixer_hooked", False):
             module.register_forward_pre_hook(_before, with_kwargs=True)
@@ -321,7 +321,7 @@ def has_mixers(model: nn.Module) -> bool:
 
 def schemes(model: nn.Module) -> dict[str, tuple[str, str]]:
     """{module name: (the mixer it is, "heads" or "whole")} for a parallelized model: how each
-    recurrent mixer runs across the ranks (heads: mixer_heads.py; whole: the module docstring)."""
+    recurrent mixer runs across the ranks (heads: heads.py; whole: the module docstring)."""
     state: MixerState | None = getattr(model, STATE_ATTR, None)
     out = {}
     for name, module in model.named_modules():

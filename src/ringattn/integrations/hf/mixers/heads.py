@@ -6,12 +6,12 @@ convolution over the q, k, v channels, the delta-rule recurrence per value head 
 shared by nv/nk value heads), a gated RMS norm over each head's own channels, and out_proj (every
 head's channels -> hidden). So heads split exactly, as in Megatron's gated-DeltaNet CP:
 
-    rank r of W:  x (S, hidden)  the whole sequence (all-gathered, mixers.py)
+    rank r of W:  x (S, hidden)  the whole sequence (all-gathered, hooks.py)
                   twin(x)        the layer's own forward, built for nk/W key heads and nv/W value
                                  heads, its parameters the rows (columns for out_proj) of key-head
                                  groups [r*nk/W, (r+1)*nk/W) of the layer's own parameters
                   -> (S, hidden) this rank's heads' share of out_proj's sum
-    sum over ranks, each rank's rows (a reduce-scatter, mixer_comm.py) -> the layer's output
+    sum over ranks, each rank's rows (a reduce-scatter, comm.py) -> the layer's output
 
 The twin is a module of the same class on the meta device (no memory), run with
 `torch.func.functional_call` and slices of the real parameters, so autograd takes each rank's
@@ -24,7 +24,7 @@ whole sequence (the layer's own kernel: flash-linear-attention's where installed
 PyTorch path otherwise), and the traffic per layer per rank is an all-gather of S x hidden in and
 a reduce-scatter of S x hidden out (and the same back): 4 (W-1)/W x S x hidden elements per layer,
 growing with S like Ulysses' all-to-alls (Megatron's sequence parallelism around TP). Needs W to
-divide the key-head count; otherwise mixers.py runs the layer whole on every rank.
+divide the key-head count; otherwise hooks.py runs the layer whole on every rank.
 
 Nemotron-H's Mamba2 (SSD) splits the same way by groups of heads: each group's heads share its
 B and C rows and its gated-norm group, and its heads' decay, D and dt are their own (`_nemotron_h`;
