@@ -71,7 +71,9 @@ def test_sft_packing_hybrid_cp2_equals_cp1(pools, tmp_path, arch):
     equals the same Trainer at cp 1, under SGD without clipping. The reference is ringattn at
     cp 1, whose mixers restart at every packed document: transformers' own one-process path
     runs Mamba2 across document boundaries and refuses packed gated DeltaNet."""
-    case = {"kind": "sft", "cp": 2, "arch": arch, "args": SGD}
+    # lr 0.01: at 0.05 Qwen3.5's gated DeltaNet turns ill-conditioned by step 5 and amplifies
+    # float32 rounding (the summation order differs between cp 1 and cp 2) to 3e-5 in the loss
+    case = {"kind": "sft", "cp": 2, "arch": arch, "args": {**SGD, "learning_rate": 0.01}}
     results = pools(2).run("workers_hf_trainer:run", case, str(tmp_path / "cp"), timeout=600)
     _ranks_agree(results)
     want = pools(1).run("workers_hf_trainer:run", {**case, "cp": 1}, str(tmp_path / "one"),
