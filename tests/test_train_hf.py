@@ -51,8 +51,14 @@ def _text(i: int, n: int) -> str:
 
 def tiny_llama_dir(root, dtype: torch.dtype = torch.float32):
     """(model dir with weights in `dtype` and a tokenizer, corpus dir of 12 one-document files)."""
+    return save_with_corpus(root, _llama_config(), dtype)
+
+
+def save_with_corpus(root, config, dtype: torch.dtype = torch.float32):
+    """`config`'s model (seed 1) and the tokenizer in root/model, 12 one-document files in
+    root/docs: (model dir, corpus dir)."""
     torch.manual_seed(1)
-    model = transformers.AutoModelForCausalLM.from_config(_llama_config(), dtype=dtype)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.save_pretrained(root / "model")
     _tokenizer().save_pretrained(root / "model")
     (root / "docs").mkdir()

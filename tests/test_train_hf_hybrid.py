@@ -14,7 +14,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from test_train_hf import _options, _text, _tokenizer  # the same corpus and tokenizer
+from test_train_hf import _options, save_with_corpus  # the same corpus and tokenizer
 
 
 def _config(family: str):
@@ -38,15 +38,7 @@ def _config(family: str):
 
 @pytest.fixture(scope="module", params=["nemotron_h", "qwen3_5_text"])
 def hybrid(request, tmp_path_factory):
-    root = tmp_path_factory.mktemp(request.param)
-    torch.manual_seed(1)
-    model = transformers.AutoModelForCausalLM.from_config(_config(request.param))
-    model.save_pretrained(root / "model")
-    _tokenizer().save_pretrained(root / "model")
-    (root / "docs").mkdir()
-    for i in range(12):
-        (root / "docs" / f"{i:02d}.txt").write_text(_text(i, 2 + i % 5))
-    return root / "model", root / "docs"
+    return save_with_corpus(tmp_path_factory.mktemp(request.param), _config(request.param))
 
 
 def test_cp2_training_equals_one_process(pools, hybrid, tmp_path):
