@@ -52,6 +52,10 @@ FILES = [".metadata", "__0_0.distcp", "__1_0.distcp", "order.json", "rng/rank0.p
 SEED = 34
 COMMITTED = ("committed", "synced", "pruned", "end")
 """The points at which the new checkpoint is committed (rank 1 only reaches `end`)."""
+RACING = ((1, "shared"),)
+"""Rank 1's `shared` follows the barrier after which rank 0 commits alone: every file is written
+by then, so the kill may land before or after rank 0's rename (under load, after), and either
+newest is right. Only the files' completeness and the resume are checked there."""
 
 
 def _kill_cases() -> list[dict]:
@@ -94,7 +98,10 @@ def test_a_job_killed_anywhere_in_a_save_resumes_from_the_newest_complete_checkp
         if "point" in fault:
             assert case["killed"] == [-signal.SIGKILL] * 2, (name, case["killed"])
             committed = fault["point"] in COMMITTED
-            assert newest == fault["save"] - (0 if committed else 1), (name, fault, found)
+            if (fault["rank"], fault["point"]) in RACING:
+                assert newest in (fault["save"] - 1, fault["save"]), (name, fault, found)
+            else:
+                assert newest == fault["save"] - (0 if committed else 1), (name, fault, found)
             killed_named += 1
         else:  # a delay: the kill lands anywhere in or after that save, in a later save on a
             # fast machine, or after the run: every save before that one is complete
