@@ -28,8 +28,8 @@ __all__ = ["add_arguments", "add_demo_command", "add_train_command", "config_fro
 MODEL = ("model", "dim", "layers", "heads", "kv_heads", "hf", "rope_scaling",
          "max_position_embeddings")  # fmt: skip
 PARALLELISM = ("nproc", "cp", "dp", "tp", "pp", "ep", "microbatches", "pp_schedule", "strategy",
-               "ulysses", "layout", "activation_checkpointing", "compile", "compile_backend",
-               "loss_chunk", "dtype", "timeout_s", "stall_s")  # fmt: skip
+               "ulysses", "layout", "dynamic_cp", "activation_checkpointing", "compile",
+               "compile_backend", "loss_chunk", "dtype", "timeout_s", "stall_s")  # fmt: skip
 DATA = ("data", "token_cache", "seq_len", "batch_size", "keys", "copies", "noisy", "steps", "lr",
         "warmup", "weight_decay", "grad_clip", "seed")  # fmt: skip
 OUTPUT = ("out_dir", "checkpoint_dir", "checkpoint_every", "keep", "export", "export_dtype",

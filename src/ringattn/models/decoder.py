@@ -34,6 +34,7 @@ from ringattn.models.config import ModelConfig
 from ringattn.models.loss import auto_chunk, chunked_cross_entropy
 from ringattn.models.norm import RMSNorm
 from ringattn.models.rope import apply_rope, rope_angles
+from ringattn.models.segments import Segment, attend_segments
 
 __all__ = ["Attention", "Block", "Transformer", "set_context_parallel"]
 
@@ -50,6 +51,9 @@ class Attention(nn.Module):
         self.group: object = None
         self.layout = "contiguous"
         self.strategy = "ring"
+        # packed documents in pieces over sub-groups (models/segments.py: set_segments); None:
+        # the local rows are one dense shard of `group`
+        self.segments: list[Segment] | None = None
 
     def project(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -72,6 +76,9 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         q, k, v = self.project(x, cos, sin)
+        if self.segments is not None:
+            out = attend_segments(q, k, v, self.segments, self.layout, self.strategy)
+            return self.output(out)  # (B, S, dim)
         out = attention(
             q, k, v, causal=True, group=self.group, layout=self.layout, strategy=self.strategy
         )  # (B, H, S, D)

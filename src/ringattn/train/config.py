@@ -101,6 +101,10 @@ class TrainConfig:
     """hybrid: Ulysses (all-to-all) degree inside each cp group, ring across"""
     layout: str = "zigzag"
     """which tokens each cp rank holds"""
+    dynamic_cp: bool = False
+    """with --data docs:...: each step, give every packed document a group of 1, 2, ... --cp
+    ranks and place them over dp x cp balancing the planned cost (short documents on one rank,
+    no communication); the same loss and gradients as static CP (train/dynamic/)"""
     steps: int = 200
     """optimizer steps in total"""
     lr: float = 3e-3
@@ -112,9 +116,11 @@ class TrainConfig:
     grad_clip: float = 1.0
     """max gradient norm"""
     data: str = "key-value"
-    """key-value (the long-range retrieval task) or text:PATH (bytes of a file or of every file
-    in a directory; with --hf: one document per file of a directory, per row's 'text' of its
-    .jsonl/.parquet files, or per blank-line-separated block of a file); with --hf also chat:PATH
+    """key-value (the long-range retrieval task), docs:MEAN,SIGMA,MIN,MAX (windows packed with
+    copy-task documents of lognormal lengths: static CP over packed documents, or --dynamic-cp)
+    or text:PATH (bytes of a file or of every file in a directory; with --hf: one document per
+    file of a directory, per row's 'text' of its .jsonl/.parquet files, or per
+    blank-line-separated block of a file); with --hf also chat:PATH
     (a .jsonl of {'messages': [...]} per line, or a directory of .jsonl/.parquet files with a
     'messages' column: chat SFT, the loss on the assistant's tokens)"""
     keys: int = 12
@@ -220,6 +226,46 @@ def check_fresh_start(cfg: TrainConfig) -> None:
         )
 
 
+# what --data docs: (and so --dynamic-cp) runs with; everything else is refused by name
+DOCUMENT_STRATEGIES = ("ring", "allgather", "ulysses")
+
+
+def check_documents(cfg: TrainConfig, cp: int) -> None:
+    """--dynamic-cp and --data docs: on the allow-list only: the decoder (no --hf), ring,
+    allgather or ulysses, no --tp, --pp, --compile or activation checkpointing, cp a power of
+    two; each refusal names the flag and the fix."""
+    docs = cfg.data.startswith("docs:")
+    if cfg.dynamic_cp and cfg.hf:
+        raise ValueError(
+            "--dynamic-cp with --hf: dynamic context parallelism runs on the decoder's packed "
+            "documents only (ringattn.hf is not wired to it yet); drop --dynamic-cp or --hf"
+        )
+    if cfg.dynamic_cp and not docs:
+        raise ValueError(
+            f"--dynamic-cp places packed documents, and --data {cfg.data} has one document per "
+            f"window; use --data docs:MEAN,SIGMA,MIN,MAX (e.g. docs:1024,1.5,128,8192)"
+        )
+    if not docs:
+        return
+    what = "--dynamic-cp" if cfg.dynamic_cp else f"--data {cfg.data}"
+    refused = {"--tp": cfg.tp != 1, "--pp": cfg.pp != 1, "--compile": cfg.compile,
+               "--activation-checkpointing": cfg.activation_checkpointing,
+               "--hf": bool(cfg.hf), "--ep": cfg.ep != 1}  # fmt: skip
+    for flag, on in refused.items():
+        if on:
+            raise ValueError(f"{what} is not supported with {flag}; drop {flag}")
+    if cfg.strategy not in DOCUMENT_STRATEGIES:
+        raise ValueError(
+            f"{what} with --strategy {cfg.strategy}: the sub-groups of dynamic CP are 1-D; use "
+            f"one of {', '.join(DOCUMENT_STRATEGIES)}"
+        )
+    if cp & (cp - 1):
+        raise ValueError(
+            f"{what} needs cp a power of two (groups of 1, 2, 4, ... ranks), got cp={cp}; use "
+            f"cp={1 << (cp.bit_length() - 1)} or {1 << cp.bit_length()}"
+        )
+
+
 def validate(
     cfg: TrainConfig, world_size: int, check: Callable[[TrainConfig, int], None] | None = None
 ) -> tuple[int, int]:
@@ -268,6 +314,7 @@ def validate(
         raise ValueError(f"--grace must be > 0 seconds, got {cfg.grace_s}")
     if cfg.tensorboard:
         check_tensorboard()
+    check_documents(cfg, cp)
     check_fresh_start(cfg)
     if check is not None:  # what only the model can see: its shape, its data (recipe.check)
         check(cfg, cp)

@@ -50,6 +50,8 @@ import torch
 
 import ringattn
 from ringattn.models.loss import IGNORE  # re-exported: the data's labels use it
+from ringattn.train.dynamic.documents import PREFIX as DOCS
+from ringattn.train.dynamic.documents import parse_documents
 
 __all__ = [
     "IGNORE",
@@ -191,12 +193,17 @@ def _read_bytes(path: str) -> torch.Tensor:
 def get_dataset(
     name: str, seq_len: int, seed: int, keys: int = N_KEYS, copies: int = 8, noisy: int = 0
 ):
-    """`key-value` (the retrieval task) or `text:PATH` (bytes of a file or directory)."""
+    """`key-value` (the retrieval task), `text:PATH` (bytes of a file or directory) or
+    `docs:MEAN,SIGMA,MIN,MAX` (packed documents: train/dynamic/documents.py)."""
     if name == "key-value":
         return KeyValueTask(seq_len, keys, copies, noisy, seed)
+    if name.startswith(DOCS):
+        return parse_documents(name, seq_len, seed)
     if name.startswith("text:"):
         return TextData(name[len("text:") :], seq_len, seed)
-    raise ValueError(f"unknown data {name!r}; choose from key-value, text:PATH")
+    raise ValueError(
+        f"unknown data {name!r}; choose from key-value, text:PATH, docs:MEAN,SIGMA,MIN,MAX"
+    )
 
 
 @dataclass

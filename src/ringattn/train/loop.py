@@ -154,6 +154,8 @@ def train(run: Run, stop: StopRequest | None = None) -> Run:
                 "flops": flops, "mfu": achieved / (peak * run.mesh.world_size) if peak else None,
                 "applied": stats.applied,
             }  # fmt: skip
+            if hasattr(batch, "cp_groups"):  # packed documents: where the step ran them
+                record["cp_groups"], record["imbalance"] = batch.cp_groups, batch.imbalance
             if stats.aux_loss is not None:  # a MoE router loss: the objective is loss + aux_loss
                 record["aux_loss"] = stats.aux_loss
             if not stats.applied:

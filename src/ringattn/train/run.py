@@ -10,6 +10,7 @@
       optim    = AdamW(model)             step.py
       resume   <- newest complete checkpoint, if its run is this one (model, optimizer, RNG, step)
       data     = Loader(dataset, dp row, cp group, layout)                             data.py
+                 or, --data docs:, DocumentLoader(..., sub-groups made here) train/dynamic/
       -> Run                              what the loop (loop.py) takes, and all it takes
 
 The model comes from a `ModelRecipe` (recipe.py): `DECODER` (decoder.py: models/ over the 4-D
@@ -32,6 +33,7 @@ from torch import nn
 
 from ringattn.comm.world import gather_over_world
 from ringattn.models.config import ModelConfig
+from ringattn.planner.models import ModelSpec
 from ringattn.runtime import checkpoint as ckpt
 from ringattn.runtime.mesh import Mesh, build_mesh
 from ringattn.runtime.meter import Meter
@@ -40,6 +42,10 @@ from ringattn.train.compile import compile_model
 from ringattn.train.config import IDENTITY, TrainConfig, validate
 from ringattn.train.data import Loader, get_dataset, shard_batch
 from ringattn.train.decoder import DECODER, decoder_of, parallelize_decoder
+from ringattn.train.dynamic.cost import DocumentCost
+from ringattn.train.dynamic.documents import DocumentTask
+from ringattn.train.dynamic.groups import build_sub_groups
+from ringattn.train.dynamic.loader import DocumentLoader
 from ringattn.train.hf.recipe import HF
 from ringattn.train.recipe import ModelRecipe
 from ringattn.train.step import build_optimizer, forward_backward
@@ -131,14 +137,30 @@ def build_run(cfg: TrainConfig, device: torch.device, recipe: ModelRecipe | None
         compile_model(model, cfg.compile_backend)
     optimizer = build_optimizer(model, cfg)
     start_step, resumed_from = _resume(cfg, model, optimizer)
-    if recipe.loader is not None:
-        data = recipe.loader(cfg, mesh, device)
-    else:
-        dataset = get_dataset(cfg.data, cfg.seq_len, cfg.seed, cfg.keys, cfg.copies, cfg.noisy)
+    data = recipe.loader(cfg, mesh, device) if recipe.loader is not None else None
+    dataset = None if data else get_dataset(cfg.data, cfg.seq_len, cfg.seed, cfg.keys,
+                                            cfg.copies, cfg.noisy)  # fmt: skip
+    if isinstance(dataset, DocumentTask):
+        data = _document_loader(cfg, mesh, device, dataset)
+    elif dataset is not None:
         data = Loader(dataset, cfg.batch_size, mesh.dp_rank, mesh.dp, mesh.cp_group, cfg.layout,
                       device)  # fmt: skip
     return Run(cfg, device, mesh, model, optimizer, data, meter, baseline_mb=baselines,
                start_step=start_step, resumed_from=resumed_from)  # fmt: skip
+
+
+def _document_loader(
+    cfg: TrainConfig, mesh: Mesh, device: torch.device, dataset: DocumentTask
+) -> DocumentLoader:
+    """Packed documents, static or --dynamic-cp; the sub-groups are created here, once, by every
+    rank (collective), and reused by every step."""
+    c = cfg.model_config()
+    spec = ModelSpec(cfg.model, c.dim, c.n_layers, c.n_heads, c.n_kv_heads, c.hidden_dim,
+                     c.vocab_size)  # fmt: skip
+    elem = 4 if cfg.dtype == "float32" else 2
+    return DocumentLoader(dataset, cfg.batch_size, mesh.dp_rank, mesh.dp, mesh.cp,
+                          build_sub_groups(mesh), cfg.layout, device,
+                          DocumentCost(spec, elem_bytes=elem), cfg.dynamic_cp)  # fmt: skip
 
 
 def _warm_up(cfg: TrainConfig, mesh: Mesh, device: torch.device) -> None:

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from ringattn.comm.world import sum_over_world
+from ringattn.models.segments import set_segments
 from ringattn.runtime.consensus import share_flags
 from ringattn.train.config import TrainConfig
 from ringattn.train.data import Batch
@@ -81,6 +82,9 @@ def _forward_backward(
     if hasattr(model, "forward_backward"):  # a pipeline stage runs its own (pipeline.py)
         total_loss, total_count, total_correct = model.forward_backward(batch, device)
         return total_loss, total_loss, total_count, total_correct, None
+    # packed documents in pieces (train/dynamic/loader.py): the attention layers' segments
+    if hasattr(batch, "segments"):
+        set_segments(model, batch.segments)
     loss_sum, count, correct, *extra = model(batch.inputs, batch.positions, batch.labels)
     local_loss = loss_sum.item()
     sums = sum_over_world([local_loss, count.item(), correct.item()]
