@@ -48,10 +48,14 @@ def documents_of(options: dict, windows: tuple | None) -> DocumentTask | FixedWi
     return FixedWindows(tuple(map(tuple, windows)), options["seq_len"])
 
 
-def train_docs(rank: int, world_size: int, options: dict, windows: tuple | None = None) -> dict:
-    """Train TrainConfig(**options) with SGD at its lr; rank 0's losses, records and weights."""
+def train_docs(
+    rank: int, world_size: int, options: dict, windows: tuple | None = None, sgd: bool = True
+) -> dict:
+    """Train TrainConfig(**options), with SGD at its lr unless `sgd` is False (AdamW: what a
+    checkpoint holds, for resuming); rank 0's losses, step records and weights."""
     run = build_run(TrainConfig(**options), CPU)
-    run.optimizer = torch.optim.SGD(run.model.parameters(), lr=run.cfg.lr)
+    if sgd:
+        run.optimizer = torch.optim.SGD(run.model.parameters(), lr=run.cfg.lr)
     if windows is not None:
         run.data = dataclasses.replace(run.data, dataset=documents_of(options, windows))
     batch = run.data.batch(run.start_step)  # this rank's rows at the first step
