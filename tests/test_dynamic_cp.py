@@ -8,10 +8,10 @@ no clipping, on windows whose documents straddle every group-size threshold.
 from __future__ import annotations
 
 import random
+from itertools import pairwise
 
 import pytest
 import torch
-from workers_dynamic_cp import documents_of
 
 from ringattn.planner.models import ModelSpec
 from ringattn.runtime import checkpoint as ckpt
@@ -20,6 +20,7 @@ from ringattn.train.decoder import build_decoder
 from ringattn.train.dynamic.cost import DocumentCost
 from ringattn.train.dynamic.schedule import min_size, plan_step
 from ringattn.train.step import learning_rate
+from workers_dynamic_cp import documents_of
 
 SEQ = 64
 # documents of lengths around the thresholds of budgets 16 (1 x 4, batch 1) and 32 (2 x 2):
@@ -144,8 +145,8 @@ def _reference(options: dict, windows: tuple, dp: int) -> tuple[list[float], dic
         total, count = 0.0, 0
         for w in range(step * per_step, (step + 1) * per_step):
             x, y, bounds = data.sample(w)
-            for a, b in zip(bounds[:-1], bounds[1:]):
-                loss, n, _ = model(x[None, a:b], torch.arange(b - a), y[None, a:b])
+            for a, b in pairwise(bounds):
+                loss, n, _ = model(x[None, a:b], torch.arange(b - a, device="cpu"), y[None, a:b])
                 total = total + loss
                 count += int(n)
         (total / count).backward()
