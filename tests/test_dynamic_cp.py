@@ -211,6 +211,19 @@ def test_dynamic_cp_equals_static_cp_and_one_process(pools, tmp_path, dp, cp, la
     assert (params["output.weight"] - init).abs().max() > 1000 * 1e-6
 
 
+def test_ranks_without_any_document_still_train_exactly(pools, tmp_path):
+    """A schedule that puts every document on rank 0 alone: ranks 1-3 run a step on a one-token
+    unsupervised document (a forward and backward with zero gradients, so FSDP's collectives
+    still meet) and nothing hangs; the
+    losses and weights equal the per-document reference's."""
+    options = _options(tmp_path, cp=4, steps=3, dynamic_cp=True)
+    got = pools(4).run("workers_dynamic_cp:train_docs", options, WINDOWS, True, True)
+    assert all(0 < r["rows"] <= 2 for r in got[1:])  # zigzag pads a one-token document to 2
+    assert [r["real"] for r in got] == [SEQ, 0, 0, 0]
+    single = {**options, "cp": 1, "dynamic_cp": False, "out_dir": str(tmp_path / "1")}
+    _assert_same(got[0], *_reference(single, WINDOWS, 1), "all on rank 0")
+
+
 def test_dynamic_cp_resumes_exactly_from_its_own_and_a_static_checkpoint(pools, tmp_path):
     """AdamW (what checkpoints hold), stopped after step 2 and resumed with --dynamic-cp: from a
     dynamic run's checkpoint, bitwise the uninterrupted run's losses and weights; from a static

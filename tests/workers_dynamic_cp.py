@@ -14,6 +14,8 @@ import torch
 from ringattn.train.config import TrainConfig
 from ringattn.train.data import get_dataset
 from ringattn.train.dynamic.documents import DocumentTask
+from ringattn.train.dynamic.loader import DocumentLoader
+from ringattn.train.dynamic.schedule import Schedule
 from ringattn.train.loop import train as train_run
 from ringattn.train.run import build_run
 
@@ -41,6 +43,15 @@ class FixedWindows:
         return torch.cat(inputs), torch.cat(labels), (0, *accumulate(lengths))
 
 
+class AllOnRankZero(DocumentLoader):
+    """Every document alone on rank 0 (group size 1): the other ranks get no row at all."""
+
+    def schedule(self, lengths: list[int], rows: list[int]) -> Schedule:
+        n, ranks = len(lengths), self.dp * self.cp
+        load = [sum(self.cost(x, 1) for x in lengths)] + [0.0] * (ranks - 1)
+        return Schedule(self.dp, self.cp, (1,) * n, (0,) * n, (0,) * n, tuple(load))
+
+
 def documents_of(options: dict, windows: tuple | None) -> DocumentTask | FixedWindows:
     """The dataset a run of `options` reads (FixedWindows when `windows` is given)."""
     if windows is None:
@@ -49,7 +60,12 @@ def documents_of(options: dict, windows: tuple | None) -> DocumentTask | FixedWi
 
 
 def train_docs(
-    rank: int, world_size: int, options: dict, windows: tuple | None = None, sgd: bool = True
+    rank: int,
+    world_size: int,
+    options: dict,
+    windows: tuple | None = None,
+    sgd: bool = True,
+    all_on_rank_zero: bool = False,
 ) -> dict:
     """Train TrainConfig(**options), with SGD at its lr unless `sgd` is False (AdamW: what a
     checkpoint holds, for resuming); rank 0's losses, step records and weights."""
@@ -58,6 +74,9 @@ def train_docs(
         run.optimizer = torch.optim.SGD(run.model.parameters(), lr=run.cfg.lr)
     if windows is not None:
         run.data = dataclasses.replace(run.data, dataset=documents_of(options, windows))
+    if all_on_rank_zero:
+        run.data = AllOnRankZero(**{f.name: getattr(run.data, f.name)
+                                    for f in dataclasses.fields(run.data)})  # fmt: skip
     batch = run.data.batch(run.start_step)  # this rank's rows at the first step
     train_run(run)
     params = {}

@@ -10,7 +10,11 @@
              that restart at every document), the segments, the schedule's histogram and imbalance
 
 Padding rows (each piece is padded to what the layout needs) hold token 0, position 0 and
-label IGNORE: never supervised, never attended (packing.py). Labels are per document (the
+label IGNORE: never supervised, never attended (packing.py). A rank given no document at all gets
+a one-token document of its own (token 0, label IGNORE, attended on the rank alone), so that it
+still runs the step's one forward and backward through every parameter: FSDP2 reduce-scatters
+only the parameters that have a gradient, and a rank whose attention weights had none would
+send buffers of another size than its peers (gloo aborts). Labels are per document (the
 data's), so every supervised token of the global batch is on exactly one rank, once: the
 loss over the global supervised count (step.py) and FSDP's gradient sum give the same result
 whatever the schedule.
@@ -82,26 +86,36 @@ class DocumentLoader:
     def batch(self, step: int) -> DocumentBatch:
         inputs, labels, rows = self.documents(step)
         plan = self.schedule([len(x) for x in inputs], rows)
-        layout = get_layout(self.layout)
-        parts: list[tuple[torch.Tensor, ...]] = []
-        segments, at = [], 0
-        for g in sizes_of(self.cp):
-            docs = plan.documents(self.dp_rank, g, self.groups.block(g))
-            if not docs:  # every member of the group sees the same: all skip it
-                continue
-            bounds = (0, *accumulate(len(inputs[i]) for i in docs))
-            index = place(layout, g, bounds).global_indices(self.groups.rank_in(g))
-            real = index >= 0  # (local_len,) False on padding rows
-            take = index.clamp(min=0)
-            x = torch.cat([inputs[i] for i in docs])
-            y = torch.cat([labels[i] for i in docs])
-            pos = torch.cat([torch.arange(len(inputs[i]), device="cpu") for i in docs])
-            parts.append((torch.where(real, x[take], 0), torch.where(real, y[take], IGNORE),
-                          torch.where(real, pos[take], 0)))  # fmt: skip
-            segments.append(Segment(at, at + len(index), self.groups.group(g), bounds))
-            at += len(index)
-        empty = torch.zeros(0, dtype=torch.int64, device="cpu")  # a rank given no document
-        x, y, pos = (torch.cat([p[k] for p in parts]) if parts else empty for k in range(3))
+        pieces = [(g, plan.documents(self.dp_rank, g, self.groups.block(g)))
+                  for g in sizes_of(self.cp)]  # fmt: skip
+        pieces = [(g, docs) for g, docs in pieces if docs]  # a group's members all skip it
+        if not pieces:  # no document here: an unsupervised one-token document, alone
+            inputs.append(torch.zeros(1, dtype=torch.int64, device="cpu"))
+            labels.append(torch.full((1,), IGNORE, dtype=torch.int64, device="cpu"))
+            pieces = [(1, [len(inputs) - 1])]
+        parts, segments, at = [], [], 0
+        for g, docs in pieces:
+            x, y, pos, bounds = self._piece([inputs[i] for i in docs], [labels[i] for i in docs],
+                                            g)  # fmt: skip
+            parts.append((x, y, pos))
+            segments.append(Segment(at, at + len(x), self.groups.group(g), bounds))
+            at += len(x)
+        x, y, pos = (torch.cat([p[k] for p in parts]) for k in range(3))
         return DocumentBatch(x[None].to(self.device), y[None].to(self.device),
                              pos.to(self.device), segments, plan.histogram,
                              plan.imbalance)  # fmt: skip
+
+    def _piece(
+        self, inputs: list[torch.Tensor], labels: list[torch.Tensor], size: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[int, ...]]:
+        """This rank's rows of documents packed and placed over its group of `size` ranks:
+        inputs, labels, RoPE positions (each (local_len,)) and the piece's cu_seqlens."""
+        bounds = (0, *accumulate(len(x) for x in inputs))
+        index = place(get_layout(self.layout), size, bounds).global_indices(
+            self.groups.rank_in(size)
+        )  # (local_len,) -1 on padding rows
+        real, take = index >= 0, index.clamp(min=0)
+        x, y = torch.cat(inputs), torch.cat(labels)
+        pos = torch.cat([torch.arange(len(d), device="cpu") for d in inputs])
+        return (torch.where(real, x[take], 0), torch.where(real, y[take], IGNORE),
+                torch.where(real, pos[take], 0), bounds)  # fmt: skip
