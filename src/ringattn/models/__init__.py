@@ -8,6 +8,7 @@
     tensor_parallel.py the TP/SP plan (torch.distributed.tensor.parallel)
     pipeline.py        the PP plan: DecoderStage on torch.distributed.pipelining schedules
     parallelize.py     CP + TP + PP + FSDP2 on a runtime/mesh.py Mesh
+    segments.py        attention piece by piece over the local rows (dynamic CP's pieces)
 
 Used side by side by train/ (training), inference/ (decoding over a sharded KV cache) and
 planner/ (shapes of the presets); none of those imports another's internals.

@@ -18,6 +18,8 @@ style) by `set_context_parallel(model, group, layout, strategy)`, which tells ea
 which process group and layout the local tokens belong to; the caller then feeds each rank its
 shard of the tokens together with their global positions (`ringattn.shard` / `ringattn.positions`).
 Without it, attention runs on one process with the contiguous layout (any sequence length).
+`set_segments(model, segments)` (models/segments.py) instead makes attention run piece by piece
+over the local rows, each piece its own packed documents and process group (dynamic CP).
 The shape is models/config.py's; RoPE, RMSNorm and the chunked loss are models/rope.py, norm.py,
 loss.py; the tensor and pipeline plans are models/tensor_parallel.py and pipeline.py.
 """

@@ -12,6 +12,8 @@ pp x dp x cp x tp mesh (TP/SP, pipeline stages, FSDP2, DCP checkpoints that resh
                      runtime/mesh.py, runtime/checkpoint.py: the mesh; resume
                      step.py    AdamW
                      data.py    Loader: step -> this rank's Batch (ringattn.shard / positions)
+                     dynamic/   --data docs: packed documents, static or --dynamic-cp
+                                (per-step group sizes, sub-groups made once): DocumentLoader
       loop.py      train(run): for each step, step.py's train_step; log, progress, run.save
                    -> run.summary() back to the parent
 
