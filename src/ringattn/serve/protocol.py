@@ -1,13 +1,16 @@
 """What crosses from the HTTP layer to the ranks, and back.
 
 Request   one admitted request: prompt token ids, max_new_tokens, temperature, top_p, seed,
-          stop strings. Rank 0's scheduler runs it; the ranks see only its token ids, in the
-          step plans rank 0 broadcasts as JSON (comm.broadcast_json: data, never a pickle).
+          stop strings, logprobs asked (of its tokens, of its prompt). Rank 0's scheduler
+          runs it; the ranks see only its token ids, in the step plans rank 0 broadcasts as
+          JSON (comm.broadcast_json: data, never a pickle).
 message   what rank 0 broadcasts each turn of the rank loop: {"op": "step", ...} (one step's
           plan: runner.py), {"op": "idle"} when no request came within IDLE_S (the collective
           keeps the idle ranks inside the process-group timeout), or {"op": "stop"}.
 Job       rank 0 only: a request plus the asyncio queue of its events, filled from the
           worker thread with `loop.call_soon_threadsafe`:
+              ("prompt", [entry or None, ...])       the prompt's logprobs (echo), first
+              ("logprobs", [entry])                  a token's logprob, before its text
               ("text", piece)                        streamed text
               ("done", finish_reason, usage dict)    the end ("stop" or "length")
               ("error", message, status)             the request failed: 400 (the ranks
@@ -46,6 +49,8 @@ class Request:
     top_p: float = 1.0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
+    logprobs: int | None = None  # each token's logprob and this many alternatives (None: none)
+    prompt_logprobs: int | None = None  # the same for the prompt's tokens (echo)
 
     def to_json(self) -> dict:
         return asdict(self)

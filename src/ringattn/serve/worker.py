@@ -238,7 +238,7 @@ def _steps(runner: Runner, scheduler: Scheduler | None, info: GroupInfo, verdict
                 scheduler.failed(err)
             continue
         if scheduler is not None:
-            scheduler.after(decoded, chunks)
+            scheduler.after(decoded, chunks, runner.scores)
 
 
 def serve_worker(cfg: ServeConfig) -> dict:
