@@ -13,6 +13,7 @@ Job       rank 0 only: a request plus the asyncio queue of its events, filled fr
               ("logprobs", [entry])                  a token's logprob, before its text
               ("text", piece)                        streamed text
               ("done", finish_reason, usage dict)    the end ("stop" or "length")
+          (each prefixed with the job's choice index)
               ("error", message, status)             the request failed: 400 (the ranks
                                                      refused it) or 500 (a server-side failure)
           and `cancelled`, set by the HTTP thread when the client has gone: the scheduler drops
@@ -109,17 +110,20 @@ class Verdict:
 
 
 class Job:
-    """A request waiting for, or being run by, the ranks; its events go to `loop`'s queue."""
+    """A request waiting for, or being run by, the ranks; its events go to `loop`'s queue as
+    (index, *event). The choices of one HTTP request share one queue (`events`), each job with
+    its choice's `index`."""
 
-    def __init__(self, request: Request, loop: asyncio.AbstractEventLoop):
-        self.request, self.loop = request, loop
-        self.events: asyncio.Queue = asyncio.Queue()
+    def __init__(self, request: Request, loop: asyncio.AbstractEventLoop,
+                 events: asyncio.Queue | None = None, index: int = 0):  # fmt: skip
+        self.request, self.loop, self.index = request, loop, index
+        self.events: asyncio.Queue = asyncio.Queue() if events is None else events
         self.arrived = time.monotonic()  # admission: time to first token counts from here
         self.cancelled = False  # set by the HTTP thread, read by the worker (a plain flag)
 
     def emit(self, *event: object) -> None:
         """Called from the worker thread: hand one event to the HTTP thread's loop."""
         try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (self.index, *event))
         except RuntimeError:  # the loop has closed (the server is stopping): nobody listens
             pass
