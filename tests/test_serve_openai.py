@@ -98,6 +98,11 @@ def test_text_prompts_streamed_logprobs_equal_the_whole_answer(served):
     kwargs = {"model": "tiny", "prompt": prompts, "max_tokens": 5, "temperature": 0,
               "logprobs": 2, "echo": True}  # fmt: skip
     whole = client.completions.create(**kwargs)
+    bare = client.completions.create(model="tiny", prompt=prompts[0], max_tokens=5, temperature=0)
+    echoed = client.completions.create(model="tiny", prompt=prompts[0], max_tokens=5,
+                                       temperature=0, echo=True)  # fmt: skip
+    assert echoed.choices[0].text == prompts[0] + bare.choices[0].text
+    assert echoed.choices[0].logprobs is None and echoed.usage == bare.usage
     chunks = list(client.completions.create(stream=True, **kwargs))
     for choice, text in zip(whole.choices, prompts):
         mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == choice.index]
