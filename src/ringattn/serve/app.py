@@ -121,7 +121,8 @@ def build_app(model_name: str, tokenizer, limits: Limits, jobs: queue.Queue,
             texts = [p if isinstance(p, str) else tokenizer.decode(p) for p in prompts_of(body)]
             echo = [texts[i // body.n] for i in range(len(jobs))]
         tools = kind == "chat.completion" and tools_of(body) is not None
-        return [Choice(i, kind, job, tokenizer, tools, echo[i]) for i, job in enumerate(jobs)]
+        return [Choice(i, kind, job, tokenizer, tools, echo[i], body.stream)
+                for i, job in enumerate(jobs)]  # fmt: skip
 
     async def _submit(request: Request, body_type: type):
         try:

@@ -41,11 +41,13 @@ def event_error(event: tuple) -> APIError:
 
 
 class Choice:
-    """What one choice has gathered; `take` turns each event into its streamed chunk."""
+    """What one choice has gathered: `take` records each event (and, `streamed`, gives its
+    chunk), `whole` gives the choice at the end."""
 
     def __init__(self, index: int, kind: str, job: Job, tokenizer, tools: bool,
-                 echo: str | None = None):  # fmt: skip
+                 echo: str | None = None, streamed: bool = False):  # fmt: skip
         self.index, self.kind, self.job, self.tokenizer = index, kind, job, tokenizer
+        self.streamed = streamed
         self.tools = ToolCalls() if tools else None
         self.text: list[str] = [echo] if echo else []
         self.entries: list[tuple] = []  # (token id, logprob or None, [(id, logprob)] or None)
@@ -86,32 +88,27 @@ class Choice:
                             for token, value, top in entries]}  # fmt: skip
 
     def take(self, kind: str, *event) -> dict | None:
-        """Record one event; the choice's chunk for it when streamed (None: nothing to send)."""
-        text, calls = "", []
-        if kind == "prompt":
-            ids = self.job.request.ids
-            entries = [(ids[0], None, None), *event[0][1:]]
+        """Record one event; when streamed, the choice's chunk for it (None: nothing to send
+        yet: logprobs wait for the text they belong with, a possible tool call's start for
+        the rest of the block)."""
+        if kind in ("prompt", "logprobs"):
+            entries = event[0]
+            if kind == "prompt":  # nothing precedes the prompt's first token: no logprob
+                entries = [(self.job.request.ids[0], None, None), *entries[1:]]
             self.entries += entries
             self.pending += entries
-            return self._chunk("", [], None)
-        if kind == "logprobs":
-            self.entries += event[0]
-            self.pending += event[0]
             return None
-        if kind == "text":
-            text = event[0]
-        elif kind == "done":
+        text, calls = event[0] if kind == "text" else "", []
+        if kind == "done":
             self.finish, self.usage = event
         if self.tools is not None:
             text, calls = self.tools.push(text)
-            if kind == "done":
-                text += self.tools.flush()
+            text += self.tools.flush() if kind == "done" else ""
             self.calls += calls
-        if kind == "text" or kind == "done" and text:
-            self.text.append(text)
+        self.text.append(text)
         if kind == "done" and self.calls and self.finish == "stop":
             self.finish = "tool_calls"
-        if not (text or calls or self.pending or kind == "done"):
+        if not self.streamed or not (text or calls or self.pending or kind == "done"):
             return None
         return self._chunk(text, calls, self.finish)
 
@@ -129,7 +126,6 @@ class Choice:
     def whole(self) -> dict:
         """The whole choice (not streamed)."""
         text = "".join(self.text)
-        self.offset = 0
         logprobs = self._logprobs(self.entries)
         if self.kind == "text_completion":
             return {"index": self.index, "text": text, "logprobs": logprobs,
