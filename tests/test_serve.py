@@ -126,6 +126,10 @@ def test_tensor_parallel_with_an_api_key_then_sigterm_ends_every_rank(servers):
         temperature=0,
     )  # fmt: skip
     assert reply.choices[0].message.content == greedy(model, tok, PROMPTS[2], 10)
+    ids = tok(PROMPTS[3])["input_ids"]  # logprobs over heads split by tp: as one process
+    scored = good.completions.create(model="tiny", prompt=ids, echo=True, logprobs=2,
+                                     max_tokens=2, temperature=0)  # fmt: skip
+    assert check_completion(model, tok, ids, scored.choices[0], 2) == 2
     assert "cp 1 x tp 2" in b.log()
     pids = [record["pid"] for record in b.ranks().values()]
     assert len(pids) == 2
