@@ -70,6 +70,17 @@ if ! "$PY" -c "import trl, peft" >/dev/null 2>&1; then
         || echo "[setup] ${TRAINER_TEST_PINS[*]} did not install; the Trainer tests will skip"
 fi
 
+# Tests only: lm-evaluation-harness with its API models, pinned, for tests/test_serve_lm_eval.py
+# (lm-eval scores `ringattn serve` as its own hf backend); not a dependency of ringattn. About two
+# minutes on a fresh machine; its pytablewriter needs python-dateutil < 3 (pandas and matplotlib
+# take 2.9). Its tasks there are local JSON files: nothing is downloaded at test time.
+LM_EVAL_PIN="lm_eval[api]==0.4.13"
+if ! "$PY" -c "import lm_eval, tenacity" >/dev/null 2>&1; then
+    echo "[setup] installing $LM_EVAL_PIN (tests of ringattn serve's OpenAI API)"
+    pip_install "$LM_EVAL_PIN" "$TRANSFORMERS_PIN" \
+        || echo "[setup] $LM_EVAL_PIN did not install; tests/test_serve_lm_eval.py will skip"
+fi
+
 # Optional: TensorBoard, for `ringattn train --tensorboard` (torch.utils.tensorboard writes the
 # event files; tests/test_cluster.py reads them back with tensorboard's EventAccumulator).
 TENSORBOARD_PIN="tensorboard==2.21.0"

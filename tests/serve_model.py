@@ -8,6 +8,7 @@ end-of-sequence token is `<|im_end|>`; both saved with save_pretrained (no downl
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import queue
@@ -254,3 +255,55 @@ def run_plans(scheduler, vocab: int, most: int | None = None) -> list[dict]:
             decoded = torch.zeros(n, vocab, device="cpu") if n else None
             scheduler.after(decoded, [torch.zeros(vocab, device="cpu") for _ in plan["chunks"]])
     return plans
+
+
+TOOLS_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}"
+    "</tools><|im_end|>\n{% endif %}{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{{ m['content'] or '' }}{% for c in m.get('tool_calls') or [] %}<tool_call>"
+    "{{ {'name': c.function.name, 'arguments': c.function.arguments} | tojson }}</tool_call>"
+    "{% endfor %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% endif %}"
+)  # the Hermes / Qwen convention: tools in the system turn, calls in <tool_call> blocks
+CALL = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "the weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+}}  # fmt: skip
+
+
+def save_tool_model(directory) -> tuple[torch.nn.Module, object]:
+    """A tiny Llama that answers every chat with one Hermes tool call, saved in `directory`.
+
+    Every layer's output projections are zero, so the logits of a row depend on its own token
+    only (embedding -> final norm -> head): a bigram model. The head maps the chat template's
+    last token to `<tool_call>`, that to CALL (one added token), then `</tool_call>`, then
+    `<|im_end|>`: greedy decoding writes exactly `<tool_call>CALL</tool_call>` and stops."""
+    import transformers
+
+    tok = tokenizer()
+    tok.add_tokens(["<tool_call>", CALL, "</tool_call>"])  # not special: they stay in the text
+    tok.chat_template = TOOLS_TEMPLATE
+    config = transformers.LlamaConfig(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_attention_heads=4,
+        num_key_value_heads=2, num_hidden_layers=2, max_position_embeddings=1024,
+        eos_token_id=tok.eos_token_id, bos_token_id=None, pad_token_id=tok.pad_token_id,
+    )  # fmt: skip
+    torch.manual_seed(7)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    last = tok.apply_chat_template([{"role": "user", "content": "hi"}],
+                                   add_generation_prompt=True, return_dict=False)[-1]  # fmt: skip
+    chain = [last, *tok.convert_tokens_to_ids(["<tool_call>", CALL, "</tool_call>"]),
+             tok.eos_token_id]  # fmt: skip
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        normed = model.model.norm(model.model.embed_tokens.weight)  # (vocab, hidden)
+        head = torch.zeros_like(model.lm_head.weight)
+        for a, b in itertools.pairwise(chain):
+            head[b] += 20 * normed[a] / normed[a].square().sum()
+        model.lm_head.weight.copy_(head)
+    model.save_pretrained(directory)
+    tok.save_pretrained(directory)
+    return model, tok

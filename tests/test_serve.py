@@ -26,6 +26,7 @@ pytest.importorskip("uvicorn")
 
 import ringattn.hf
 from serve_model import Server, alive, save_chat_model
+from test_serve_openai import TOL, check_completion, log_softmax
 
 PROMPTS = ["hello world", "the lazy dog", "ring attention passes keys", "how are you today?"]
 SAMPLED = {"temperature": 1.2, "top_p": 0.9, "seed": 11}  # PROMPTS[0]'s settings
@@ -38,9 +39,9 @@ def servers(tmp_path_factory):
     started = {}
 
     def start(name: str, *extra: str) -> None:
-        started[name] = Server(directory, 2, "--model-name", "tiny", *extra)
+        started[name] = Server(directory, 2, *extra)
 
-    b_flags = ("b", "--api-key", "k3y", "--tp", "2")
+    b_flags = ("b", "--api-key", "k3y", "--tp", "2", "--model-name", "tiny")
     a_flags = ("a", "--max-batch-tokens", "8", "--kv-block-size", "4")  # prompts in chunks
     threads = [threading.Thread(target=start, args=a_flags),
                threading.Thread(target=start, args=b_flags)]  # fmt: skip
@@ -50,7 +51,7 @@ def servers(tmp_path_factory):
         t.join(330)
     try:
         assert set(started) == {"a", "b"}, "a server did not start (see the log above)"
-        yield started, model, tok
+        yield started, model, tok, directory
     finally:
         for server in started.values():
             server.stop()
@@ -85,7 +86,7 @@ def served_count(server: Server, ranks: int = 2, timeout_s: float = 10.0) -> lis
 
 
 def test_two_ranks_answer_concurrent_requests_as_each_alone(servers):
-    started, model, tok = servers
+    started, model, tok, _ = servers
     client = openai.OpenAI(base_url=started["a"].url, api_key="-", max_retries=0, timeout=120)
     want = {p: greedy(model, tok, p, 10) for p in PROMPTS[1:]}
     want[PROMPTS[0]] = sampled(model, tok, PROMPTS[0], 10, **SAMPLED)
@@ -114,7 +115,7 @@ def test_two_ranks_answer_concurrent_requests_as_each_alone(servers):
 
 
 def test_tensor_parallel_with_an_api_key_then_sigterm_ends_every_rank(servers):
-    started, model, tok = servers
+    started, model, tok, _ = servers
     b = started["b"]  # --tp 2: heads and MLP over 2 ranks (cp 1)
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=b.url, api_key="nope", max_retries=0).models.list()
@@ -125,6 +126,10 @@ def test_tensor_parallel_with_an_api_key_then_sigterm_ends_every_rank(servers):
         temperature=0,
     )  # fmt: skip
     assert reply.choices[0].message.content == greedy(model, tok, PROMPTS[2], 10)
+    ids = tok(PROMPTS[3])["input_ids"]  # logprobs over heads split by tp: as one process
+    scored = good.completions.create(model="tiny", prompt=ids, echo=True, logprobs=2,
+                                     max_tokens=2, temperature=0)  # fmt: skip
+    assert check_completion(model, tok, ids, scored.choices[0], 2) == 2
     assert "cp 1 x tp 2" in b.log()
     pids = [record["pid"] for record in b.ranks().values()]
     assert len(pids) == 2
@@ -134,6 +139,36 @@ def test_tensor_parallel_with_an_api_key_then_sigterm_ends_every_rank(servers):
     assert time.monotonic() - start < 15, b.log()
     assert not any(alive(pid) for pid in pids)
     assert "stopped by SIGTERM: every rank has ended" in b.log()
+
+
+def test_two_ranks_logprobs_echo_and_n_equal_one_process(servers):
+    """lm-eval's loglikelihood shape (token-id prompts, echo, logprobs, max_tokens 1 or 0) and
+    chat logprobs with n = 2 over cp 2, prompts in chunks of 8: within 1e-5 of log_softmax of
+    the model's own logits on one process. A is served as --hf given (no --model-name)."""
+    started, model, tok, directory = servers
+    client = openai.OpenAI(base_url=started["a"].url, api_key="-", max_retries=0, timeout=120)
+    assert [m.id for m in client.models.list().data] == [str(directory)]
+    prompts = [tok(p)["input_ids"] for p in PROMPTS[1:]] + [tok(" ".join(PROMPTS))["input_ids"]]
+    for new, k in ((1, 1), (0, 2)):
+        reply = client.completions.create(model=str(directory), prompt=prompts, echo=True,
+                                          logprobs=k, max_tokens=new, temperature=0)  # fmt: skip
+        assert [c.index for c in reply.choices] == list(range(len(prompts)))
+        for ids, choice in zip(prompts, reply.choices):
+            assert check_completion(model, tok, ids, choice, k) == new
+        assert reply.usage.prompt_tokens == sum(len(p) for p in prompts)
+    messages = [{"role": "user", "content": PROMPTS[2]}]
+    settings = {"max_tokens": 6, "temperature": 0, "logprobs": True, "top_logprobs": 2, "n": 2}
+    reply = client.chat.completions.create(model="tiny", messages=messages, **settings)
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
+    assert reply.choices[0].message.content == greedy(model, tok, PROMPTS[2], 6)
+    for choice in reply.choices:
+        seq = list(ids)
+        for item in choice.logprobs.content:
+            ref = log_softmax(model, seq)[-1]
+            seq.append(int(ref.argmax()))
+            assert abs(item.logprob - float(ref[seq[-1]])) < TOL
+            top = ref.topk(2).values.tolist()
+            assert max(abs(t.logprob - v) for t, v in zip(item.top_logprobs, top)) < TOL
 
 
 def test_a_dead_rank_ends_the_server_naming_it(servers):

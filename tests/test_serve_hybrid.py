@@ -3,7 +3,7 @@
 Prompts go in chunks of 8 tokens (each chunk continues the sequence's Mamba2 states), concurrent
 requests share steps (their decode tokens beside other prompts' chunks), and every answer equals
 transformers' greedy `model.generate` of that prompt alone. Prefix reuse is off for such a model,
-and the server says so.
+and the server says so. Echo and logprobs with n = 2 equal one process's log_softmax.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
 from serve_model import Server, save_chat_model
+from test_serve_openai import check_completion
 
 PROMPTS = ["hello world", "the lazy dog jumps over", "ring attention passes keys"]
 
@@ -59,5 +60,12 @@ def test_a_hybrid_serves_each_answer_as_alone(tmp_path):
             want[prompt] = tok.decode(out[0, len(ids) :], skip_special_tokens=True)
         assert answers == want
         assert "prefix reuse is off: NemotronHForCausalLM has recurrent" in server.log()
+        # prompt and token logprobs through the chunks' Mamba2 states, n = 2 without prefix reuse
+        prompts = [tok(p)["input_ids"] for p in PROMPTS]
+        scored = client.completions.create(model="tiny", prompt=prompts, echo=True, logprobs=2,
+                                           max_tokens=2, temperature=0, n=2)  # fmt: skip
+        assert [c.index for c in scored.choices] == list(range(2 * len(PROMPTS)))
+        for i, choice in enumerate(scored.choices):
+            assert check_completion(model, tok, prompts[i // 2], choice, 2) == 2
     finally:
         server.stop()

@@ -1,5 +1,5 @@
 """Attention kernel rates on GPUs, per kernel, direction, mask, dtype and block length, from
-published kernel benchmarks (sources in docs/plan.md, "Kernel curves").
+published kernel benchmarks (sources in docs/plan-measured.md, "Kernel curves").
 
 A kernel's rate is a table of TFLOP/s by sequence length (queries = keys = L, head dim 128) on an
 H100 SXM5, read off the published figures:

@@ -1,5 +1,5 @@
-"""Published end-to-end results next to the planner's predictions (docs/plan.md, "Checked against
-published runs"; tests/test_planner_published.py keeps them as regression checks).
+"""Published end-to-end results next to the planner's predictions (docs/plan-published.md,
+"Checked against published runs"; tests/test_planner_published.py keeps them as regression checks).
 
     Llama 3 405B pretraining (Meta, "The Llama 3 Herd of Models", table 4): model TFLOP/s per
         H100 at 8k tokens on 8,192 and 16,384 GPUs and at 128k with CP 16; TP 8, PP 16 with
@@ -22,8 +22,8 @@ published runs"; tests/test_planner_published.py keeps them as regression checks
         tokens per GPU on 8 H800 and 8 A100 with FlashAttention-2, causal: zigzag's iterations
         per second over the plain ring's (contiguous layout), forward and forward + backward.
 
-Assumptions the sources do not state are named in each entry's `assumed`; docs/plan.md lists them
-with the sensitivity of the Llama 3 rows to the virtual-stage count.
+Assumptions the sources do not state are named in each entry's `assumed`; docs/plan-published.md
+lists them with the sensitivity of the Llama 3 rows to the virtual-stage count.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ __all__ = [
 
 LLAMA3_VIRTUAL_STAGES = 4
 """Not given in the stored text of the Llama 3 paper: 2 blocks per virtual stage (126 blocks,
-pp 16 ~ 8 per rank) is taken; docs/plan.md shows 1 to 7."""
+pp 16 ~ 8 per rank) is taken; docs/plan-published.md shows 1 to 7."""
 
 
 @dataclass(frozen=True)
@@ -134,7 +134,8 @@ def titan_attention_scale() -> float:
     """The share of FlashAttention-2's published rate (kernels.py's flash2 curve) at which
     torchtitan's runs ran attention, fitted on table 6's 256k row alone (attention is about
     80 % of that step, so the row pins the rate). The 8B table's 256k row, left out of the
-    fit, implies a scale within 5 % of it (docs/plan.md, tests/test_planner_published.py)."""
+    fit, implies a scale within 5 % of it (docs/plan-published.md,
+    tests/test_planner_published.py)."""
     return implied_attention_scale(torchtitan_405b, *TORCHTITAN_405B_CP[-1])
 
 
@@ -272,8 +273,8 @@ def llama3_virtual_sensitivity(virtuals: tuple[int, ...] = (1, 2, 3, 4, 7)) -> d
 
 
 def titan_sensitivity(scales: tuple[float, ...] = (0.5, 0.55, 0.6)) -> dict:
-    """docs/plan.md's torchtitan figures: the fitted scale and the one the 8B 256k row implies;
-    each table's absolute rows (error against the published tokens/s per GPU) at the fitted
+    """docs/plan-published.md's torchtitan figures: the fitted scale and the one the 8B 256k row
+    implies; each table's absolute rows (error against the published tokens/s per GPU) at the fitted
     scale and at FlashAttention-2's published rate (1.0); the 8B 64k -> 128k fall's error at
     other scales."""
     fitted = titan_attention_scale()

@@ -1,10 +1,12 @@
 """The HTTP layer (rank 0): FastAPI routes in the OpenAI API's shapes.
 
-    GET  /v1/models             the one model, as {"object": "list", "data": [...]}
-    POST /v1/chat/completions   messages -> chat template -> one choice; `stream: true` sends
-                                server-sent events, `data: {chat.completion.chunk}` then
+    GET  /v1/models             the one model, as {"object": "list", "data": [...]}: its id
+                                is --model-name, else --hf as given (the basename is accepted)
+    POST /v1/chat/completions   messages (+ tools) -> chat template -> n choices; `stream: true`
+                                sends server-sent events, `data: {chat.completion.chunk}` then
                                 `data: [DONE]` (a usage chunk first with stream_options)
-    POST /v1/completions        prompt (text or token ids) -> one choice, streamed the same way
+    POST /v1/completions        prompts (text or token ids, one or a list) -> n choices each,
+                                streamed the same way; logprobs, echo (choices.py)
     GET  /health                200 {"status": "ok", ...} while the server runs
     GET  /metrics               Prometheus text (metrics.py)
     GET  /openapi.json          the endpoints, their bodies and their error responses
@@ -13,11 +15,12 @@ A body over `limits.max_body_bytes` is refused unread (413). The rest is parsed 
 (schema.py) on one admission thread, off the event loop: a long prompt's template and tokenizer
 never hold up another request or `GET /health`. A refusal is an HTTP error with the API's JSON
 body and nothing reaches the ranks; beyond `max_queue` waiting requests the answer is 503 with
-Retry-After. An admitted request becomes a `Job` in `jobs`, a queue the worker (main thread)
-takes from in order; its events come back on the job's asyncio queue. A client that goes away
-(a closed stream, a dropped connection) sets the job's `cancelled`: the worker drops it or ends
-its sequence at the next step. With `api_key`, every /v1 route needs `Authorization: Bearer
-<key>` (401 otherwise, compared in constant time); /health, /metrics and /openapi.json do not.
+Retry-After. An admitted request becomes one `Job` per choice in `jobs`, a queue the worker
+(main thread) takes from in order; their events come back on one asyncio queue. A client
+that goes away (a closed stream, a dropped connection) sets the jobs' `cancelled`: the worker
+drops them or ends their sequences at the next step. With `api_key`, every /v1 route needs
+`Authorization: Bearer <key>` (401 otherwise, compared in constant time); /health, /metrics
+and /openapi.json do not.
 
 FastAPI and uvicorn are the optional `serve` extra, so they are imported inside the functions
 that use them (and this module has no `from __future__ import annotations`: FastAPI reads the
@@ -25,19 +28,27 @@ routes' `Request` annotations as objects).
 """
 
 import asyncio
-import json
 import queue
 import secrets
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
+from ringattn.serve.choices import Choice, gather, stream
 from ringattn.serve.metrics import Metrics
 from ringattn.serve.openapi import install_openapi, post_route, responses
 from ringattn.serve.protocol import Job
-from ringattn.serve.schema import APIError, ChatBody, CompletionBody, Limits, admit, parse
+from ringattn.serve.schema import (
+    APIError,
+    ChatBody,
+    CompletionBody,
+    Limits,
+    admit,
+    parse,
+    prompts_of,
+    tools_of,
+)
 
 RETRY_AFTER_S = 1  # Retry-After of a 503 (the queue is full)
 DRAIN_BYTES = 64 << 20  # a refused body is read and dropped up to this, then the line is cut
@@ -47,8 +58,9 @@ __all__ = ["build_app", "serve_in_thread"]
 
 def build_app(model_name: str, tokenizer, limits: Limits, jobs: queue.Queue,
               api_key: str | None = None, *, metrics: Metrics | None = None,
-              max_queue: int | None = None):  # fmt: skip
-    """The FastAPI app; admitted jobs go to `jobs` (see the module docstring)."""
+              max_queue: int | None = None, aliases: tuple[str, ...] = ()):  # fmt: skip
+    """The FastAPI app; admitted jobs go to `jobs` (see the module docstring). Requests may
+    name the model `model_name` (what /v1/models lists and answers carry) or one of `aliases`."""
     from fastapi import FastAPI, Request
     from fastapi.responses import PlainTextResponse
 
@@ -90,48 +102,66 @@ def build_app(model_name: str, tokenizer, limits: Limits, jobs: queue.Queue,
     async def models() -> dict:
         return {"object": "list", "data": [_model_card(model_name, created)]}
 
-    @app.get("/v1/models/{name}", responses=responses(401, 404))
+    @app.get("/v1/models/{name:path}", responses=responses(401, 404))
     async def model(name: str):
-        if name != model_name:
+        if name != model_name and name not in aliases:
             return _error(_unknown_model(name))
         return _model_card(model_name, created)
 
     def _admit(raw: bytes, body_type: type):
         body = parse(raw, body_type)
-        if body.model is not None and body.model != model_name:
+        if body.model is not None and body.model != model_name and body.model not in aliases:
             raise _unknown_model(body.model)
         return body, admit(body, tokenizer, limits)
+
+    def _choices(body, jobs: list[Job], kind: str) -> list[Choice]:
+        """One Choice per job; completions with echo start with their prompt's text."""
+        echo = [None] * len(jobs)
+        if kind == "text_completion" and body.echo:
+            texts = [p if isinstance(p, str) else tokenizer.decode(p) for p in prompts_of(body)]
+            echo = [texts[i // body.n] for i in range(len(jobs))]
+        tools = kind == "chat.completion" and tools_of(body) is not None
+        return [Choice(i, kind, job, tokenizer, tools, echo[i], body.stream)
+                for i, job in enumerate(jobs)]  # fmt: skip
 
     async def _submit(request: Request, body_type: type):
         try:
             raw = await _read_body(request, limits.max_body_bytes)
             loop = asyncio.get_running_loop()
-            body, admitted = await loop.run_in_executor(admission, _admit, raw, body_type)
+            body, requests = await loop.run_in_executor(admission, _admit, raw, body_type)
             waiting = metrics.waiting()  # the queue and what the scheduler holds back
             if max_queue is not None and waiting >= max_queue:
                 raise APIError(f"the server has {waiting} requests waiting (--max-queue "
                                f"{max_queue}); retry shortly", code="server_busy", status=503,
                                kind="server_error")  # fmt: skip
-            job = Job(admitted, loop)
+            events: asyncio.Queue = asyncio.Queue()  # every choice's events, by index
+            made = [Job(r, loop, events, i) for i, r in enumerate(requests)]
         except APIError as err:
             metrics.ended("rejected" if err.status == 503 else "invalid")
             return None, _error(err)
-        jobs.put(job)
-        return (body, job), None
+        for job in made:
+            jobs.put(job)
+        return (body, made, events), None
 
     @app.post("/v1/chat/completions", **post_route(ChatBody))
     async def chat(request: Request):
         admitted, refused = await _submit(request, ChatBody)
         if refused is not None:
             return refused
-        return await _respond(*admitted, "chat.completion", "chatcmpl", model_name, request)
+        body, made, events = admitted
+        choices = _choices(body, made, "chat.completion")
+        return await _respond(body, choices, events, "chat.completion", "chatcmpl", model_name,
+                              request)  # fmt: skip
 
     @app.post("/v1/completions", **post_route(CompletionBody))
     async def completions(request: Request):
         admitted, refused = await _submit(request, CompletionBody)
         if refused is not None:
             return refused
-        return await _respond(*admitted, "text_completion", "cmpl", model_name, request)
+        body, made, events = admitted
+        choices = _choices(body, made, "text_completion")
+        return await _respond(body, choices, events, "text_completion", "cmpl", model_name,
+                              request)  # fmt: skip
 
     return app
 
@@ -177,55 +207,6 @@ def _error(err: APIError):
     return JSONResponse(err.body(), status_code=err.status, headers=headers)
 
 
-def _event_error(event: tuple) -> APIError:
-    _, message, status = event
-    return APIError(message, status=status, code=None if status < 500 else "server_error",
-                    kind="invalid_request_error" if status < 500 else "server_error")  # fmt: skip
-
-
-def _choice(kind: str, text: str | None, finish: str | None, first: bool = False) -> dict:
-    if kind == "text_completion":
-        return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
-    if kind == "chat.completion":
-        return {"index": 0, "message": {"role": "assistant", "content": text},
-                "logprobs": None, "finish_reason": finish}  # fmt: skip
-    delta = {"role": "assistant", "content": ""} if first else {}
-    if text:
-        delta["content"] = text
-    return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-
-
-async def _respond(body, job: Job, kind: str, prefix: str, model_name: str, request):
-    head = {"id": f"{prefix}-{uuid.uuid4().hex}", "created": int(time.time()),
-            "model": model_name}  # fmt: skip
-    if body.stream:
-        from fastapi.responses import StreamingResponse
-
-        usage = body.stream_options is not None and body.stream_options.include_usage
-        return StreamingResponse(_events(job, kind, head, usage), media_type="text/event-stream")
-    pieces = []
-    gone = asyncio.ensure_future(_disconnected(request))
-    try:
-        while True:
-            event = asyncio.ensure_future(job.events.get())
-            await asyncio.wait({event, gone}, return_when=asyncio.FIRST_COMPLETED)
-            if not event.done():
-                event.cancel()
-                job.cancelled = True  # dropped while waiting, else ended at the next step
-                return _error(APIError("the client closed the request", status=499))
-            event = event.result()
-            if event[0] == "text":
-                pieces.append(event[1])
-            elif event[0] == "error":
-                return _error(_event_error(event))
-            else:
-                _, finish, usage = event
-                choice = _choice(kind, "".join(pieces), finish)
-                return {**head, "object": kind, "choices": [choice], "usage": usage}
-    finally:
-        gone.cancel()
-
-
 async def _disconnected(request) -> None:
     """Returns when the client has gone (the body is read: the server's next ASGI message for
     this request is its disconnect)."""
@@ -233,40 +214,24 @@ async def _disconnected(request) -> None:
         pass
 
 
-async def _events(job: Job, kind: str, head: dict, with_usage: bool) -> AsyncIterator[str]:
-    """The server-sent events of one stream; a stream closed before its end (the client gone)
-    cancels the job."""
-    chunk_kind = "chat.completion.chunk" if kind == "chat.completion" else kind
-    delta_kind = "chat.delta" if kind == "chat.completion" else kind
+async def _respond(body, choices: list[Choice], events: asyncio.Queue, kind: str, prefix: str,
+                   model_name: str, request):  # fmt: skip
+    head = {"id": f"{prefix}-{uuid.uuid4().hex}", "created": int(time.time()),
+            "model": model_name}  # fmt: skip
+    if body.stream:
+        from fastapi.responses import StreamingResponse
 
-    def sse(choices: list, **extra) -> str:
-        chunk = {**head, "object": chunk_kind, "choices": choices, **extra}
-        return f"data: {json.dumps(chunk)}\n\n"
-
-    ended = False
+        usage = body.stream_options is not None and body.stream_options.include_usage
+        parts = stream(choices, body.n, events, head, usage)
+        return StreamingResponse(parts, media_type="text/event-stream")
+    gone = asyncio.ensure_future(_disconnected(request))
     try:
-        if kind == "chat.completion":
-            yield sse([_choice(delta_kind, None, None, first=True)])
-        while True:
-            event = await job.events.get()
-            if event[0] == "text":
-                if event[1]:
-                    yield sse([_choice(delta_kind, event[1], None)])
-            elif event[0] == "error":
-                ended = True
-                yield f"data: {json.dumps(_event_error(event).body())}\n\n"
-                return
-            else:
-                ended = True
-                _, finish, usage = event
-                yield sse([_choice(delta_kind, None, finish)])
-                if with_usage:
-                    yield sse([], usage=usage)
-                yield "data: [DONE]\n\n"
-                return
+        whole, usage = await gather(choices, body.n, events, gone)
+    except APIError as err:
+        return _error(err)
     finally:
-        if not ended:
-            job.cancelled = True
+        gone.cancel()
+    return {**head, "object": kind, "choices": whole, "usage": usage}
 
 
 def serve_in_thread(app, sock) -> tuple[object, threading.Thread]:

@@ -19,7 +19,7 @@ from ringattn.layout import LAYOUTS
 from ringattn.runtime.extras import require
 from ringattn.runtime.flags import check_at_least, check_choice
 
-__all__ = ["ServeConfig", "bind", "check", "model_name"]
+__all__ = ["ServeConfig", "bind", "check", "model_aliases", "model_name"]
 
 
 @dataclass
@@ -40,7 +40,8 @@ class ServeConfig:
     port: int = 8000
     """TCP port (0: any free port)"""
     model_name: str | None = None
-    """the model id in the API (default: the directory's name)"""
+    """the model id in the API (default: --hf as given, as vLLM; the directory's basename is
+    accepted too)"""
     api_key: str | None = None
     """require 'Authorization: Bearer KEY' on every request (default: $RINGATTN_API_KEY, which
     other users cannot see in ps)"""
@@ -72,7 +73,16 @@ class ServeConfig:
 
 
 def model_name(cfg: ServeConfig) -> str:
-    return cfg.model_name or os.path.basename(os.path.normpath(cfg.hf))
+    """The served model id: --model-name, else --hf as given on the command line (vLLM's
+    convention: clients name the model as the user launched it)."""
+    return cfg.model_name or cfg.hf
+
+
+def model_aliases(cfg: ServeConfig) -> tuple[str, ...]:
+    """Other names a request may give the model: the directory's basename (the id before
+    --hf's path became the default) and --hf as given, when --model-name replaced them."""
+    names = (os.path.basename(os.path.normpath(cfg.hf)), cfg.hf)
+    return tuple(n for n in dict.fromkeys(names) if n != model_name(cfg))
 
 
 def bind(host: str, port: int) -> socket.socket:

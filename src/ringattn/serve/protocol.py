@@ -1,15 +1,19 @@
 """What crosses from the HTTP layer to the ranks, and back.
 
 Request   one admitted request: prompt token ids, max_new_tokens, temperature, top_p, seed,
-          stop strings. Rank 0's scheduler runs it; the ranks see only its token ids, in the
-          step plans rank 0 broadcasts as JSON (comm.broadcast_json: data, never a pickle).
+          stop strings, logprobs asked (of its tokens, of its prompt). Rank 0's scheduler
+          runs it; the ranks see only its token ids, in the step plans rank 0 broadcasts as
+          JSON (comm.broadcast_json: data, never a pickle).
 message   what rank 0 broadcasts each turn of the rank loop: {"op": "step", ...} (one step's
           plan: runner.py), {"op": "idle"} when no request came within IDLE_S (the collective
           keeps the idle ranks inside the process-group timeout), or {"op": "stop"}.
 Job       rank 0 only: a request plus the asyncio queue of its events, filled from the
           worker thread with `loop.call_soon_threadsafe`:
+              ("prompt", [entry or None, ...])       the prompt's logprobs (echo), first
+              ("logprobs", [entry])                  a token's logprob, before its text
               ("text", piece)                        streamed text
               ("done", finish_reason, usage dict)    the end ("stop" or "length")
+          (each prefixed with the job's choice index)
               ("error", message, status)             the request failed: 400 (the ranks
                                                      refused it) or 500 (a server-side failure)
           and `cancelled`, set by the HTTP thread when the client has gone: the scheduler drops
@@ -46,6 +50,8 @@ class Request:
     top_p: float = 1.0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
+    logprobs: int | None = None  # each token's logprob and this many alternatives (None: none)
+    prompt_logprobs: int | None = None  # the same for the prompt's tokens (echo)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -104,17 +110,20 @@ class Verdict:
 
 
 class Job:
-    """A request waiting for, or being run by, the ranks; its events go to `loop`'s queue."""
+    """A request waiting for, or being run by, the ranks; its events go to `loop`'s queue as
+    (index, *event). The choices of one HTTP request share one queue (`events`), each job with
+    its choice's `index`."""
 
-    def __init__(self, request: Request, loop: asyncio.AbstractEventLoop):
-        self.request, self.loop = request, loop
-        self.events: asyncio.Queue = asyncio.Queue()
+    def __init__(self, request: Request, loop: asyncio.AbstractEventLoop,
+                 events: asyncio.Queue | None = None, index: int = 0):  # fmt: skip
+        self.request, self.loop, self.index = request, loop, index
+        self.events: asyncio.Queue = asyncio.Queue() if events is None else events
         self.arrived = time.monotonic()  # admission: time to first token counts from here
         self.cancelled = False  # set by the HTTP thread, read by the worker (a plain flag)
 
     def emit(self, *event: object) -> None:
         """Called from the worker thread: hand one event to the HTTP thread's loop."""
         try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (self.index, *event))
         except RuntimeError:  # the loop has closed (the server is stopping): nobody listens
             pass

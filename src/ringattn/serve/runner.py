@@ -9,7 +9,9 @@
             "decode": [[seq, token], ...]              one token fed to each running sequence
             "chunks": [[seq, [ids], keep], ...]       a prefill piece of a sequence; keep =
                                                        [entry, chunk start]: then store its
-                                                       chunk's rows so far under `entry`
+                                                       chunk's rows so far under `entry`; a
+                                                       4th item k: score the piece's prompt
+                                                       tokens, k alternatives each (`scores`)
             "room":   [[seq, rows], ...]}              rows per layer the pool now counts for
                                                        the sequence: its buffers grow to that
 
@@ -33,6 +35,7 @@ from __future__ import annotations
 import torch
 
 from ringattn.inference.hf.engine import KVEngine
+from ringattn.inference.hf.scoring import PromptScores
 
 __all__ = ["Runner"]
 
@@ -44,11 +47,13 @@ class Runner:
         self.engine = engine
         engine.state.granule = block_size
         self.store: dict[int, list[tuple[torch.Tensor, ...]]] = {}  # prefix entry -> its rows
+        self.scores: dict[int, PromptScores] = {}  # the last step's, by index in plan["chunks"]
 
     def step(self, plan: dict) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
         """Run `plan` (module docstring): the decode logits (L, vocab) or None, and the logits
-        (vocab,) of each chunk's last token."""
-        engine = self.engine
+        (vocab,) of each chunk's last token; the prompt logprobs of the chunks that asked
+        for them (a 4th item) in `self.scores`."""
+        engine, self.scores = self.engine, {}
         for entry in plan["evict"]:
             self.store.pop(entry, None)
         for seq in plan["free"]:
@@ -72,7 +77,10 @@ class Runner:
                     reuse, tokens = adopt.pop(seq)
                     engine.adopt(seq, [self.store[entry] for entry in reuse], tokens)
             pieces = [(plan["chunks"][j][0], self._ids(plan["chunks"][j][1])) for j in wave]
-            out, logits = engine.step(decode, pieces)
+            score = {i: plan["chunks"][j][3] for i, j in enumerate(wave)
+                     if len(plan["chunks"][j]) > 3}  # fmt: skip
+            out, logits = engine.step(decode, pieces, score)
+            self.scores.update({wave[i]: scores for i, scores in engine.scores.items()})
             decoded, decode = decoded if out is None else out, []
             for j, row in zip(wave, logits):
                 chunks[j] = row
@@ -86,7 +94,7 @@ class Runner:
         it adopts (every earlier piece that still has to run counts)."""
         wave, rest, seqs, entries = [], [], set(), set()
         for j in todo:
-            seq, _, keep = chunks[j]
+            seq, keep = chunks[j][0], chunks[j][2]
             if seq in seqs or entries.intersection(adopt.get(seq, ((), 0))[0]):
                 rest.append(j)
             else:
@@ -98,7 +106,7 @@ class Runner:
 
     def _keep(self, piece: list) -> None:
         """Store the piece's chunk so far under its entry when the plan says to keep it."""
-        seq, _, keep = piece
+        seq, keep = piece[0], piece[2]
         if keep is not None:
             entry, start = keep
             self.store[entry] = self.engine.rows(seq, start, self.engine.lengths[seq])

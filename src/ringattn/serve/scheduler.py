@@ -36,37 +36,15 @@ from collections import deque
 
 import torch
 
-from ringattn.inference.sampling import Sampling, next_token
-from ringattn.serve.pool import BlockPool, Piece, Point, Shares, prefix_hashes, truncate
+from ringattn.inference.sampling import next_token
+from ringattn.serve.pool import BlockPool, Shares, prefix_hashes, truncate
 from ringattn.serve.protocol import IDLE_S, Job
-from ringattn.serve.text import TextStream
+from ringattn.serve.sequence import Seq
 
-__all__ = ["SHORT_LANE", "Scheduler", "Seq"]
+__all__ = ["SHORT_LANE", "Scheduler", "Seq"]  # Seq: from sequence.py
 
 # beyond --max-batch-tokens, a step admits a prompt of <= chunk / SHORT_LANE tokens (doc, item 4)
 SHORT_LANE = 4
-
-
-class Seq:
-    """One request as the scheduler runs it: its tokens, its cache id and its progress."""
-
-    def __init__(self, job: Job, sink, tokenizer):
-        self.job, self.request, self.sink = job, job.request, sink
-        self.text = TextStream(tokenizer, self.request.stop)
-        r = self.request
-        self.sampling = Sampling(temperature=r.temperature, top_p=r.top_p, seed=r.seed or 0)
-        self.generator: torch.Generator | None = None  # made on the logits' device
-        self.tokens = list(r.ids)  # what the cache holds once the pending token is fed
-        self.out: list[int] = []
-        self.id, self.done, self.target, self.failures = -1, 0, 0, 0
-        self.hashes: list[list[Point]] = []  # each chunk's hash points (pool.prefix_hashes)
-        self.rows = 0  # prompt rows on the fullest rank so far: sum over pieces (pool.py)
-        self.pieces: list[Piece] = []  # the pieces of the chunk being prefilled, so far
-        self.started = False  # admitted once (a preempted one comes back started)
-
-    @property
-    def prefilling(self) -> bool:
-        return self.done < self.target
 
 
 class Scheduler:
@@ -209,6 +187,8 @@ class Scheduler:
                 keep = [entry, c * self.chunk]
                 self.step_kept.append(entry)
         plan["chunks"].append([seq.id, seq.tokens[seq.done : seq.done + n], keep])
+        if seq.logprobs.scoring:  # echo: this piece's prompt logprobs (scoring.py)
+            plan["chunks"][-1].append(seq.logprobs.prompt_k)
         self.step_chunks.append((seq, n))
         return n
 
@@ -299,7 +279,7 @@ class Scheduler:
     def _reuse(self, seq: Seq) -> list[tuple[int, int]]:
         """The cached prefix seq starts from (pool.lookup, at least one token left to compute),
         pinned, with seq's progress, rows and pieces set to it; [] when none would fit."""
-        if not self.prefix_cache:
+        if not self.prefix_cache or seq.logprobs.scoring:  # a cached prefix is not scored
             return []
         seq.hashes = prefix_hashes(seq.tokens, self.chunk, self.pool.block_size)
         found = self.pool.lookup(seq.hashes, seq.target - 1)
@@ -324,20 +304,25 @@ class Scheduler:
 
     # ---- after the step ----
 
-    def after(self, decoded: torch.Tensor | None, chunks: list[torch.Tensor]) -> None:
-        """Sample each sequence's next token from the step's logits; end the finished ones."""
+    def after(self, decoded: torch.Tensor | None, chunks: list[torch.Tensor],
+              scores: dict | None = None) -> None:  # fmt: skip
+        """Sample each sequence's next token from the step's logits; end the finished ones.
+        `scores`: the prompt logprobs of the chunks that asked (Runner.scores)."""
         rows: list[tuple[Seq, torch.Tensor]] = []
         for seq in self.step_decode + [seq for seq, _ in self.step_chunks]:
             seq.failures = 0  # its step went through
         for j, seq in enumerate(self.step_decode):
             seq.done += 1
             rows.append((seq, decoded[j]))
-        for (seq, n), logits in zip(self.step_chunks, chunks):
+        for j, ((seq, n), logits) in enumerate(zip(self.step_chunks, chunks)):
+            seq.logprobs.piece(seq.done, n, (scores or {}).get(j), logits)
             seq.rows += self.shares.chunk_rows(n)
             at = seq.done % self.chunk
             seq.pieces = [] if at + n == self.chunk else [*seq.pieces, (at, n, n)]
             seq.done += n
-            if not seq.prefilling:
+            if not seq.prefilling and seq.request.max_new_tokens == 0:  # echo's prompt only
+                self._emit(seq, None, None)
+            elif not seq.prefilling:
                 rows.append((seq, logits))
         if rows:
             self._sample(rows)
@@ -366,9 +351,14 @@ class Scheduler:
                 if seq.generator is None:
                     seq.generator = seq.sampling.generator(row.device)
                 token = next_token(row, seq.sampling, seq.generator)
-            self._emit(seq, token)
+            self._emit(seq, token, row)
 
-    def _emit(self, seq: Seq, token: int) -> None:
+    def _emit(self, seq: Seq, token: int | None, row: torch.Tensor | None) -> None:
+        """Send `token` (None: none, max_tokens 0) with its logprobs when asked (scoring.py)."""
+        for event in seq.logprobs.events(row, token):
+            seq.sink(*event)
+        if token is None:
+            return self.end(seq, "length")
         seq.tokens.append(token)
         seq.out.append(token)
         seq.sink("token")

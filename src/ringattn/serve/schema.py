@@ -1,12 +1,14 @@
 """The OpenAI request bodies, checked, and turned into a `Request` the ranks can run.
 
     body (JSON bytes) --pydantic, strict types--> ChatBody / CompletionBody
-      --admit--> checks the API would refuse (empty messages, unknown roles, n != 1, too many
-                 or too long stop strings), a prompt too long in characters to fit however it
+      --admit--> checks the API would refuse (empty messages, unknown roles, too many or too
+                 long stop strings, n or logprobs out of bounds, a tool_choice that needs
+                 constrained decoding), a prompt too long in characters to fit however it
                  tokenizes (refused before the template and the tokenizer run), the chat
-                 template (tokenizer.apply_chat_template), the context limit (prompt +
-                 max_tokens <= the model's max_position_embeddings)
-      --> Request (token ids, max_new_tokens, temperature, top_p, seed, stop)
+                 template with the tools (tokenizer.apply_chat_template(tools=...)), the
+                 context limit (prompt + max_tokens <= the model's max_position_embeddings)
+      --> Requests, one per choice: prompt i's j-th of n is choice i * n + j (token ids,
+          max_new_tokens, temperature, top_p, seed + j, stop, logprobs asked)
 
 Every field is bounded: max_tokens by the context, temperature [0, 2], top_p (0, 1], seed
 [0, 2^63), stop (up to MAX_STOP strings of up to MAX_STOP_CHARS), the prompt (its characters,
@@ -22,6 +24,7 @@ without a `seed` gets one drawn here, so every rank draws the same tokens.
 
 from __future__ import annotations
 
+import json
 import secrets
 from dataclasses import dataclass
 from typing import Literal
@@ -32,8 +35,11 @@ from ringattn.serve.protocol import Request
 
 __all__ = ["APIError", "ChatBody", "CompletionBody", "Limits", "admit", "parse"]
 
-ROLES = ("system", "developer", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_STOP = 4
+MAX_LOGPROBS = 20  # alternatives per token (OpenAI's top_logprobs bound, vLLM's max_logprobs)
+MAX_N = 16  # choices per prompt
+MAX_PROMPTS = 256  # prompts in one completions request
 MAX_STOP_CHARS = 256  # a stop string holds back as many characters of the stream
 SEED_LIMIT = 2**63
 
@@ -61,10 +67,27 @@ class TextPart(_Strict):
     text: str
 
 
+class Function(_Strict):
+    name: str
+    description: str | None = None
+    parameters: dict | None = None
+    arguments: str | None = None  # an assistant's call: its arguments as a JSON string
+
+
+class Tool(_Strict):
+    """A tool the model may call (`tools`), or an assistant's call of one (`tool_calls`)."""
+
+    type: Literal["function"] = "function"
+    function: Function
+    id: str | None = None
+
+
 class Message(_Strict):
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[Tool] | None = None
+    tool_call_id: str | None = None
 
 
 class StreamOptions(_Strict):
@@ -73,24 +96,30 @@ class StreamOptions(_Strict):
 
 class _Common(_Strict):
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     seed: int | None = Field(None, ge=0, lt=SEED_LIMIT)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
+    n: int = Field(1, ge=1, le=MAX_N)
 
 
 class ChatBody(_Common):
     messages: list[Message]
+    max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | Tool | None = None
 
 
 class CompletionBody(_Common):
-    prompt: str | list[str] | list[int]
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(None, ge=0)
     echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
 
 @dataclass(frozen=True)
@@ -113,7 +142,8 @@ def parse(raw: bytes, body_type: type[_Common]) -> _Common:
     except ValidationError as err:
         first = err.errors()[0]
         where = ".".join(str(p) for p in first["loc"] if not isinstance(p, str) or p not in
-                         ("str", "list[int]", "list[str]", "list[TextPart]"))  # fmt: skip
+                         ("str", "list[int]", "list[str]", "list[list[int]]", "list[TextPart]",
+                          "Tool", "literal['none','auto','required']"))  # fmt: skip
         param = where or None
         raise APIError(f"invalid request body: {where or 'body'}: {first['msg']}"
                        f" ({err.error_count()} error(s))", param=param) from None  # fmt: skip
@@ -142,29 +172,65 @@ def _check_chars(chars: int, limits: Limits, where: str) -> None:
         )  # fmt: skip
 
 
+def _message(m: Message, i: int) -> dict:
+    """One message as chat templates take it: an assistant's tool calls with their arguments as
+    objects (Hermes / Qwen templates write them with `tojson`), as vLLM passes them."""
+    if m.role not in ROLES:
+        raise APIError(f"messages[{i}].role {m.role!r} is not one of {', '.join(ROLES)}",
+                       param=f"messages.{i}.role")  # fmt: skip
+    out = {"role": m.role, "content": _text(m, i)}
+    if m.name is not None:
+        out["name"] = m.name
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    for j, call in enumerate(m.tool_calls or []):
+        try:
+            arguments = json.loads(call.function.arguments or "{}")
+        except json.JSONDecodeError as err:
+            raise APIError(f"messages[{i}].tool_calls[{j}].function.arguments is not JSON "
+                           f"({err})", param=f"messages.{i}.tool_calls") from None  # fmt: skip
+        function = {"name": call.function.name, "arguments": arguments}
+        out.setdefault("tool_calls", []).append({"id": call.id, "type": "function",
+                                                 "function": function})  # fmt: skip
+    return out
+
+
+def tools_of(body: ChatBody) -> list[dict] | None:
+    """The tools the template is given: none with tool_choice "none"; "required" or one named
+    function would need constrained decoding, which this server does not do (refused)."""
+    choice = body.tool_choice
+    if choice == "required" or isinstance(choice, Tool):
+        named = "'required'" if choice == "required" else f"function {choice.function.name!r}"
+        raise APIError(f"tool_choice {named} needs constrained decoding, which this server does "
+                       f"not do; send tool_choice 'auto' (the model decides) or 'none'",
+                       param="tool_choice")  # fmt: skip
+    if not body.tools or choice == "none":
+        return None
+    return [{"type": "function", "function": t.function.model_dump(exclude_none=True)}
+            for t in body.tools]  # fmt: skip
+
+
 def chat_ids(body: ChatBody, tokenizer, limits: Limits | None = None) -> list[int]:
-    """The messages through the tokenizer's chat template, ending with the assistant's turn."""
+    """The messages (and tools) through the tokenizer's chat template, ending with the
+    assistant's turn."""
     if not body.messages:
         raise APIError("messages must hold at least one message", param="messages")
     if limits is not None and len(body.messages) > limits.context:  # each takes a token at least
         raise APIError(f"{len(body.messages)} messages cannot fit the context of "
                        f"{limits.context} tokens", param="messages",
                        code="context_length_exceeded")  # fmt: skip
-    messages = []
-    for i, m in enumerate(body.messages):
-        if m.role not in ROLES:
-            raise APIError(f"messages[{i}].role {m.role!r} is not one of {', '.join(ROLES)}",
-                           param=f"messages.{i}.role")  # fmt: skip
-        messages.append({"role": m.role, "content": _text(m, i)})
+    messages = [_message(m, i) for i, m in enumerate(body.messages)]
+    tools = tools_of(body)
     if limits is not None:
-        _check_chars(sum(len(m["content"]) for m in messages), limits, "messages")
+        chars = sum(len(m["content"]) for m in messages) + len(json.dumps(tools or ""))
+        _check_chars(chars, limits, "messages")
     if getattr(tokenizer, "chat_template", None) is None:
         raise APIError("the model's tokenizer has no chat template; use /v1/completions")
     from jinja2 import TemplateError  # transformers' chat templates are Jinja
 
     try:
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                            return_dict=False)  # fmt: skip
+        ids = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+                                            tokenize=True, return_dict=False)  # fmt: skip
     except (TemplateError, ValueError, TypeError, KeyError) as err:  # raise_exception, Jinja
         raise APIError(f"the chat template refused the messages: {err}", param="messages") from None
     if isinstance(ids, dict) or hasattr(ids, "keys"):
@@ -172,14 +238,21 @@ def chat_ids(body: ChatBody, tokenizer, limits: Limits | None = None) -> list[in
     return [int(t) for t in ids]
 
 
-def completion_ids(body: CompletionBody, tokenizer, limits: Limits) -> list[int]:
-    """The prompt's token ids: text through the tokenizer with its special tokens (BOS), or
+def prompts_of(body: CompletionBody) -> list[str | list[int]]:
+    """The prompts of a completions request: one string, strings, token ids or lists of them."""
+    prompt = body.prompt
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        return [prompt]
+    if not prompt or len(prompt) > MAX_PROMPTS:
+        raise APIError(f"prompt takes 1 to {MAX_PROMPTS} prompts, got {len(prompt)}",
+                       param="prompt")  # fmt: skip
+    return list(prompt)
+
+
+def completion_ids(prompt: str | list[int], tokenizer, limits: Limits) -> list[int]:
+    """A prompt's token ids: text through the tokenizer with its special tokens (BOS), or
     the ids as given."""
-    prompt, vocab_size = body.prompt, limits.vocab_size
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-        if len(prompt) != 1:
-            raise APIError(f"one prompt per request, got {len(prompt)}", param="prompt")
-        prompt = prompt[0]
+    vocab_size = limits.vocab_size
     if isinstance(prompt, str):
         if not prompt:
             raise APIError("the prompt is empty (no tokens)", param="prompt")
@@ -196,40 +269,53 @@ def completion_ids(body: CompletionBody, tokenizer, limits: Limits) -> list[int]
     return ids
 
 
-def admit(body: _Common, tokenizer, limits: Limits) -> Request:
-    """The checked `Request` for `body` (ChatBody or CompletionBody), or APIError."""
-    if body.n != 1:
-        raise APIError(f"n={body.n}: this server returns one choice per request (n=1)",
-                       param="n")  # fmt: skip
-    if isinstance(body, CompletionBody) and body.echo:
-        raise APIError("echo is not supported", param="echo")
+def _room(ids: list[int], asked: int | None, limits: Limits, where: str) -> int:
+    """The completion tokens the prompt `ids` leaves: `asked`, or the rest of the context."""
+    room = limits.context - len(ids)
+    if room < 1 or (asked is not None and asked > room):
+        want = len(ids) + (1 if asked is None else asked)
+        raise APIError(
+            f"This model's maximum context length is {limits.context} tokens. However, you "
+            f"requested {want} tokens ({len(ids)} in the {where}, "
+            f"{1 if asked is None else asked} in the completion). Please reduce the length of "
+            f"the {where} or the completion.", param=where, code="context_length_exceeded",
+        )  # fmt: skip
+    return room if asked is None else asked
+
+
+def admit(body: _Common, tokenizer, limits: Limits) -> list[Request]:
+    """The checked `Request`s for `body` (ChatBody or CompletionBody): choice i * n + j is
+    prompt i's j-th of n; or APIError. Choice j of a seeded request samples with seed + j."""
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if len(stop) > MAX_STOP or any(not 0 < len(s) <= MAX_STOP_CHARS for s in stop):
         raise APIError(f"stop takes up to {MAX_STOP} non-empty strings of up to "
                        f"{MAX_STOP_CHARS} characters, got {stop!r:.300}", param="stop")  # fmt: skip
-    if isinstance(body, ChatBody):
-        ids, where = chat_ids(body, tokenizer, limits), "messages"
-        asked = body.max_completion_tokens
-        asked = body.max_tokens if asked is None else asked
-    else:
-        ids, where, asked = completion_ids(body, tokenizer, limits), "prompt", None
-        asked = 16 if body.max_tokens is None else body.max_tokens  # the API's default
-    room = limits.context - len(ids)
-    if room < 1 or (asked is not None and asked > room):
-        want = len(ids) + (asked or 1)
-        raise APIError(
-            f"This model's maximum context length is {limits.context} tokens. However, you "
-            f"requested {want} tokens ({len(ids)} in the {where}, {asked or 1} in the "
-            f"completion). Please reduce the length of the {where} or the completion.",
-            param=where, code="context_length_exceeded",
-        )  # fmt: skip
     temperature = limits.default_temperature if body.temperature is None else body.temperature
     top_p = limits.default_top_p if body.top_p is None else body.top_p
     if temperature > 0 and not limits.sampling:
         raise APIError(f"temperature={temperature}: this build decodes greedily only; pass "
                        f"temperature 0", param="temperature")  # fmt: skip
-    seed = body.seed
-    if temperature > 0 and seed is None:
-        seed = secrets.randbits(62)  # drawn once here: every rank samples the same tokens
-    return Request(ids, room if asked is None else asked, float(temperature), float(top_p), seed,
-                   stop)  # fmt: skip
+    if isinstance(body, ChatBody):
+        asked = (
+            body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
+        )
+        prompts, where = [chat_ids(body, tokenizer, limits)], "messages"
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
+        prompt_logprobs = None
+    else:
+        asked = 16 if body.max_tokens is None else body.max_tokens  # the API's default
+        prompts = [completion_ids(p, tokenizer, limits) for p in prompts_of(body)]
+        where, logprobs = "prompt", body.logprobs
+        prompt_logprobs = logprobs if body.echo else None
+    requests = []
+    for ids in prompts:
+        new = _room(ids, asked, limits, where)
+        for j in range(body.n):
+            seed = None if body.seed is None else (body.seed + j) % SEED_LIMIT
+            if temperature > 0 and seed is None:
+                seed = secrets.randbits(62)  # drawn once here: every rank samples the same tokens
+            requests.append(Request(ids, new, float(temperature), float(top_p), seed, stop,
+                                    logprobs, prompt_logprobs))  # fmt: skip
+    return requests

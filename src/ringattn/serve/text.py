@@ -8,13 +8,18 @@ text. Nothing is shown while:
 When a stop string appears the text ends just before it, and generation stops. Every rank runs
 this on the same tokens with the same tokenizer, so every rank stops at the same token without
 any extra communication. At the end, `flush` shows the rest, an incomplete character included.
+
+ToolCalls (rank 0's HTTP side) then splits a request's text into content and tool calls.
 """
 
 from __future__ import annotations
 
+import json
+import uuid
+
 from ringattn.inference.detokenize import Detokenizer
 
-__all__ = ["TextStream"]
+__all__ = ["TextStream", "ToolCalls"]
 
 
 class TextStream:
@@ -69,3 +74,62 @@ class TextStream:
         if not self.stopped and pending:
             self._add(pending)
         return self._show(len(self.buffer))
+
+
+class ToolCalls:
+    """Tool calls out of streamed text, in the Hermes / Qwen convention: the model writes each
+    call as `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`. `push` returns the text
+    that is content (outside the blocks; a tail that may start `<tool_call>` is held back) and
+    the calls whose block has closed, each {id, type: "function", function: {name, arguments
+    (a JSON string)}}. A block that is not such JSON stays content, as written."""
+
+    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+    def __init__(self):
+        self.buffer, self.inside = "", False
+
+    def push(self, text: str) -> tuple[str, list[dict]]:
+        self.buffer += text
+        content, calls = [], []
+        while True:
+            if not self.inside:
+                at = self.buffer.find(self.OPEN)
+                if at < 0:
+                    hold = next((k for k in range(len(self.OPEN) - 1, 0, -1)
+                                 if self.buffer.endswith(self.OPEN[:k])), 0)  # fmt: skip
+                    cut = len(self.buffer) - hold
+                    content.append(self.buffer[:cut])
+                    self.buffer = self.buffer[cut:]
+                    return "".join(content), calls
+                content.append(self.buffer[:at])
+                self.buffer, self.inside = self.buffer[at + len(self.OPEN) :], True
+            at = self.buffer.find(self.CLOSE)
+            if at < 0:
+                return "".join(content), calls
+            block, self.buffer = self.buffer[:at], self.buffer[at + len(self.CLOSE) :]
+            self.inside = False
+            call = _call(block)
+            if call is None:
+                content.append(self.OPEN + block + self.CLOSE)
+            else:
+                calls.append(call)
+
+    def flush(self) -> str:
+        """The text held back at the end: a tail, or an unclosed block as written."""
+        rest = (self.OPEN if self.inside else "") + self.buffer
+        self.buffer, self.inside = "", False
+        return rest
+
+
+def _call(block: str) -> dict | None:
+    try:
+        call = json.loads(block)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        return None
+    arguments = call.get("arguments", call.get("parameters", {}))
+    if not isinstance(arguments, str):
+        arguments = json.dumps(arguments, ensure_ascii=False)
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": call["name"], "arguments": arguments}}  # fmt: skip

@@ -55,7 +55,7 @@ from ringattn.integrations.hf.tensor_parallel import split_cp_tp
 from ringattn.runtime.heartbeat import report_progress
 from ringattn.runtime.launch import init_distributed
 from ringattn.serve.app import build_app, serve_in_thread
-from ringattn.serve.config import ServeConfig, bind, model_name
+from ringattn.serve.config import ServeConfig, bind, model_aliases, model_name
 from ringattn.serve.metrics import Metrics
 from ringattn.serve.pool import BlockPool, Shares
 from ringattn.serve.protocol import AGREE_S, Job, Verdict, exchange
@@ -238,7 +238,7 @@ def _steps(runner: Runner, scheduler: Scheduler | None, info: GroupInfo, verdict
                 scheduler.failed(err)
             continue
         if scheduler is not None:
-            scheduler.after(decoded, chunks)
+            scheduler.after(decoded, chunks, runner.scores)
 
 
 def serve_worker(cfg: ServeConfig) -> dict:
@@ -272,7 +272,8 @@ def serve_worker(cfg: ServeConfig) -> dict:
         metrics = Metrics(jobs.qsize)
         body = None if cfg.max_body_mb is None else int(cfg.max_body_mb * (1 << 20))
         app = build_app(name, tokenizer, limits(model, tokenizer, body), jobs, cfg.api_key,
-                        metrics=metrics, max_queue=cfg.max_queue or None)  # fmt: skip
+                        metrics=metrics, max_queue=cfg.max_queue or None,
+                        aliases=model_aliases(cfg))  # fmt: skip
         _, http = serve_in_thread(app, sock)
         host, port = sock.getsockname()[:2]
         key = " (API key required)" if cfg.api_key else ""

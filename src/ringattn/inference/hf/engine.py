@@ -38,6 +38,7 @@ import ringattn
 from ringattn.comm import all_gather_ints, all_reduce, resolve_group
 from ringattn.inference.hf import mixer_states
 from ringattn.inference.hf.kv_attention import Decode, Extend, Fresh, KVState, attach, restore
+from ringattn.inference.hf.scoring import score_rows
 from ringattn.inference.turns import Turn, choose_mode
 from ringattn.integrations.hf import families, mixers, vision
 from ringattn.layout import get_layout
@@ -68,6 +69,7 @@ class KVEngine:
         self.decoded: list[int] = []  # tokens decoded one at a time per sequence (round-robin)
         self.shifts: list[int] = []  # RoPE position - cache position (a VLM's images: vision.py)
         self.held = False  # holding(): the model stays on "ringattn-kv" between calls
+        self.scores: dict = {}  # the last step's prompt logprobs, {piece: PromptScores}
 
     @property
     def device(self) -> torch.device:
@@ -303,20 +305,25 @@ class KVEngine:
         return self._shared_rows(logits, [0] * len(last), 1)[0]
 
     def step(
-        self, decode: list[tuple[int, int]], pieces: list[tuple[int, torch.Tensor]]
-    ) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+        self, decode: list[tuple[int, int]], pieces: list[tuple[int, torch.Tensor]],
+        score: dict[int, int] | None = None,
+    ) -> tuple[torch.Tensor | None, list[torch.Tensor]]:  # fmt: skip
         """One forward for a serving step: a token for each (sequence, token) of `decode`, and
         each prompt piece (sequence, tokens (T,)), packed in one batch row: the decode tokens
         (every rank runs them all), then the pieces of empty sequences as documents (as
         `prefill`), then each other piece placed within itself (as `extend`). A sequence
         appears once. The decode logits (L, vocab) (None without decodes) and the logits
         (vocab,) of each piece's last token. One pass over the weights for the whole step,
-        where one forward per kind (and per extended sequence) would read them each time."""
+        where one forward per kind (and per extended sequence) would read them each time.
+        `score` {piece index: k}: those pieces' prompt logprobs with k alternatives per token
+        (scoring.py) go to `self.scores` {piece index: PromptScores}."""
         device = self.device
         seqs = [seq for seq, _ in decode] + [seq for seq, _ in pieces]
         assert len(set(seqs)) == len(seqs), f"a sequence twice in one step: {seqs}"
         parts = []  # (ids, positions, segment) in row order
         keep = []  # (local row, piece) of the rows that end a piece
+        score = score or {}
+        scored = {}  # piece -> (local rows, their positions within the piece)
         if decode:
             parts.append(self._decode_segment(*map(list, zip(*decode))))
         fresh = [j for j, (seq, _) in enumerate(pieces) if self.lengths[seq] == 0]
@@ -327,12 +334,17 @@ class KVEngine:
             )
             parts.append((local, within.clamp(min=0), what))
             keep += [(at + row, fresh[d]) for row, d in ends]
+            for d, (_, mine, where, _) in enumerate(what.rows):
+                if fresh[d] in score:
+                    scored[fresh[d]] = (at + mine, where)
             at += local.numel()
         others = [j for j in range(len(pieces)) if j not in fresh]
         counts = self._kept_counts([pieces[j][0] for j in others])
         for j, lengths in zip(others, counts):
             local, where, what, last = self._extend_segment(*pieces[j], lengths, "auto")
             parts.append((local, where.clamp(min=0), what))
+            if j in score:
+                scored[j] = (at + what.rows, where[what.rows] - self.lengths[pieces[j][0]])
             keep += [(at + row, j) for row in last]
             at += local.numel()
         ids, positions, _ = zip(*parts)
@@ -340,6 +352,8 @@ class KVEngine:
         self.state.segments = [(a, b, what) for a, b, (_, _, what) in
                                zip(starts, starts[1:], parts)]  # fmt: skip
         rows = list(range(len(decode))) + [row for row, _ in keep]
+        scored_at = len(rows)
+        rows += [r for local_rows, _ in scored.values() for r in local_rows.tolist()]
         bounds = torch.tensor([0, at], device="cpu")  # host-side; the segments say the rest
         logits = self._forward(
             input_ids=torch.cat(ids)[None], position_ids=torch.cat(positions)[None],
@@ -349,8 +363,13 @@ class KVEngine:
         decoded = logits[0, : len(decode)].float() if decode else None
         out = []
         if pieces:
-            out = list(self._shared_rows(logits[:, len(decode) :], [j for _, j in keep],
-                                         len(pieces)))  # fmt: skip
+            kept = logits[:, len(decode) : scored_at]
+            out = list(self._shared_rows(kept, [j for _, j in keep], len(pieces)))
+        self.scores = {}
+        for j, (local_rows, where) in scored.items():  # in piece order on every rank
+            these = logits[0, scored_at : scored_at + local_rows.numel()]
+            scored_at += local_rows.numel()
+            self.scores[j] = score_rows(these, where, pieces[j][1], score[j], self.info)
         self._decoded([seq for seq, _ in decode])
         for seq, tokens in pieces:
             self.lengths[seq] += tokens.numel()

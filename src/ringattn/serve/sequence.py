@@ -1,0 +1,39 @@
+"""One request as rank 0's scheduler runs it (nano-vllm's engine/sequence.py): its tokens so
+far, its place in the ranks' caches, its prefill progress, its sampler, its text stream and the
+logprobs it reports. The scheduler (scheduler.py) moves it between waiting, running and ended.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ringattn.inference.hf.scoring import Logprobs
+from ringattn.inference.sampling import Sampling
+from ringattn.serve.pool import Piece, Point
+from ringattn.serve.protocol import Job
+from ringattn.serve.text import TextStream
+
+__all__ = ["Seq"]
+
+
+class Seq:
+    """One request as the scheduler runs it: its tokens, its cache id and its progress."""
+
+    def __init__(self, job: Job, sink, tokenizer):
+        self.job, self.request, self.sink = job, job.request, sink
+        self.text = TextStream(tokenizer, self.request.stop)
+        r = self.request
+        self.sampling = Sampling(temperature=r.temperature, top_p=r.top_p, seed=r.seed or 0)
+        self.generator: torch.Generator | None = None  # made on the logits' device
+        self.tokens = list(r.ids)  # what the cache holds once the pending token is fed
+        self.out: list[int] = []
+        self.id, self.done, self.target, self.failures = -1, 0, 0, 0
+        self.hashes: list[list[Point]] = []  # each chunk's hash points (pool.prefix_hashes)
+        self.rows = 0  # prompt rows on the fullest rank so far: sum over pieces (pool.py)
+        self.pieces: list[Piece] = []  # the pieces of the chunk being prefilled, so far
+        self.started = False  # admitted once (a preempted one comes back started)
+        self.logprobs = Logprobs(r.ids, r.logprobs, r.prompt_logprobs)  # what it reports
+
+    @property
+    def prefilling(self) -> bool:
+        return self.done < self.target
