@@ -37,7 +37,15 @@ import torch
 import ringattn
 from ringattn.comm import all_gather_ints, all_reduce, resolve_group
 from ringattn.inference.hf import mixer_states
-from ringattn.inference.hf.kv_attention import Decode, Extend, Fresh, KVState, attach, restore
+from ringattn.inference.hf.kv_attention import (
+    Decode,
+    Extend,
+    Fresh,
+    KVState,
+    attach,
+    restore,
+    softcap_refusal,
+)
 from ringattn.inference.turns import Turn, choose_mode
 from ringattn.integrations.hf import families, mixers, vision
 from ringattn.layout import get_layout
@@ -53,6 +61,9 @@ class KVEngine:
             vision.check_family(model)
         else:
             families.check_family(model)
+        softcap = getattr(model.config.get_text_config(), "attn_logit_softcapping", None)
+        if softcap is not None:  # the same on every rank (the config), before any collective
+            raise ValueError(softcap_refusal(type(model).__name__, softcap))
         # a hybrid's mixers: refuse a token mixer ringattn does not know, carry the others'
         # states per sequence (mixer_states.py)
         mixers.find_mixers(model.get_decoder() if vision.is_multimodal(model) else model)

@@ -220,6 +220,8 @@ def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=N
     """transformers' attention-function signature over the sharded cache (see module doc)."""
     state: KVState = getattr(module, STATE_ATTR)
     _check_call(module, query, key, attention_mask, dropout, kwargs)
+    if kwargs.get("softcap") is not None:  # KVEngine refuses it first; never silently uncapped
+        raise ValueError(softcap_refusal(type(module).__name__, kwargs["softcap"]))
     layer = module.layer_idx
     left = None if not sliding_window else sliding_window - 1
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
@@ -237,6 +239,15 @@ def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=N
     if sinks is not None:
         out = out.float() * torch.sigmoid(lse - sinks.float().view(1, -1, 1)).unsqueeze(-1)
     return out.to(query.dtype).transpose(1, 2).contiguous(), None  # (B, S, Hq, D)
+
+
+def softcap_refusal(where: str, softcap: float) -> str:
+    """The message for attention logit softcapping, which decoding does not do (training does)."""
+    return (
+        f"{where}: attention logit softcapping {softcap} (config.attn_logit_softcapping) is "
+        f"exact in ringattn.hf training (parallelize) but not in KV-cache decoding; decode this "
+        f"model with cp 1 (plain transformers generate)"
+    )
 
 
 def register() -> None:

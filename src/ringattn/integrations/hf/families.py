@@ -27,8 +27,8 @@ EXACT: dict[str, str] = {
         "biogpt", "bitnet", "cohere", "cohere2", "cohere2_moe", "cohere_compass_text", "ctrl",
         "cwm", "deepseek_v2", "deepseek_v3", "diffllama", "dots1", "electra", "emu3_text_model",
         "ernie", "ernie4_5", "ernie4_5_moe", "exaone4", "exaone_moe", "flex_olmo", "flint", "fuyu",
-        "gemma", "gemma3_text", "gemma3n_text", "gemma4_text", "gemma4_unified_text", "glm",
-        "glm4", "glm4_moe", "glm4_moe_lite", "gpt2", "gpt_bigcode", "gpt_neox",
+        "gemma", "gemma2", "gemma3_text", "gemma3n_text", "gemma4_text", "gemma4_unified_text",
+        "glm", "glm4", "glm4_moe", "glm4_moe_lite", "gpt2", "gpt_bigcode", "gpt_neox",
         "gpt_oss", "granite", "granite_swa", "granitemoe", "granitemoe_swa",
         "granitemoeshared", "helium", "hrm_text", "hunyuan_v1_dense", "hunyuan_v1_moe", "hy_v3",
         "hyperclovax", "internlm3", "iquestcoder", "jais2", "jetmoe", "kolibri1", "laguna",
@@ -36,7 +36,7 @@ EXACT: dict[str, str] = {
         "minimax_m3_vl_text", "ministral", "ministral3", "mistral", "mixtral", "mllama_text_model",
         "modernbert-decoder", "nanochat", "olmo", "olmo2", "olmo3", "olmoe", "opt", "persimmon",
         "phi", "phi3", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "roc_bert", "seed_oss",
-        "smollm3", "solar_open", "starcoder2", "youtu",
+        "smollm3", "solar_open", "starcoder2", "vaultgemma", "youtu",
     )
 } | {
     name: _HYBRID
@@ -60,8 +60,6 @@ REFUSED: dict[str, str] = {
         "whisper", "bigbird_pegasus", "roberta", "camembert", "xlm-roberta", "xlm-roberta-xl",
         "roberta-prelayernorm", "data2vec-text")},
     **{name: _INDEXER for name in ("deepseek_v32", "glm_moe_dsa", "hy_v4", "axk2")},
-    "gemma2": "attention logit softcapping (config.attn_logit_softcapping)",
-    "vaultgemma": "attention logit softcapping (config.attn_logit_softcapping)",
     "llama4_text": "chunked attention (attention_chunk_size)",
     "inkling_text": "an additive position bias in attention",
     "inkling2_text": "an additive position bias in attention",
@@ -78,6 +76,10 @@ REFUSED: dict[str, str] = {
     "rwkv7": "its recurrence has no context-parallel path in ringattn",
     "xlstm": "its recurrence has no context-parallel path in ringattn",
 }  # fmt: skip
+
+
+#: the allow-list as a sorted tuple: the public, documented view (`ringattn.hf.SUPPORTED_FAMILIES`)
+SUPPORTED_FAMILIES: tuple[str, ...] = tuple(sorted(EXACT))
 
 
 def check_family(model: object) -> None:
