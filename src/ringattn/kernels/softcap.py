@@ -37,26 +37,38 @@ RowMask = Callable[[int, int], torch.Tensor | None]
 
 
 def _grouped(x: torch.Tensor, hkv: int) -> torch.Tensor:
-    """(B, Hq, S, D) -> (B, Hkv, G, S, D): query heads grouped by the K/V head they share."""
-    b, hq, s, d = x.shape
-    return x.reshape(b, hkv, hq // hkv, s, d)
+    """(B, Hq, R, D) -> (B, Hkv, G * R, D): the rows of the G query heads that share a K/V head,
+    stacked, so that one plain matmul per K/V head serves them all (no expanded K/V)."""
+    b, hq, r, d = x.shape
+    return x.reshape(b, hkv, hq // hkv * r, d)
 
 
 def _capped_scores(
-    q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, scale: float, cap: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    cap: float,
+    rows: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(s, tanh(r / c)) for grouped q (B, Hkv, G, R, D) and k (B, Hkv, 1, Sk, D); s is -inf
-    where the mask hides a key."""
-    t = torch.tanh(torch.matmul(q, k.transpose(-1, -2)) * (scale / cap))  # (B, Hkv, G, R, Sk)
+    """(s, tanh(r / c)) for stacked q (B, Hkv, G * rows, D) and k (B, Hkv, Sk, D), both
+    (B, Hkv, G * rows, Sk); s is -inf where the (rows, Sk) mask hides a key."""
+    t = torch.matmul(q, k.transpose(-1, -2)).mul_(scale / cap).tanh_()
     s = t * cap
     if mask is not None:
-        s = s.masked_fill(~mask, -math.inf)
+        b, hkv, gr, sk = s.shape
+        s.view(b, hkv, gr // rows, rows, sk).masked_fill_(~mask, -math.inf)
     return s, t
 
 
 def _chunk_rows(q: torch.Tensor, k_len: int) -> int:
     b, hq, _, _ = q.shape
     return max(1, CHUNK_SCORES // max(1, b * hq * k_len))
+
+
+def _unstack(x: torch.Tensor, hq: int, rows: int) -> torch.Tensor:
+    """(B, Hkv, G * rows, ...) -> (B, Hq, rows, ...)."""
+    return x.reshape(x.shape[0], hq, rows, *x.shape[3:])
 
 
 def softcap_forward(
@@ -67,19 +79,19 @@ def softcap_forward(
     acc = accumulator_dtype(q.dtype)
     b, hq, sq, d = q.shape
     hkv = k.shape[1]
-    kf, vf = k.to(acc).unsqueeze(2), v.to(acc).unsqueeze(2)  # (B, Hkv, 1, Sk, D)
+    kf, vf = k.to(acc), v.to(acc)  # (B, Hkv, Sk, D)
     out = torch.empty(b, hq, sq, d, dtype=acc, device=q.device)
     lse = torch.empty(b, hq, sq, dtype=acc, device=q.device)
     step = _chunk_rows(q, k.shape[2])
     for r0 in range(0, sq, step):
         r1 = min(sq, r0 + step)
-        qg = _grouped(q[:, :, r0:r1].to(acc), hkv)  # (B, Hkv, G, R, D)
-        s, _ = _capped_scores(qg, kf, row_mask(r0, r1), scale, cap)
-        chunk_lse = torch.logsumexp(s, dim=-1)  # (B, Hkv, G, R)
-        safe = torch.where(torch.isneginf(chunk_lse), torch.zeros_like(chunk_lse), chunk_lse)
-        chunk_out = torch.matmul(torch.exp(s - safe.unsqueeze(-1)), vf)  # (B, Hkv, G, R, D)
-        out[:, :, r0:r1] = chunk_out.reshape(b, hq, r1 - r0, d)
-        lse[:, :, r0:r1] = chunk_lse.reshape(b, hq, r1 - r0)
+        qg = _grouped(q[:, :, r0:r1].to(acc), hkv)  # (B, Hkv, G * R, D)
+        s, _ = _capped_scores(qg, kf, row_mask(r0, r1), scale, cap, r1 - r0)
+        chunk_lse = torch.logsumexp(s, dim=-1, keepdim=True)  # (B, Hkv, G * R, 1)
+        safe = chunk_lse.masked_fill(torch.isneginf(chunk_lse), 0.0)
+        chunk_out = torch.matmul(s.sub_(safe).exp_(), vf)  # (B, Hkv, G * R, D)
+        out[:, :, r0:r1] = _unstack(chunk_out, hq, r1 - r0)
+        lse[:, :, r0:r1] = _unstack(chunk_lse, hq, r1 - r0).squeeze(-1)
     return out, lse
 
 
@@ -94,29 +106,31 @@ def softcap_backward(
     scale: float,
     cap: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) of one block from the global out and lse (module docstring), rows in chunks;
-    dk and dv add up over the chunks in the accumulator dtype."""
+    """(dq, dk, dv) of one block from the global out and lse (module docstring), rows in chunks,
+    in the accumulator dtype; dk and dv add up over the chunks (and a K/V head's query heads)."""
     acc = accumulator_dtype(q.dtype)
-    b, hq, sq, d = q.shape
+    hq, sq = q.shape[1], q.shape[2]
     hkv = k.shape[1]
-    kf, vf = k.to(acc).unsqueeze(2), v.to(acc).unsqueeze(2)  # (B, Hkv, 1, Sk, D)
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    kf, vf = k.to(acc), v.to(acc)  # (B, Hkv, Sk, D)
+    dq = torch.empty(q.shape, dtype=acc, device=q.device)
     dk = torch.zeros(k.shape, dtype=acc, device=k.device)
     dv = torch.zeros(v.shape, dtype=acc, device=v.device)
     step = _chunk_rows(q, k.shape[2])
     for r0 in range(0, sq, step):
         r1 = min(sq, r0 + step)
         qg, dog, og = (_grouped(x[:, :, r0:r1].to(acc), hkv) for x in (q, dout, out))
-        lse_g = lse[:, :, r0:r1].to(acc).reshape(b, hkv, hq // hkv, r1 - r0, 1)
-        safe = torch.where(torch.isneginf(lse_g), torch.zeros_like(lse_g), lse_g)
-        s, t = _capped_scores(qg, kf, row_mask(r0, r1), scale, cap)
-        probs = torch.exp(s - safe)  # (B, Hkv, G, R, Sk); hidden keys: 0
-        dv += torch.matmul(probs.transpose(-1, -2), dog).sum(2)  # (B, Hkv, Sk, D)
-        delta = (dog * og).sum(-1, keepdim=True)  # (B, Hkv, G, R, 1)
-        draw = probs * (torch.matmul(dog, vf.transpose(-1, -2)) - delta) * (1 - t * t) * scale
-        dq[:, :, r0:r1] = torch.matmul(draw, kf).reshape(b, hq, r1 - r0, d)
-        dk += torch.matmul(draw.transpose(-1, -2), qg).sum(2)  # (B, Hkv, Sk, D)
-    return dq, dk.to(k.dtype), dv.to(v.dtype)
+        lse_g = _grouped(lse[:, :, r0:r1].to(acc).unsqueeze(-1), hkv)  # (B, Hkv, G * R, 1)
+        safe = lse_g.masked_fill(torch.isneginf(lse_g), 0.0)
+        s, t = _capped_scores(qg, kf, row_mask(r0, r1), scale, cap, r1 - r0)
+        probs = s.sub_(safe).exp_()  # (B, Hkv, G * R, Sk); hidden keys: 0
+        dv += torch.matmul(probs.transpose(-1, -2), dog)  # (B, Hkv, Sk, D)
+        delta = (dog * og).sum(-1, keepdim=True)  # (B, Hkv, G * R, 1)
+        # dr = P * (dout v^T - delta) * (1 - t^2) * scale, in place over the (R, Sk) buffers
+        draw = torch.matmul(dog, vf.transpose(-1, -2)).sub_(delta).mul_(probs)
+        draw.mul_(t.mul_(t).neg_().add_(1.0)).mul_(scale)
+        dq[:, :, r0:r1] = _unstack(torch.matmul(draw, kf), hq, r1 - r0)
+        dk += torch.matmul(draw.transpose(-1, -2), qg)  # (B, Hkv, Sk, D)
+    return dq, dk, dv
 
 
 def _causal_rows(k_len: int, device: torch.device) -> RowMask:
