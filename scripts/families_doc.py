@@ -36,7 +36,10 @@ registers (results/family_survey.json). Vision-language models have their own li
 
 Gemma 2 and VaultGemma cap their attention scores (`config.attn_logit_softcapping`): ringattn
 caps them too, exactly, in training ([softcap.md](softcap.md)); KV-cache decoding
-(`generate --hf`, `serve --hf`) refuses them by name.
+(`generate --hf`, `serve --hf`) refuses them by name. PhiMoE is exact where its router is
+deterministic: in eval, or in training with `config.router_jitter_noise = 0` and
+`config.input_jitter_noise = 0`; training with either jitter samples experts at random and is
+refused by name at each forward (`tests/test_hf_phimoe.py`).
 
 This page is written by `scripts/families_doc.py` from the dicts; edit those, then rerun it.
 """

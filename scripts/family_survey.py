@@ -253,10 +253,13 @@ def tiny_config(model_type: str):
     return cls.from_dict(d)
 
 
-def build(model_type: str) -> torch.nn.Module:
+def build(model_type: str, **overrides: object) -> torch.nn.Module:
+    """The tiny model, seeded; `overrides` set config fields first (tests' variants)."""
     from transformers import AutoModelForCausalLM
 
     config = tiny_config(model_type)
+    for name, value in overrides.items():
+        setattr(config, name, value)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").float()
     model.train()

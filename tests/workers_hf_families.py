@@ -40,3 +40,19 @@ def off_list_case(rank: int, world_size: int, *, model_type: str) -> None:
     config = OffList(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                      num_attention_heads=2, num_key_value_heads=1)  # fmt: skip
     ringattn.hf.parallelize(transformers.LlamaForCausalLM(config), group=dist.group.WORLD)
+
+
+def phimoe_cases(
+    rank: int, world_size: int, *, cases: list, training: bool, **overrides: object
+) -> list[dict]:
+    """PhiMoE (config `overrides`) in training or eval mode: one comparison per (layout, kind)."""
+    model = survey.build("phimoe", **overrides)
+    model.train(training)
+    rows = []
+    for layout, kind in cases:
+        reference = survey.reference(model, kind)
+        parallel = ringattn.hf.parallelize(survey._copy(model, "phimoe"), layout=layout)
+        parallel.train(training)
+        got = survey.cp_case(parallel, kind, layout, dist.group.WORLD)
+        rows.append({"case": (layout, kind), **survey.compare(reference, got)})
+    return rows

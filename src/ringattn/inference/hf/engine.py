@@ -61,6 +61,7 @@ class KVEngine:
             vision.check_family(model)
         else:
             families.check_family(model)
+            families.install_guards(model)
         softcap = getattr(model.config.get_text_config(), "attn_logit_softcapping", None)
         if softcap is not None:  # the same on every rank (the config), before any collective
             raise ValueError(softcap_refusal(type(model).__name__, softcap))

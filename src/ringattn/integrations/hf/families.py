@@ -12,6 +12,17 @@ transformers adds next month stays refused until someone checks it and adds it h
 
 Families with recurrent or convolutional mixers (hybrids) are exact through mixers/, each mixer
 class by name; their tests are tests/test_hf_hybrid.py.
+
+A few listed families are exact only in a configuration that can change after `parallelize` (the
+training flag): `install_guards` puts a forward pre-hook on the model that refuses the others by
+name, before every forward and so before any communication, on every rank (all ranks run the
+same model in the same mode). PhiMoE: its sparsemixer router, in training, draws the experts by
+Gumbel sampling among those whose logit is within 2 * router_jitter_noise (relative) of the best
+(plus a random Heun mask for the gradient), and input_jitter_noise scales its input by random
+factors: a shard draws other numbers than one process, so no step would equal it. With
+router_jitter_noise = 0 only the best expert survives the threshold (then the second best), so
+the draws cannot change the choice, and in eval the router takes the top 2 without drawing: both
+exact (tests/test_hf_phimoe.py).
 """
 
 from __future__ import annotations
@@ -35,7 +46,7 @@ EXACT: dict[str, str] = {
         "llama", "longcat_flash", "mellum", "mimo_v2_flash", "minicpm3", "minimax_m2",
         "minimax_m3_vl_text", "ministral", "ministral3", "mistral", "mixtral", "mllama_text_model",
         "modernbert-decoder", "nanochat", "olmo", "olmo2", "olmo3", "olmoe", "opt", "persimmon",
-        "phi", "phi3", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "roc_bert", "seed_oss",
+        "phi", "phi3", "phimoe", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "roc_bert", "seed_oss",
         "smollm3", "solar_open", "starcoder2", "vaultgemma", "youtu",
     )
 } | {
@@ -68,7 +79,6 @@ REFUSED: dict[str, str] = {
     "nemotron": "its attention does not pass the batch's document bounds on",
     "stablelm": "its attention does not pass the batch's document bounds on",
     "zaya": "a depthwise convolution over time on queries and keys (cca_time)",
-    "phimoe": "its router samples experts at random in training (router_jitter_noise)",
     "kimi_linear": "its KDA layers have not been checked against one process yet",
     "recurrent_gemma": "its RG-LRU recurrence has no context-parallel path in ringattn",
     "lfm3": "its sequence mixers have not been checked against one process yet",
@@ -102,3 +112,41 @@ def check_family(model: object) -> None:
         f"at cp 1 and cp 2-4 and shows what ringattn does with it; to ask for the family, file "
         f"an issue with that output. Listed: {len(EXACT)} families (docs/families.md)"
     )
+
+
+GUARD_ATTR = "ringattn_family_guard"
+
+
+def _random_routers(model: object) -> list[object]:
+    """PhiMoE's router and MoE blocks (by their jitter attributes) that would draw at random."""
+    return [
+        m for m in model.modules()
+        if getattr(m, "router_jitter_noise", 0) > 0 or getattr(m, "input_jitter_noise", 0) > 0
+    ]  # fmt: skip
+
+
+def install_guards(model: object) -> None:
+    """A forward pre-hook refusing a listed family's non-exact mode (module docstring); once."""
+    if getattr(model.config, "model_type", None) != "phimoe" or hasattr(model, GUARD_ATTR):
+        return
+
+    def refuse_random_routing(module, args, kwargs):
+        # the modules of the model that runs (a deep copy's own), each forward
+        training = [m for m in _random_routers(module) if m.training]
+        if training:
+            jitter = {
+                name: getattr(training[0], name)
+                for name in ("router_jitter_noise", "input_jitter_noise")
+                if getattr(training[0], name, 0) > 0
+            }
+            raise ValueError(
+                f"{type(module).__name__} (config.model_type='phimoe') in training routes "
+                f"tokens at random ({', '.join(f'config.{k}={v}' for k, v in jitter.items())}: "
+                f"sparsemixer samples experts, input jitter scales inputs), so a sharded "
+                f"sequence cannot give the single-device loss. Set config.router_jitter_noise = "
+                f"0 and config.input_jitter_noise = 0 before building the model (deterministic "
+                f"top-2 routing, exact), call model.eval(), or train with cp 1"
+            )
+
+    handle = model.register_forward_pre_hook(refuse_random_routing, with_kwargs=True)
+    setattr(model, GUARD_ATTR, handle)
