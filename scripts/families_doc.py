@@ -39,7 +39,9 @@ caps them too, exactly, in training ([softcap.md](softcap.md)); KV-cache decodin
 (`generate --hf`, `serve --hf`) refuses them by name. PhiMoE is exact where its router is
 deterministic: in eval, or in training with `config.router_jitter_noise = 0` and
 `config.input_jitter_noise = 0`; training with either jitter samples experts at random and is
-refused by name at each forward (`tests/test_hf_phimoe.py`).
+refused by name at each forward (`tests/test_hf_phimoe.py`). Zaya's CCA projection (causal
+convolutions on queries and keys, values from the previous token) runs on the whole sequence
+like a hybrid's mixers ([hybrid.md](hybrid.md)); its decoding is refused.
 
 This page is written by `scripts/families_doc.py` from the dicts; edit those, then rerun it.
 """

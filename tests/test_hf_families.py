@@ -79,8 +79,11 @@ def test_the_docs_page_is_written_from_the_lists():
     ("model_type", "match"),
     [
         ("mystery_lm", r"model_type='mystery_lm'\) is not on ringattn.hf's list .* check --hf"),
-        ("zaya", r"model_type='zaya'\) is refused by ringattn.hf: a depthwise convolution"),
-        ("deepseek_v4", r"model_type='deepseek_v4'\) is refused by ringattn.hf: compressed"),
+        ("llama4_text", r"model_type='llama4_text'\) is refused by ringattn.hf: chunked"),
+        (
+            "deepseek_v4",
+            r"model_type='deepseek_v4'\) is refused by ringattn.hf: its compressed attention",
+        ),
     ],
 )
 def test_a_family_off_the_list_is_refused_on_every_rank(pools, model_type, match):

@@ -54,7 +54,7 @@ EXACT: dict[str, str] = {
     for name in (
         "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid", "nemotron_h",
         "falcon_h1", "granitemoehybrid", "bamba", "zamba2", "mamba2", "jamba", "mamba",
-        "falcon_mamba", "lfm2", "minimax",
+        "falcon_mamba", "lfm2", "minimax", "zaya",
     )
 }  # fmt: skip
 
@@ -75,10 +75,15 @@ REFUSED: dict[str, str] = {
     "inkling_text": "an additive position bias in attention",
     "inkling2_text": "an additive position bias in attention",
     "doge": "a dense 4-D attention mask",
-    "deepseek_v4": "compressed keys appended to the sequence (more keys than queries)",
+    "deepseek_v4": (
+        "its compressed attention layers (layer_types compressed_sparse_attention and "
+        "heavily_compressed_attention) append to the keys one pooled entry per window of "
+        "config.compress_rates tokens, and its indexer picks each query's top config.index_topk "
+        "of them: windows that span shards and a selection over the whole sequence, for which "
+        "ringattn has no context-parallel path"
+    ),
     "nemotron": "its attention does not pass the batch's document bounds on",
     "stablelm": "its attention does not pass the batch's document bounds on",
-    "zaya": "a depthwise convolution over time on queries and keys (cca_time)",
     "kimi_linear": "its KDA layers have not been checked against one process yet",
     "recurrent_gemma": "its RG-LRU recurrence has no context-parallel path in ringattn",
     "lfm3": "its sequence mixers have not been checked against one process yet",
