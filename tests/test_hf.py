@@ -92,14 +92,6 @@ def test_softcapping_matters(pools):
     assert abs(with_cap - without) > 1e-3 * abs(without)
 
 
-def test_softcapping_refused_in_kv_cache_decoding(pools):
-    pools(2).run_expect_error(
-        "workers_hf:softcap_decoding",
-        match=r"attention logit softcapping 1.0 .* not in KV-cache decoding",
-        exc_type=ValueError,
-    )
-
-
 def test_dropout_is_fine_in_eval(pools):
     """Attention dropout only matters in training: eval mode runs (no error)."""
     results = pools(2).run(

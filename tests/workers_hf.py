@@ -234,12 +234,6 @@ def softcap_matters(rank, world_size):
     return with_cap, without
 
 
-def softcap_decoding(rank, world_size):
-    """generate over the sharded KV cache with Gemma 2 (softcapping): must raise."""
-    ids = data("dense")["input_ids"][:, :9]
-    return ringattn.hf.generate(build("gemma2"), ids, 2)
-
-
 def unsupported(rank, world_size, *, arch, overrides=None, mode="train", batch_extra=None):
     """Run one forward that must raise: an unsupported setting, or a bad mask on rank 0 only."""
     model = parallel_model(arch, "zigzag", "ring", **(overrides or {}))

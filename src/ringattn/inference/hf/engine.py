@@ -44,7 +44,6 @@ from ringattn.inference.hf.kv_attention import (
     KVState,
     attach,
     restore,
-    softcap_refusal,
 )
 from ringattn.inference.turns import Turn, choose_mode
 from ringattn.integrations.hf import families, mixers, vision
@@ -62,9 +61,6 @@ class KVEngine:
         else:
             families.check_family(model)
             families.install_guards(model)
-        softcap = getattr(model.config.get_text_config(), "attn_logit_softcapping", None)
-        if softcap is not None:  # the same on every rank (the config), before any collective
-            raise ValueError(softcap_refusal(type(model).__name__, softcap))
         # a hybrid's mixers: refuse a token mixer ringattn does not know, carry the others'
         # states per sequence (mixer_states.py)
         mixers.find_mixers(model.get_decoder() if vision.is_multimodal(model) else model)
