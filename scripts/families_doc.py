@@ -35,10 +35,11 @@ registers (results/family_survey.json). Vision-language models have their own li
 ([hf.md](hf.md#vision-language-models-qwen2-vl-llava)): Qwen2-VL and LLaVA.
 
 Gemma 2 and VaultGemma cap their attention scores (`config.attn_logit_softcapping`): ringattn
-caps them too, exactly, in training and in KV-cache decoding ([softcap.md](softcap.md)). PhiMoE is exact where its router is
-deterministic: in eval, or in training with `config.router_jitter_noise = 0` and
-`config.input_jitter_noise = 0`; training with either jitter samples experts at random and is
-refused by name at each forward (`tests/test_hf_phimoe.py`). Zaya's CCA projection (causal
+caps them too, exactly, in training and in KV-cache decoding ([softcap.md](softcap.md)).
+PhiMoE is exact where its router is deterministic: in eval, or in training with
+`config.router_jitter_noise = 0` and `config.input_jitter_noise = 0`; training with either
+jitter samples experts at random and is refused by name at each forward
+(`tests/test_hf_phimoe.py`). Zaya's CCA projection (causal
 convolutions on queries and keys, values from the previous token) runs on the whole sequence
 like a hybrid's mixers ([hybrid.md](hybrid.md)); its decoding is refused.
 
