@@ -37,14 +37,7 @@ import torch
 import ringattn
 from ringattn.comm import all_gather_ints, all_reduce, resolve_group
 from ringattn.inference.hf import mixer_states
-from ringattn.inference.hf.kv_attention import (
-    Decode,
-    Extend,
-    Fresh,
-    KVState,
-    attach,
-    restore,
-)
+from ringattn.inference.hf.kv_attention import Decode, Extend, Fresh, KVState, attach, restore
 from ringattn.inference.turns import Turn, choose_mode
 from ringattn.integrations.hf import families, mixers, vision
 from ringattn.layout import get_layout
