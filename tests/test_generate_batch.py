@@ -88,10 +88,10 @@ def test_sampling_in_a_batch_equals_each_prompt_alone(pools):
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-@pytest.mark.parametrize("arch", ["llama", "gemma3", "gpt_oss"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "gpt_oss", "gemma2"])
 def test_follow_up_turns_equal_model_generate_of_the_conversation(pools, world_size, arch):
     """Three turns over the cache, pass-KV and pass-Q: each reply equals model.generate of the
-    whole conversation so far (sliding layers and sinks included)."""
+    whole conversation so far (sliding layers, sinks and softcapping included)."""
     model = workers_hf.build(arch)
     turns = [_prompt(17, 21), _prompt(3, 22), _prompt(9, 23)]
     history, want = torch.zeros(1, 0, dtype=torch.int64), []

@@ -13,8 +13,9 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from ringattn.integrations.hf.families import _SURVEYED, EXACT
+from ringattn.integrations.hf.families import _HYBRID, _SURVEYED, EXACT, REFUSED
 from test_hf_hybrid import FAMILIES as HYBRIDS
+from workers_hf_families import survey  # noqa: F401 - puts scripts/ on sys.path
 
 SURVEYED = sorted(name for name, how in EXACT.items() if how == _SURVEYED)
 # the survey builds a family by its registry key; the causal LM's config names its text model
@@ -33,48 +34,61 @@ def test_listed_family_is_exact_at_cp2(pools, model_type):
 
 
 def test_every_listed_family_has_a_test():
-    hybrids = {name for name, how in EXACT.items() if how != _SURVEYED}
-    tested = {"qwen3_5_text" if h == "qwen3_5_wide" else h for h in HYBRIDS}
-    assert hybrids <= tested, sorted(hybrids - tested)
+    """Walk the allow-list: each family must be on a list that an equivalence test runs.
+
+    surveyed: test_listed_family_is_exact_at_cp2 above runs it (its tiny config must build from
+    the survey's registry); hybrid: tests/test_hf_hybrid.py's FAMILIES. Any other kind of entry
+    has no test here, and fails.
+    """
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    hybrids = {"qwen3_5_text" if h == "qwen3_5_wide" else h for h in HYBRIDS}
+    untested = []
+    for name, how in sorted(EXACT.items()):
+        if how == _SURVEYED:
+            tested = name in SURVEYED and (
+                REGISTRY_KEY.get(name, name) in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+            )
+        elif how == _HYBRID:
+            tested = name in hybrids
+        else:
+            tested = False
+        if not tested:
+            untested.append(f"{name} ({how})")
+    assert not untested, f"listed as exact without an equivalence test: {untested}"
 
 
-def test_the_docs_table_is_the_list():
-    """docs/families.md shows exactly the allow-list and the refusals, with their reasons."""
-    import pathlib
-    import re
+def test_supported_families_is_the_documented_public_list():
+    import ringattn.hf
 
-    from ringattn.integrations.hf.families import REFUSED
-
-    page = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "families.md").read_text()
-    exact_part, refused_part = page.split("## Refused")
-    row = re.compile(r"^\| `([^`]+)` \| (.+) \|$", re.MULTILINE)
-    assert {m[0] for m in row.findall(exact_part)} == set(EXACT)
-    assert dict(row.findall(refused_part)) == REFUSED
+    assert "SUPPORTED_FAMILIES" in ringattn.hf.__all__
+    assert ringattn.hf.SUPPORTED_FAMILIES == tuple(sorted(EXACT))
+    assert not set(ringattn.hf.SUPPORTED_FAMILIES) & set(REFUSED)
 
 
-def test_an_unlisted_or_refused_family_is_refused_by_name():
-    import transformers
+def test_the_docs_page_is_written_from_the_lists():
+    """docs/families.md is scripts/families_doc.py's rendering of EXACT and REFUSED."""
+    import families_doc
 
-    from ringattn.hf import parallelize
-
-    class Mystery(transformers.LlamaConfig):
-        model_type = "mystery_lm"
-
-    config = Mystery(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                     num_attention_heads=2, num_key_value_heads=1)  # fmt: skip
-    model = transformers.LlamaForCausalLM(config)
-    with pytest.raises(ValueError, match=r"model_type='mystery_lm'\) is not on ringattn.hf's list"):
-        parallelize(model)
-    gemma2 = transformers.AutoModelForCausalLM.from_config(
-        transformers.Gemma2Config(
-            vocab_size=64,
-            hidden_size=16,
-            intermediate_size=32,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            head_dim=8,
-        )
+    assert families_doc.PAGE.read_text() == families_doc.render(), (
+        "docs/families.md is stale: run PYTHONPATH=src python scripts/families_doc.py"
     )
-    with pytest.raises(ValueError, match=r"'gemma2'\) is refused by ringattn.hf: attention logit"):
-        parallelize(gemma2)
+
+
+@pytest.mark.parametrize(
+    ("model_type", "match"),
+    [
+        ("mystery_lm", r"model_type='mystery_lm'\) is not on ringattn.hf's list .* check --hf"),
+        ("llama4_text", r"model_type='llama4_text'\) is refused by ringattn.hf: chunked"),
+        (
+            "deepseek_v4",
+            r"model_type='deepseek_v4'\) is refused by ringattn.hf: its compressed attention",
+        ),
+    ],
+)
+def test_a_family_off_the_list_is_refused_on_every_rank(pools, model_type, match):
+    """parallelize raises ValueError naming the family on every rank, before any collective."""
+    pools(2).run_expect_error(
+        "workers_hf_families:off_list_case", model_type=model_type, match=match,
+        exc_type=ValueError,
+    )  # fmt: skip

@@ -2,9 +2,10 @@
 
 Each family of issue 46 with a tiny random-weight config (initializer range 0.2): gated DeltaNet
 (Qwen3.5, Qwen3-Next, OLMo-hybrid), Mamba2/SSD (Nemotron-H, Falcon-H1, Granite 4.0 hybrid,
-Bamba, Zamba2, Mamba2), Mamba1 (Jamba, Mamba), short convolutions (LFM2) and lightning attention
-(MiniMax). The loss summed over the CP group equals one process's (relative 1e-5) and the summed
-gradients its gradients (1e-4 of each tensor's largest entry), for the three layouts, one
+Bamba, Zamba2, Mamba2), Mamba1 (Jamba, Mamba), short convolutions (LFM2), lightning attention
+(MiniMax) and Zaya's CCA projection (causal convolutions on queries and keys, values from the
+previous token). The loss summed over the CP group equals one process's (relative 1e-5) and the
+summed gradients its gradients (1e-4 of each tensor's largest entry), for the three layouts, one
 document and packed documents (the reference runs each document alone: the state starts from
 zero at each document start). A mutation of the mixers' input is caught, and a module ringattn
 does not know, or a hybrid model given to KV-cache decoding, is refused on every rank.
@@ -21,10 +22,10 @@ from ringattn.layout import LAYOUTS
 LOSS_RTOL, GRAD_RTOL = 1e-5, 1e-4
 FAMILIES = ["qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid", "nemotron_h",
             "falcon_h1", "granitemoehybrid", "bamba", "zamba2", "mamba2", "jamba", "mamba",
-            "falcon_mamba", "lfm2", "minimax"]  # fmt: skip
+            "falcon_mamba", "lfm2", "minimax", "zaya"]  # fmt: skip
 # one family per mixer kind at the larger world sizes (each case is a full forward + backward);
 # the wide ones split their heads at W = 4 and run whole at W = 3
-PER_MIXER = ["qwen3_5_wide", "nemotron_h_wide", "jamba", "lfm2", "minimax"]
+PER_MIXER = ["qwen3_5_wide", "nemotron_h_wide", "jamba", "lfm2", "minimax", "zaya"]
 CASES = [(layout, "ring", kind) for layout in LAYOUTS for kind in ("dense", "packed")]
 
 
@@ -67,14 +68,14 @@ def test_each_mixer_runs_head_parallel_where_its_heads_divide(pools, arch, world
     assert pools(world_size).run("workers_hf_hybrid:schemes", arch=arch)[0] == want
 
 
-@pytest.mark.parametrize("arch", ["nemotron_h", "qwen3_5_text", "bamba"])
+@pytest.mark.parametrize("arch", ["nemotron_h", "qwen3_5_text", "bamba", "zaya"])
 def test_a_mutated_mixer_input_is_caught(pools, arch):
     """Each token's mixer input taken from the token before: far outside the gates."""
     ((_, loss, grad, _),) = pools(2).run("workers_hf_hybrid:mutated_errors", arch=arch)[0]
     assert loss > 100 * LOSS_RTOL or grad > 100 * GRAD_RTOL, (loss, grad)
 
 
-DECODED = [f for f in FAMILIES if f not in ("minimax", "zamba2")]
+DECODED = [f for f in FAMILIES if f not in ("minimax", "zamba2", "zaya")]
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]]
 
 
@@ -109,8 +110,9 @@ def test_greedy_decoding_at_cp1_and_cp3(pools, arch, world_size):
         ("conv_leaf", r"Conv1d \(layer 0, module 'model.layers.0.mlp.extra'\) mixes tokens"),
         ("generate", r"MiniMaxLightningAttention .* keeps its lightning-attention cache"),
         ("generate_zamba2", r"model_type='zamba2'\): its shared attention block"),
+        ("generate_zaya", r"ZayaCCAProjection .* keeps its convolution and delayed-value states"),
     ],
-    ids=["unknown-module", "conv-leaf", "generate-minimax", "generate-zamba2"],
+    ids=["unknown-module", "conv-leaf", "generate-minimax", "generate-zamba2", "generate-zaya"],
 )
 def test_refused_on_every_rank(pools, what, match):
     pools(2).run_expect_error(

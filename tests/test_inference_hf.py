@@ -1,7 +1,8 @@
 """ringattn.hf.generate: greedy tokens equal transformers' own `model.generate` on one process.
 
 Tiny random models of workers_hf.py (Llama, Qwen2, Qwen3, Mistral with a sliding window of 4,
-Gemma 3 with sliding and full layers, gpt-oss with sinks), prompts longer than the window and of
+Gemma 3 with sliding and full layers, gpt-oss with sinks, Gemma 2 with attention logit
+softcapping), prompts longer than the window and of
 lengths 2W does not divide, more new tokens than the window (so the cache evicts).
 """
 
@@ -14,7 +15,7 @@ pytest.importorskip("transformers")
 
 import workers_hf
 
-ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3", "gpt_oss")
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3", "gpt_oss", "gemma2")
 LAYOUTS = ("zigzag", "striped", "contiguous")
 
 

@@ -21,6 +21,7 @@ VOCAB = 100
 DOCS = (11, 1, 18, 7)  # packed documents: a one-token document, one longer than every window
 SEQ_LEN = sum(DOCS)  # 37: divisible by no 2W
 WINDOW = 4  # Mistral's and Gemma 3's sliding window: shorter than most documents
+SOFTCAP = 1.0  # Gemma 2's attention logit softcapping: below its scores, so it matters
 
 
 def _config(arch: str):
@@ -62,8 +63,16 @@ def _config(arch: str):
             num_experts_per_tok=1,
             **{**common, "intermediate_size": 32},
         )
-    if arch == "gemma2":  # attention logit softcapping: unsupported
-        return tf.Gemma2Config(head_dim=8, query_pre_attn_scalar=8, **common)
+    if arch == "gemma2":  # attention logit softcapping (small: build() makes scores O(1)),
+        # local (sliding) and global layers, final logit softcapping
+        return tf.Gemma2Config(
+            head_dim=8,
+            query_pre_attn_scalar=8,
+            attn_logit_softcapping=SOFTCAP,
+            sliding_window=WINDOW,
+            layer_types=["sliding_attention", "full_attention"],
+            **common,
+        )
     raise ValueError(f"unknown test architecture {arch!r}")
 
 
@@ -85,6 +94,11 @@ def build(arch: str, **overrides) -> torch.nn.Module:
             with torch.no_grad():
                 for layer in model.model.layers:
                     layer.self_attn.sinks.normal_(0.0, 1.0)
+        if arch == "gemma2":  # scores of O(1), not O(1e-3): the cap must change the loss
+            with torch.no_grad():
+                for layer in model.model.layers:
+                    layer.self_attn.q_proj.weight.normal_(0.0, 0.3)
+                    layer.self_attn.k_proj.weight.normal_(0.0, 0.3)
         _MODELS[key] = model
     return _MODELS[key]
 
@@ -211,6 +225,13 @@ def window_matters(rank, world_size):
     with_window = reference("mistral", "dense")[0]
     without = reference("mistral", "dense", sliding_window=None)[0]
     return with_window, without
+
+
+def softcap_matters(rank, world_size):
+    """Reference losses of Gemma 2 with and without its attention logit softcapping."""
+    with_cap = reference("gemma2", "packed")[0]
+    without = reference("gemma2", "packed", attn_logit_softcapping=None)[0]
+    return with_cap, without
 
 
 def unsupported(rank, world_size, *, arch, overrides=None, mode="train", batch_extra=None):

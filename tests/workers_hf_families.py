@@ -27,3 +27,32 @@ def family_case(rank: int, world_size: int, *, model_type: str, layout: str, kin
     parallel = ringattn.hf.parallelize(survey._copy(model, model_type), layout=layout)
     got = survey.cp_case(parallel, kind, layout, dist.group.WORLD)
     return survey.compare(reference, got)
+
+
+def off_list_case(rank: int, world_size: int, *, model_type: str) -> None:
+    """parallelize a tiny Llama whose config says `model_type` (off the list): must raise."""
+    import transformers
+
+    class OffList(transformers.LlamaConfig):
+        pass
+
+    OffList.model_type = model_type
+    config = OffList(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                     num_attention_heads=2, num_key_value_heads=1)  # fmt: skip
+    ringattn.hf.parallelize(transformers.LlamaForCausalLM(config), group=dist.group.WORLD)
+
+
+def phimoe_cases(
+    rank: int, world_size: int, *, cases: list, training: bool, **overrides: object
+) -> list[dict]:
+    """PhiMoE (config `overrides`) in training or eval mode: one comparison per (layout, kind)."""
+    model = survey.build("phimoe", **overrides)
+    model.train(training)
+    rows = []
+    for layout, kind in cases:
+        reference = survey.reference(model, kind)
+        parallel = ringattn.hf.parallelize(survey._copy(model, "phimoe"), layout=layout)
+        parallel.train(training)
+        got = survey.cp_case(parallel, kind, layout, dist.group.WORLD)
+        rows.append({"case": (layout, kind), **survey.compare(reference, got)})
+    return rows

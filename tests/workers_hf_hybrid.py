@@ -155,6 +155,19 @@ def config(arch: str):
             num_experts_per_tok=2,
             block_size=8,
         )
+    if arch == "zaya":  # CCA: causal convolutions on q/k (3 tokens back), v from the previous
+        # token; a sliding and a full layer; MoE
+        return tf.ZayaConfig(
+            **common,
+            head_dim=8,
+            num_hidden_layers=2,
+            layer_types=["hybrid_sliding", "hybrid"],
+            sliding_window=6,
+            num_experts=4,
+            moe_intermediate_size=16,
+            cca_time0=3,
+            cca_time1=2,
+        )
     if arch == "llama_like":  # a plain decoder, for the refusal tests
         return tf.LlamaConfig(**common, num_hidden_layers=2)
     if arch == "mamba2":
@@ -347,7 +360,8 @@ def refuse(rank: int, world_size: int, *, what: str) -> None:
         model.model.layers[0].mlp.extra = torch.nn.Conv1d(4, 4, 3)
         ringattn.hf.parallelize(model)
     elif what.startswith("generate"):
-        model = build("zamba2" if what == "generate_zamba2" else "minimax")
+        arch = {"generate_zamba2": "zamba2", "generate_zaya": "zaya"}.get(what, "minimax")
+        model = build(arch)
         ringattn.hf.generate(model, torch.tensor([[5, 6, 7, 8, 9]]), 4)
     else:
         raise AssertionError(what)

@@ -33,8 +33,9 @@ def doc_mask(length: int, causal: bool, window) -> torch.Tensor:
     return visible
 
 
-def packed_reference(q, k, v, dout, bounds, causal, window, dtype=torch.float64):
-    """out, lse, dq, dk, dv on full (1, H, S, D) tensors, computed per document in `dtype`.
+def packed_reference(q, k, v, dout, bounds, causal, window, dtype=torch.float64, softcap=None):
+    """out, lse, dq, dk, dv on full (1, H, S, D) tensors, computed per document in `dtype`
+    (scores capped to c * tanh(s / c) when `softcap = c`).
 
     float64 is the reference; the inputs' own low-precision dtype gives the yardstick for the
     ratio gates (a single-device implementation in that dtype: explicit-mask matmul attention).
@@ -51,6 +52,8 @@ def packed_reference(q, k, v, dout, bounds, causal, window, dtype=torch.float64)
         vd = leaves[2][:, :, rows].repeat_interleave(groups, 1)
         scores = qd @ kd.transpose(-1, -2)  # in `dtype`; softmax in at least float32
         scores = (scores if dtype == torch.float64 else scores.float()) * q.shape[-1] ** -0.5
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         scores = scores.masked_fill(~doc_mask(stop - start, causal, window), float("-inf"))
         lses.append(torch.logsumexp(scores, -1))
         outs.append(torch.softmax(scores, -1).to(dtype) @ vd)
@@ -80,6 +83,7 @@ def packed_case(
     seed=0,
     backend="auto",
     strategy="ring",
+    softcap=None,
 ):
     """Gate this rank's real rows against the reference; padding rows must be exactly zero."""
     dtype = getattr(torch, dtype)
@@ -94,6 +98,7 @@ def packed_case(
         backend=backend,
         strategy=strategy,
         return_lse=True,
+        softcap=softcap,
         **kw,
     )
     out.backward(ringattn.shard(dout, 2, **kw))
@@ -104,10 +109,10 @@ def packed_case(
         "dk": local[1].grad,
         "dv": local[2].grad,
     }
-    ref = packed_reference(q, k, v, dout, bounds, causal, window)
+    ref = packed_reference(q, k, v, dout, bounds, causal, window, softcap=softcap)
     base = None
     if dtype in (torch.bfloat16, torch.float16):
-        base = packed_reference(q, k, v, dout, bounds, causal, window, dtype)
+        base = packed_reference(q, k, v, dout, bounds, causal, window, dtype, softcap)
     index = ringattn.positions(seq_len, **kw)
     real = index >= 0
     rows = {}

@@ -58,6 +58,7 @@ def strategy_case(
     local_len=8,
     batch=2,
     seed=0,
+    softcap=None,
 ):
     """workers.attention_case with a `group` (a 2-D mesh for hybrid): gate every quantity."""
     dtype = getattr(torch, dtype)
@@ -66,7 +67,13 @@ def strategy_case(
     q, k, v, dout = make_inputs(batch, hq, hkv, local_len * world_size, head_dim, dtype, seed)
     leaves = [ringattn.shard(x, 2, **kw).detach().requires_grad_() for x in (q, k, v)]
     out, lse = ringattn.attention(
-        *leaves, causal=causal, strategy=strategy, backend=backend, return_lse=True, **kw
+        *leaves,
+        causal=causal,
+        strategy=strategy,
+        backend=backend,
+        return_lse=True,
+        softcap=softcap,
+        **kw,
     )
     out.backward(ringattn.shard(dout, 2, **kw))
     got = {
@@ -76,7 +83,7 @@ def strategy_case(
         "dk": leaves[1].grad,
         "dv": leaves[2].grad,
     }
-    ref = reference_attention(q, k, v, dout, causal=causal)
+    ref = reference_attention(q, k, v, dout, causal=causal, softcap=softcap)
     low = dtype in (torch.bfloat16, torch.float16)
     base = sdpa_attention(q, k, v, dout, causal=causal, with_lse=True) if low else None
     checks = [
@@ -198,6 +205,7 @@ def packed_mesh_case(
     hkv=2,
     head_dim=16,
     strategy="hybrid",
+    softcap=None,
 ):
     """workers_packed.packed_case on a 2-D mesh: real rows exact (float64), padding rows zero."""
     group = mesh(mesh_shape)
@@ -205,7 +213,13 @@ def packed_mesh_case(
     kw = {"group": group, "layout": layout, "cu_seqlens": list(bounds)}
     local = [ringattn.shard(x, 2, **kw).detach().requires_grad_() for x in (q, k, v)]
     out, lse = ringattn.attention(
-        *local, causal=causal, window=window, strategy=strategy, return_lse=True, **kw
+        *local,
+        causal=causal,
+        window=window,
+        strategy=strategy,
+        return_lse=True,
+        softcap=softcap,
+        **kw,
     )
     out.backward(ringattn.shard(dout, 2, **kw))
     got = {
@@ -215,7 +229,7 @@ def packed_mesh_case(
         "dk": local[1].grad,
         "dv": local[2].grad,
     }
-    ref = packed_reference(q, k, v, dout, bounds, causal, window)
+    ref = packed_reference(q, k, v, dout, bounds, causal, window, softcap=softcap)
     index = ringattn.positions(bounds[-1], **kw)
     real = index >= 0
     rows = {}

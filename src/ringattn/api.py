@@ -61,6 +61,7 @@ def attention(
     return_lse: bool = False,
     cu_seqlens: object = None,
     window: tuple[int, int] | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact attention over a sequence sharded across the ranks of `group`.
 
@@ -77,6 +78,9 @@ def attention(
     lengths work; local tensors come from `shard(..., cu_seqlens=...)` and include padding rows,
     whose out and lse are 0. `window = (left, right)` limits each query to keys at most `left`
     before and `right` after it (-1: unbounded), as flash-attn's `window_size`.
+    `softcap = c` (> 0) caps every scaled score s to c * tanh(s / c) before the softmax (Gemma 2's
+    attention logit softcapping); the capped scores merge exactly, and lse is theirs. It runs the
+    softcap kernel (kernels/softcap.py, plain PyTorch): `backend` must be "auto" or "reference".
 
     Works under `torch.compile(fullgraph=True)`: the call traces to `ringattn::attention_forward`
     (ops.py); keep `cu_seqlens` a CPU tensor (as `shard(..., cu_seqlens=...)` takes it) so a new
@@ -85,7 +89,7 @@ def attention(
     if torch.compiler.is_compiling():  # one custom op node per call (ops.py)
         out, lse = compiled_attention(
             q, k, v, causal=causal, scale=scale, group=group, layout=layout, strategy=strategy,
-            backend=backend, cu_seqlens=cu_seqlens, window=window,
+            backend=backend, cu_seqlens=cu_seqlens, window=window, softcap=softcap,
         )  # fmt: skip
         return (out, lse) if return_lse else out
     # a 2-D mesh resolves for every strategy, so the agreement can run over it even when one
@@ -96,7 +100,7 @@ def attention(
     def build() -> tuple[Call, tuple]:
         return build_call(
             q, k, v, info, causal=causal, scale=scale, layout=layout, strategy=strategy,
-            backend=backend, cu_seqlens=cu_seqlens, window=window,
+            backend=backend, cu_seqlens=cu_seqlens, window=window, softcap=softcap,
         )  # fmt: skip
 
     call = validated(info, device, build, start_call(info))

@@ -9,6 +9,7 @@
     trainer = ringattn.hf.Trainer(model=m, args=a, train_dataset=d,   # transformers.Trainer
                                   context_parallel=ringattn.hf.ContextParallelConfig(cp=2))
     ringattn.hf.with_context_parallel(trl.SFTTrainer)                 # any Trainer subclass
+    ringattn.hf.SUPPORTED_FAMILIES    # the config.model_type values parallelize accepts
 
 A thin façade over ringattn.integrations.hf (training: attention, batches, loss) and
 ringattn.inference.hf (decoding); see docs/hf.md. It needs transformers (`pip install
@@ -25,6 +26,7 @@ except ImportError as err:  # pragma: no cover - exercised by the bare-install t
 from ringattn.inference.hf.generate import generate  # decoding over a sharded KV cache
 from ringattn.inference.hf.session import Session  # follow-up turns over the cache
 from ringattn.integrations.hf import parallelize, shard_batch
+from ringattn.integrations.hf.families import SUPPORTED_FAMILIES  # the allow-list, sorted
 from ringattn.integrations.hf.loss import loss  # chunked cross-entropy: logits never whole
 from ringattn.integrations.hf.trainer import (
     ContextParallelConfig,
@@ -39,5 +41,5 @@ def __getattr__(name: str) -> object:
     raise AttributeError(f"module 'ringattn.hf' has no attribute {name!r}")
 
 
-__all__ = ["ContextParallelConfig", "Session", "Trainer", "generate", "loss",  # noqa: F822
-           "parallelize", "shard_batch", "with_context_parallel"]  # fmt: skip
+__all__ = ["SUPPORTED_FAMILIES", "ContextParallelConfig", "Session", "Trainer",  # noqa: F822
+           "generate", "loss", "parallelize", "shard_batch", "with_context_parallel"]  # fmt: skip

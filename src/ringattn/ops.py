@@ -1,7 +1,7 @@
 """Attention as two `torch.library` custom ops, so that `torch.compile(fullgraph=True)` traces it.
 
     torch.ops.ringattn.attention_forward(q, k, v, cu_seqlens, group, layout, strategy, backend,
-                                         causal, scale, window)            -> (out, lse)
+                                         causal, scale, window, softcap) -> (out, lse)
     torch.ops.ringattn.attention_backward(dout, q, k, v, out, lse, cu_seqlens, <same statics>)
                                                                             -> (dq, dk, dv)
 
@@ -16,9 +16,9 @@ opaque node that the compiler neither traces nor reorders, described to it by
 Everything that is not a tensor is a static argument the graph keeps as a constant: the group as a
 string (`group_spec`: "" = the default group, "pg:<group name>", "mesh:<ulysses>,<ring>" for the
 hybrid strategy's 2-D mesh; resolved back with `resolve_spec` at run time), the names, `causal`,
-`scale`, `window`. Packed documents travel as the `cu_seqlens` tensor itself (on the CPU, as
-`shard_batch` makes it): the op reads it when it runs, so no `.item()` is on the traced path and a
-new document layout is new data, not a new graph.
+`scale`, `window`, `softcap`. Packed documents travel as the `cu_seqlens` tensor itself (on the
+CPU, as `shard_batch` makes it): the op reads it when it runs, so no `.item()` is on the traced
+path and a new document layout is new data, not a new graph.
 
 Inside the forward op everything the eager path does happens, at run time, with real values:
 `resolve.build_call` (the local checks) and `validate.validated` (the ranks' agreement, one
@@ -107,10 +107,11 @@ def attention_forward(
     causal: bool,
     scale: float | None,
     window: list[int] | None,
+    softcap: float | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(out, lse) of `ringattn.attention` (see api.py); checks and agreement run here."""
     info = resolve_spec(group)
-    statics = (group, layout, strategy, backend, causal, scale, window)
+    statics = (group, layout, strategy, backend, causal, scale, window, softcap)
     number = start_call(info)
     call = validated(info, q.device, lambda: _checked(q, k, v, cu_seqlens, *statics), number)
     with running(info, "forward", call.signature):
@@ -121,17 +122,18 @@ def attention_forward(
     return _own((result.out, lse), (q, k, v, cu_seqlens))
 
 
-def _checked(q, k, v, cu_seqlens, group, layout, strategy, backend, causal, scale, window):
+def _checked(q, k, v, cu_seqlens, group, layout, strategy, backend, causal, scale, window,
+             softcap):  # fmt: skip
     """(call, signature) for `validated`: the eager path's checks on the op's arguments."""
     return build_call(
         q, k, v, resolve_spec(group),
         causal=causal, scale=scale, layout=layout, strategy=strategy, backend=backend,
-        cu_seqlens=cu_seqlens, window=None if window is None else tuple(window),
+        cu_seqlens=cu_seqlens, window=None if window is None else tuple(window), softcap=softcap,
     )  # fmt: skip
 
 
 @attention_forward.register_fake
-def _(q, k, v, cu_seqlens, group, layout, strategy, backend, causal, scale, window):
+def _(q, k, v, cu_seqlens, group, layout, strategy, backend, causal, scale, window, softcap=None):
     b, h, s, _ = q.shape
     out = q.new_empty(q.shape)  # (B, Hq, S_local, D), contiguous
     return out, q.new_empty((b, h, s), dtype=accumulator_dtype(q.dtype))  # (B, Hq, S_local)
@@ -153,9 +155,10 @@ def attention_backward(
     causal: bool,
     scale: float | None,
     window: list[int] | None,
+    softcap: float | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) from the local tensors the forward op saw and returned."""
-    statics = (group, layout, strategy, backend, causal, scale, window)
+    statics = (group, layout, strategy, backend, causal, scale, window, softcap)
     call, _ = _checked(q, k, v, cu_seqlens, *statics)  # the forward agreed on these
     strategy_obj = STRATEGIES[strategy]
     with running(call.info, "backward", call.signature):
@@ -165,7 +168,8 @@ def attention_backward(
 
 
 @attention_backward.register_fake
-def _(dout, q, k, v, out, lse, cu_seqlens, group, layout, strategy, backend, causal, scale, window):
+def _(dout, q, k, v, out, lse, cu_seqlens, group, layout, strategy, backend, causal, scale, window,
+      softcap=None):  # fmt: skip
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -180,7 +184,7 @@ def _setup_context(ctx, inputs, output) -> None:
 def _backward(ctx, dout, _dlse):
     q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
     dq, dk, dv = attention_backward(dout, q, k, v, out, lse, cu_seqlens, *ctx.statics)
-    return (dq, dk, dv) + (None,) * 8
+    return (dq, dk, dv) + (None,) * 9
 
 
 attention_forward.register_autograd(_backward, setup_context=_setup_context)
@@ -199,6 +203,7 @@ def compiled_attention(
     backend: str,
     cu_seqlens: object,
     window: object,
+    softcap: object = None,
 ) -> tuple[Tensor, Tensor]:
     """(out, lse) through the custom op: what `ringattn.attention` runs under torch.compile.
 
@@ -210,6 +215,8 @@ def compiled_attention(
             raise TypeError(f"{name} must be a str, got {type(value).__name__}")
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
         raise ValueError(f"scale must be a finite number or None, got {scale!r}")
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float))):
+        raise TypeError(f"softcap must be a number > 0 or None, got {softcap!r}")
     if cu_seqlens is not None and not isinstance(cu_seqlens, Tensor):
         cu_seqlens = torch.tensor(list(cu_seqlens), dtype=torch.int64, device="cpu")  # host data
     if window is not None and not isinstance(window, (tuple, list)):
@@ -219,4 +226,5 @@ def compiled_attention(
     return attention_forward(
         q, k, v, cu_seqlens, group_spec(group), layout, strategy, backend, bool(causal),
         None if scale is None else float(scale), None if window is None else list(window),
+        None if softcap is None else float(softcap),
     )  # fmt: skip

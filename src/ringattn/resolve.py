@@ -1,7 +1,7 @@
 """From the user's arguments to one validated `Call`: the local checks every attention call runs.
 
     call, signature = build_call(q, k, info, causal=..., scale=..., layout=..., strategy=...,
-                                 backend=..., cu_seqlens=..., window=...)
+                                 backend=..., cu_seqlens=..., window=..., softcap=...)
 
 `build_call` is pure (no communication): it raises ValueError/TypeError for this rank's own
 mistakes and returns the resolved plan with the signature that the ranks must agree on. The
@@ -17,7 +17,7 @@ import math
 import torch
 
 from ringattn.comm import GroupInfo, MeshInfo
-from ringattn.kernels import select_kernel
+from ringattn.kernels import select_kernel, softcap_kernel
 from ringattn.layout import get_layout
 from ringattn.packing import check_window
 from ringattn.plan import Call
@@ -39,8 +39,13 @@ def build_call(
     backend: str,
     cu_seqlens: object,
     window: object,
+    softcap: object = None,
 ) -> tuple[Call, tuple]:
-    """The Call of one attention call and its (name, value) signature; raises on bad input."""
+    """The Call of one attention call and its (name, value) signature; raises on bad input.
+
+    `softcap` (a number > 0) caps the scores (c * tanh(s / c)): the call runs the softcap kernel
+    (kernels/softcap.py), whatever `auto` would pick.
+    """
     layout_obj = get_layout(layout)
     check_names(strategy, STRATEGIES, backend)
     check_qkv(q, k, v, scale)
@@ -59,11 +64,19 @@ def build_call(
     check_device(info, q)
     resolved_scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     STRATEGIES[strategy].check(q, k, info)
-    kernel = select_kernel(backend, q, k)
+    if softcap is None:
+        kernel = select_kernel(backend, q, k)
+    else:
+        kernel = softcap_kernel(backend, softcap)
     signature = call_signature(q, k, causal, resolved_scale, layout_obj, strategy, backend)
     bounds = None if placement is None else placement.bounds
     # the kernel `auto` picked: a probe that differs between ranks must not split them
-    signature += (("window", checked_window), ("cu_seqlens", bounds), ("kernel", kernel.name))
+    signature += (
+        ("window", checked_window),
+        ("cu_seqlens", bounds),
+        ("kernel", kernel.name),
+        ("softcap", None if softcap is None else float(softcap).hex()),
+    )
     call = Call(info, layout_obj, kernel, bool(causal), resolved_scale, placement, checked_window,
                 signature=signature)  # fmt: skip
     return call, signature

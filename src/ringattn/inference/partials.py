@@ -27,6 +27,7 @@ import torch
 from ringattn.comm import GroupInfo, all_gather_async, all_reduce, wait
 from ringattn.kernels.base import Kernel
 from ringattn.kernels.reference import reference_forward
+from ringattn.kernels.softcap import SoftcapKernel
 
 MERGES = ("allgather", "allreduce")
 
@@ -52,9 +53,18 @@ def local_partial(
         return out, torch.full((b, h, sq), float("-inf"), device=q.device)
     if visible is None:
         out, lse = kernel.forward(q, k, v, False, scale)
+    elif isinstance(kernel, SoftcapKernel):  # capped scores: its own masked path
+        out, lse = kernel.forward_mask(q, k, v, visible, scale)
     else:
         out, lse = reference_forward(q, k, v, visible, scale)
     return out.float(), lse.float()
+
+
+def attention_options(kernel: Kernel) -> dict:
+    """The `ringattn.attention` keywords that run `kernel` (the softcap kernel: its cap)."""
+    if isinstance(kernel, SoftcapKernel):
+        return {"backend": "auto", "softcap": kernel.cap}
+    return {"backend": kernel.name}
 
 
 def merge_stacked(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -34,7 +34,7 @@ import torch
 
 import ringattn
 from ringattn.comm import GroupInfo, RingComm, all_gather_async, all_to_all, wait
-from ringattn.inference.partials import local_partial, merge_stacked
+from ringattn.inference.partials import attention_options, local_partial, merge_stacked
 from ringattn.kernels import KERNELS
 from ringattn.kernels.base import Kernel
 from ringattn.layout import Block
@@ -155,7 +155,7 @@ def pass_kv(
     new_out, new_lse = ringattn.attention(
         q, k, v, causal=True, scale=turn.scale, group=turn.group, layout=turn.layout,
         return_lse=True, cu_seqlens=list(turn.placement.bounds), window=window,
-        backend=turn.kernel.name,
+        **attention_options(turn.kernel),
     )  # fmt: skip
     # the cached shards travel around the ring, padded to one length (one message shape)
     longest = max(turn.cache_lengths)

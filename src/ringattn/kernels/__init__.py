@@ -4,14 +4,17 @@
     reference.py  explicit-mask attention in plain PyTorch (any mask, any dtype)
     cpu.py        PyTorch's fused CPU flash op
     cuda.py       cuDNN, FlashAttention-2 and memory-efficient SDPA ops
+    softcap.py    capped scores (c * tanh(s / c), Gemma 2) in plain PyTorch, for `softcap=c`
     probe.py      the one-time check that a fused kernel works before `auto` relies on it
     triton_merge  the fused online-softmax merge (Triton on CUDA, torch elsewhere)
 
-This module is the registry: `KERNELS` by name, and `select_kernel` for `backend="auto"`.
+This module is the registry: `KERNELS` by name, `select_kernel` for `backend="auto"`, and
+`softcap_kernel` for a call with `softcap` (only the softcap kernel caps scores).
 """
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import torch
@@ -21,6 +24,7 @@ from ringattn.kernels.cpu import CpuFlashKernel
 from ringattn.kernels.cuda import CudnnKernel, EfficientKernel, FlashKernel
 from ringattn.kernels.probe import kernel_works
 from ringattn.kernels.reference import ReferenceKernel
+from ringattn.kernels.softcap import SoftcapKernel
 
 
 def _registry() -> dict[str, Kernel]:
@@ -77,3 +81,25 @@ def select_kernel(backend: str, q: torch.Tensor, k: torch.Tensor) -> Kernel:
             stacklevel=3,
         )
     return kernel
+
+
+def softcap_kernel(backend: str, softcap: object) -> SoftcapKernel:
+    """The kernel of a call with attention logit softcapping `softcap` (a number > 0).
+
+    Only SoftcapKernel caps scores: `backend` must be "auto" (or "reference", whose plain
+    PyTorch math it shares); naming a fused kernel is a ValueError, not a silently uncapped run.
+    """
+    check_backend_name(backend)
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise TypeError(f"softcap must be a number > 0 or None, got {softcap!r}")
+    if not math.isfinite(softcap) or softcap <= 0:
+        raise ValueError(
+            f"softcap must be finite and > 0 (scores become c * tanh(s / c)), got {softcap}; "
+            f"pass softcap=None for no capping"
+        )
+    if backend not in ("auto", "reference"):
+        raise ValueError(
+            f"backend {backend!r} cannot softcap attention scores (softcap={softcap}); use "
+            f"backend='auto', which runs the softcap kernel"
+        )
+    return SoftcapKernel(softcap)

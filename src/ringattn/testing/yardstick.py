@@ -80,11 +80,15 @@ def _repeat_kv(x: torch.Tensor, num_q_heads: int) -> torch.Tensor:
     return x.repeat_interleave(num_q_heads // x.shape[1], dim=1)
 
 
-def _forward_fp64(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _forward_fp64(
+    q, k, v, causal: bool, scale: float, softcap: float | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     num_q_heads = q.shape[1]
     k = _repeat_kv(k, num_q_heads)  # (B, Hq, Sk, D)
     v = _repeat_kv(v, num_q_heads)  # (B, Hq, Sk, D)
     scores = torch.matmul(q, k.transpose(-2, -1)) * scale  # (B, Hq, Sq, Sk)
+    if softcap is not None:  # Gemma 2's logit softcapping, as transformers' eager attention
+        scores = torch.tanh(scores / softcap) * softcap
     if causal:
         sq, sk = scores.shape[-2:]
         visible = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril()
@@ -102,8 +106,10 @@ def reference_attention(
     *,
     causal: bool = False,
     scale: float | None = None,
+    softcap: float | None = None,
 ) -> Result:
     """Float64 attention with an explicit mask on full tensors; grads via autograd when `dout`.
+    `softcap = c` caps the scaled scores to c * tanh(s / c) before the softmax.
 
     q: (B, Hq, S, D); k, v: (B, Hkv, S, D) with Hq % Hkv == 0; dout like q. Inputs of any dtype
     are upcast (their rounding is part of the problem, not of the error). All results are float64.
@@ -113,7 +119,7 @@ def reference_attention(
         x.detach().to(torch.float64).requires_grad_(dout is not None) for x in (q, k, v)
     )
     with torch.enable_grad():
-        out, lse = _forward_fp64(q64, k64, v64, causal, scale)
+        out, lse = _forward_fp64(q64, k64, v64, causal, scale, softcap)
         if dout is None:
             return Result(out.detach(), lse.detach())
         dq, dk, dv = torch.autograd.grad(out, (q64, k64, v64), dout.to(torch.float64))

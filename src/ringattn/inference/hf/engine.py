@@ -54,6 +54,7 @@ class KVEngine:
             vision.check_family(model)
         else:
             families.check_family(model)
+            families.install_guards(model)
         # a hybrid's mixers: refuse a token mixer ringattn does not know, carry the others'
         # states per sequence (mixer_states.py)
         mixers.find_mixers(model.get_decoder() if vision.is_multimodal(model) else model)

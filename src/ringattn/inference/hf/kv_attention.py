@@ -21,7 +21,8 @@ row (`KVEngine.step`, the server's step: decodes, new prompts and prefill chunks
 the weights). Segments never see each other's keys; every row's MLP is its own, so a row's output
 is what its segment alone gives. `decode` alone runs its L tokens as a batch (query (L, Hq, 1, D)).
 A layer's sliding window (`sliding_window = w`: keys with q - k < w) bounds what that layer keeps.
-Attention sinks (gpt-oss's `s_aux`) scale the merged output by sigmoid(lse - sink).
+Attention sinks (gpt-oss's `s_aux`) scale the merged output by sigmoid(lse - sink). Attention
+logit softcapping (Gemma 2's `softcap`) runs every partial through the softcap kernel.
 """
 
 from __future__ import annotations
@@ -33,11 +34,11 @@ import torch
 import ringattn
 from ringattn.comm import GroupInfo, all_gather_async, wait
 from ringattn.inference.cache import ShardedKVCache
-from ringattn.inference.partials import local_partial, merge_across_ranks
+from ringattn.inference.partials import attention_options, local_partial, merge_across_ranks
 from ringattn.inference.turns import Turn, pass_kv, pass_q
 from ringattn.integrations.hf import vision
 from ringattn.integrations.hf.attention import _check_call, ringattn_mask
-from ringattn.kernels import select_kernel
+from ringattn.kernels import select_kernel, softcap_kernel
 
 ATTENTION_NAME = "ringattn-kv"
 STATE_ATTR = "ringattn_kv_state"
@@ -146,7 +147,7 @@ def _prefill(state: KVState, fresh: Fresh, layer: int, left, query, key, value, 
     out, lse = ringattn.attention(
         query, key, value, causal=True, scale=scale, group=state.group, layout=state.layout,
         cu_seqlens=fresh.bounds, window=None if left is None else (left, 0),
-        return_lse=True, backend=state.kernel.name,
+        return_lse=True, **attention_options(state.kernel),
     )  # fmt: skip
     for seq, rows, positions, length in fresh.rows:
         cache = state.cache(layer, seq, left)
@@ -181,7 +182,7 @@ def _extend(state: KVState, piece: Extend, layer: int, left, query, key, value, 
         out, lse = ringattn.attention(
             query, key, value, causal=True, scale=scale, group=state.group, layout=state.layout,
             cu_seqlens=list(turn.placement.bounds), window=None if left is None else (left, 0),
-            return_lse=True, backend=state.kernel.name,
+            return_lse=True, **attention_options(state.kernel),
         )  # fmt: skip
         cache.store(0, key[:, :, rows], value[:, :, rows], piece.positions[rows])
         cache.evict(0, turn.offset + turn.placement.seq_len)
@@ -223,8 +224,15 @@ def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=N
     layer = module.layer_idx
     left = None if not sliding_window else sliding_window - 1
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    softcap = kwargs.get("softcap")  # Gemma 2: every layer's scores capped alike
     if state.kernel is None:
-        state.kernel = select_kernel("auto", query, key)
+        auto = select_kernel("auto", query, key)
+        state.kernel = auto if softcap is None else softcap_kernel("auto", softcap)
+    if getattr(state.kernel, "cap", None) != (None if softcap is None else float(softcap)):
+        raise ValueError(
+            f"{type(module).__name__} (layer {layer}): attention logit softcapping {softcap}, "
+            f"unlike an earlier layer; ringattn's KV-cache decoding takes one cap per model"
+        )
     if query.shape[0] > 1:  # `decode` alone: a batch of L one-token queries, one segment
         out, lse = _decode(state, state.segments[0][2], layer, left, query, key, value, scale)
     else:

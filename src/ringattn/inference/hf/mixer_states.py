@@ -41,7 +41,10 @@ from ringattn.inference.hf.kv_attention import STATE_ATTR, Decode, Extend, Fresh
 from ringattn.integrations.hf.mixers import MIXERS, _known
 
 # mixers whose cache interface is not the five methods above (MiniMax keeps a "linear cache")
-NOT_CARRIED = {"MiniMaxLightningAttention": "its lightning-attention cache (get_linear_cache)"}
+NOT_CARRIED = {
+    "MiniMaxLightningAttention": "its lightning-attention cache (get_linear_cache)",
+    "ZayaCCAProjection": "its convolution and delayed-value states beside its q, k, v outputs",
+}
 # Mamba1 mixers scan a whole sequence from a zero state only (their cache is read by the
 # one-token path): a turn after held states goes through them one token at a time
 STEPWISE = {"MambaMixer", "FalconMambaMixer", "JambaMambaMixer"}

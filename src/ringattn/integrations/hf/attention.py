@@ -16,6 +16,8 @@ come from the forward kwargs (`cu_seq_lens_q`, set by `shard_batch`); the rest m
     sliding_window = w                window = (w - 1, 0)       key visible when q - k < w
                                       (w - 1, w - 1) when not causal: |q - k| < w
     s_aux (per-head sink logits)      one more log-sum-exp term, see `_with_sinks`
+    softcap (Gemma 2's                softcap: scores c * tanh(s / c), exact (the cap is
+      attn_logit_softcapping)         elementwise before the softmax; kernels/softcap.py)
 
 Masks. transformers would build a (S_local, S_local) mask from local positions, which is wrong for
 a sharded sequence; ringattn masks by global position itself. The registered mask function
@@ -71,12 +73,6 @@ def _check_call(module, query, key, attention_mask, dropout, kwargs) -> None:
             f"{where}: attention dropout {dropout} in training (config.attention_dropout) is not "
             f"supported by ringattn.hf; set config.attention_dropout = 0.0 before parallelize, "
             f"or call model.eval()"
-        )
-    if kwargs.get("softcap") is not None:
-        raise ValueError(
-            f"{where}: attention logit softcapping {kwargs['softcap']} "
-            f"(config.attn_logit_softcapping) is not supported by ringattn.hf; set "
-            f"config.attn_logit_softcapping = None"
         )
     if kwargs.get("position_bias") is not None:
         raise ValueError(f"{where}: an additive position_bias is not supported by ringattn.hf")
@@ -189,6 +185,7 @@ def ringattn_attention(
             cu_seqlens=kwargs["cu_seq_lens_q"],
             window=window,
             return_lse=return_lse,
+            softcap=kwargs.get("softcap"),
         )
 
     if sinks is None:

@@ -82,6 +82,7 @@ def parallelize(
         vision.check_family(model)  # the VLM allow-list
     else:
         families.check_family(model)  # the text allow-list: an unlisted family is refused
+        families.install_guards(model)  # a listed family's non-exact mode, refused per forward
     # the text side only: a vision tower keeps its own (whole-image) convolutions and attention
     text_root = model.get_decoder() if multimodal else model
     found_mixers = mixers.find_mixers(text_root)  # refuses an unknown token mixer, changes nothing

@@ -86,8 +86,7 @@ def load_config(source: ModelSource):
             f"mistral, qwen2, qwen3, gemma3"
         )
     text = config.get_text_config()
-    for name, off in (("attention_dropout", 0.0), ("attn_logit_softcapping", None),
-                      ("attention_chunk_size", None)):  # fmt: skip
+    for name, off in (("attention_dropout", 0.0), ("attention_chunk_size", None)):
         value = getattr(text, name, off)
         if value not in (off, None, 0):
             raise ValueError(

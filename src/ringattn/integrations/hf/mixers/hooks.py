@@ -81,7 +81,11 @@ MIXERS: dict[str, str] = {
     "Lfm2ShortConv": "short causal convolution",
     "Lfm2MoeShortConv": "short causal convolution",
     "MiniMaxLightningAttention": "lightning attention",
+    "ZayaCCAProjection": "CCA projection (causal convolution on q/k, v from the previous token)",
 }
+# mixers whose every output is per token (Zaya's q, k, v): the hook shards each one; the others
+# return one sequence output (and, in a tuple, nothing per token after it)
+ALL_OUTPUTS_PER_TOKEN = {"ZayaCCAProjection"}
 
 # leaf modules that mix tokens by themselves: refused wherever no handled mixer holds them
 _TOKEN_MIXING_LEAVES = (
@@ -274,14 +278,11 @@ def _after(module: nn.Module, args: tuple, kwargs: dict, output):
     if lengths == "done":
         local = bounds_list
     else:
+        kw = {"group": context.group, "layout": context.layout, "cu_seqlens": bounds_list}
+        if type(module).__name__ in ALL_OUTPUTS_PER_TOKEN:
+            return tuple(ringattn.shard(_sequence(y, lengths), 1, **kw) for y in output)
         y = output[0] if isinstance(output, tuple) else output
-        local = ringattn.shard(
-            _sequence(y, lengths),
-            1,
-            group=context.group,
-            layout=context.layout,
-            cu_seqlens=bounds_list,
-        )
+        local = ringattn.shard(_sequence(y, lengths), 1, **kw)
     if isinstance(output, tuple):
         return (local, *(None for _ in output[1:]))
     return local
