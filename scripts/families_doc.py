@@ -32,7 +32,7 @@ and the tests named in the table for the others; a listed family without its tes
 every rank; `ringattn check --hf DIR` shows what ringattn does with your own architecture. Where
 the list came from: `scripts/family_survey.py` tried every causal-LM family transformers 5.23
 registers (results/family_survey.json). Vision-language models have their own list
-([hf.md](hf.md#vision-language-models-qwen2-vl-llava)): Qwen2-VL and LLaVA.
+([hf-models.md](hf-models.md#vision-language-models-qwen2-vl-llava)): Qwen2-VL and LLaVA.
 
 Gemma 2 and VaultGemma cap their attention scores (`config.attn_logit_softcapping`): ringattn
 caps them too, exactly, in training and in KV-cache decoding ([softcap.md](softcap.md)).
