@@ -137,3 +137,45 @@ def test_random_schedules_on_the_real_engine_answer_as_alone():
         for _, job in jobs:
             r = job.request
             assert _text(job) == greedy(model, tok, r.ids, r.max_new_tokens), seed
+
+
+def test_bursts_of_chats_sharing_a_system_prompt_all_end_on_a_pool_for_two(tmp_path):
+    """An in-process server (the HTTP layer and rank_loop, W = 1) with chunks of 8 and a pool
+    of about two of these chats (blocks of 4): two bursts of six chats with one system
+    prompt, sent at once through the `openai` client. Every chat ends with its greedy answer
+    alone, the first burst's prefix is reused by the second, and no block stays held."""
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("fastapi")
+    from test_serve_robust import chat_ids, concurrently, greedy, scrape
+
+    from ringattn.serve.config import ServeConfig
+    from ringattn.serve.worker import kv_token_bytes
+
+    model, tok = serve_model.save_chat_model(tmp_path)
+    system = "ring attention passes keys and values around a ring of processes"
+    questions = ["hello world", "the quick brown fox", "how are you today?", "a long context",
+                 "keys and values", "fine, thank you."]  # fmt: skip
+    chats = [[{"role": "system", "content": system}, {"role": "user", "content": q}]
+             for q in questions]  # fmt: skip
+    longest = max(len(chat_ids(tok, c)) for c in chats) + 8
+    blocks = 2 * -(-longest // 4) + 2  # about two chats
+    gb = blocks * 4 * kv_token_bytes(model) / (1 << 30)
+    cfg = ServeConfig(max_batch_tokens=8, kv_block_size=4, kv_cache_gb=gb)
+    server = serve_model.InProcess(tmp_path, cfg=cfg)
+    client = openai.OpenAI(base_url=server.url, api_key="-", max_retries=0, timeout=300)
+    try:
+        for burst in range(2):
+            replies = concurrently(*[
+                lambda c=c: client.chat.completions.create(model="tiny", messages=c, max_tokens=8)
+                for c in chats
+            ])  # fmt: skip
+            for chat, reply in zip(chats, replies):
+                assert not isinstance(reply, Exception), (burst, reply)
+                assert reply.choices[0].message.content == greedy(
+                    model, tok, chat_ids(tok, chat), 8
+                )
+        metrics = scrape(server)
+    finally:
+        server.close()
+    assert metrics['ringattn_kv_blocks{state="used"}'] == 0
+    assert metrics["ringattn_prefix_cache_hits_total"] > 0
