@@ -146,10 +146,9 @@ def test_bursts_of_chats_sharing_a_system_prompt_all_end_on_a_pool_for_two(tmp_p
     alone, the first burst's prefix is reused by the second, and no block stays held."""
     openai = pytest.importorskip("openai")
     pytest.importorskip("fastapi")
-    from test_serve_robust import chat_ids, concurrently, greedy, scrape
-
     from ringattn.serve.config import ServeConfig
     from ringattn.serve.worker import kv_token_bytes
+    from test_serve_robust import chat_ids, concurrently, greedy, scrape
 
     model, tok = serve_model.save_chat_model(tmp_path)
     system = "ring attention passes keys and values around a ring of processes"
@@ -179,3 +178,59 @@ def test_bursts_of_chats_sharing_a_system_prompt_all_end_on_a_pool_for_two(tmp_p
         server.close()
     assert metrics['ringattn_kv_blocks{state="used"}'] == 0
     assert metrics["ringattn_prefix_cache_hits_total"] > 0
+
+
+def _planner(blocks: int = 64, prefix_cache: bool = True) -> Scheduler:
+    """A W = 1 scheduler (chunks of 8, blocks of 4) whose sinks are serve_sim.SimJob's."""
+    return Scheduler(queue.Queue(), serve_sim.Alive(), serve_model.tokenizer(), [2],
+                     BlockPool(blocks, 4), Shares("zigzag", 1), 8, 4, prefix_cache,
+                     make_sink=lambda job: job.sink)  # fmt: skip
+
+
+def test_a_nan_step_forgets_the_chunks_it_kept():
+    """Two 4-token prompts (a block each) go in one step, each kept in the prefix store; the
+    second's row is NaN. Both kept chunks are forgotten (out of the index, evicted on every
+    rank with the next plan), the NaN one recomputes alone, the other goes on. Alone, a
+    20-token prompt whose first chunk (not its last piece: still checked) is NaN fails with
+    a 500 and its kept chunk is forgotten too."""
+    nan = torch.full((serve_sim.VOCAB,), float("nan"))
+    sched = _planner()
+    jobs = [serve_sim.SimJob(Request(list(range(k, k + 4)), 2)) for k in (10, 50)]
+    for job in jobs:
+        sched.jobs.put(job)
+    plan = sched.plan()
+    kept = [keep[0] for _, _, keep in plan["chunks"]]
+    assert len(kept) == 2 and set(sched.pool.cached) == set(kept)
+    sched.after(None, [torch.zeros(serve_sim.VOCAB), nan])
+    assert sched.pool.cached == {} and sched.pool.index == {}
+    assert sched.waiting[0].job is jobs[1] and sched.waiting[0].failures == 1
+    plan = sched.plan()  # the NaN one recomputes alone: the other waits a step
+    assert plan["evict"] == kept and plan["decode"] == [] and len(plan["chunks"]) == 1
+    alone = _planner()
+    job = serve_sim.SimJob(Request(list(range(10, 30)), 2))
+    alone.jobs.put(job)
+    ((_, _, keep),) = alone.plan()["chunks"]
+    alone.after(None, [nan])
+    assert keep is not None and alone.pool.cached == {} and alone.pool.evicted == [keep[0]]
+    assert job.events[-1][0] == "error" and job.events[-1][2] == 500
+
+
+def test_prefix_hashes_are_computed_once_per_sequence(monkeypatch):
+    """A request that waits at the head of the line for blocks, step after step, is hashed
+    once (a 131k-token prompt took 66 ms per step when hashed twice per step); again only
+    when it comes back preempted with the tokens it made."""
+    from ringattn.serve import allocation
+
+    calls = []
+    real = allocation.prefix_hashes
+    monkeypatch.setattr(allocation, "prefix_hashes", lambda *a: calls.append(1) or real(*a))
+    sched = _planner(blocks=12)
+    first = serve_sim.SimJob(Request(list(range(10, 50)), 4))  # 44 rows: 11 of the 12 blocks
+    waiting = serve_sim.SimJob(Request(list(range(100, 124)), 4))
+    sched.jobs.put(first)
+    sched.jobs.put(waiting)
+    for _ in range(4):
+        sched.plan()
+        sched.after(None, [torch.zeros(serve_sim.VOCAB)])
+    assert len(sched.running) == 1 and sched.waiting[0].job is waiting
+    assert len(calls) == 2  # each request once, though the second asked at every step

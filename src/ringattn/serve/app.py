@@ -14,11 +14,12 @@ A body over `limits.max_body_bytes` is refused unread (413). The rest is parsed 
 never hold up another request or `GET /health`. A refusal is an HTTP error with the API's JSON
 body and nothing reaches the ranks. Beyond `max_queue` requests waiting (queued, held back by
 the scheduler, or being read and admitted) the answer is 503 with Retry-After, given before the
-body is read: a flood of large bodies never piles up in memory or before the tokenizer. An admitted request becomes a `Job` in `jobs`, a queue the worker (main thread)
-takes from in order; its events come back on the job's asyncio queue. A client that goes away
-(a closed stream, a dropped connection) sets the job's `cancelled`: the worker drops it or ends
-its sequence at the next step. With `api_key`, every /v1 route needs `Authorization: Bearer
-<key>` (401 otherwise, compared in constant time); /health, /metrics and /openapi.json do not.
+body is read: a flood of large bodies never piles up in memory or before the tokenizer. An
+admitted request becomes a `Job` in `jobs`, a queue the worker (main thread) takes from in
+order; its events come back on the job's asyncio queue. A client that goes away (a closed
+stream, a dropped connection) sets the job's `cancelled`: the worker drops it or ends its
+sequence at the next step. With `api_key`, every /v1 route needs `Authorization: Bearer <key>`
+(401 otherwise, compared in constant time); /health, /metrics and /openapi.json do not.
 
 FastAPI and uvicorn are the optional `serve` extra, so they are imported inside the functions
 that use them (and this module has no `from __future__ import annotations`: FastAPI reads the

@@ -307,8 +307,7 @@ class Scheduler(Allocation):
             at = seq.done % self.chunk
             seq.pieces = [] if at + n == self.chunk else [*seq.pieces, (at, n, n)]
             seq.done += n
-            if not seq.prefilling:
-                rows.append((seq, logits))
+            rows.append((seq, logits))  # every piece's last row: a NaN anywhere is seen
         if rows:
             self._sample(rows)
         self._gauges()
@@ -318,6 +317,10 @@ class Scheduler(Allocation):
         checks = torch.stack([logits.argmax(-1), torch.isfinite(logits).all(-1).long()])
         greedy, finite = checks.tolist()  # one host sync for the step
         shared = len(self.step_decode) + len(self.step_chunks) > 1
+        if not all(finite):  # the chunks this step kept may hold the NaN's rows: forgotten
+            for entry in self.step_kept:
+                self.pool.forget(entry)
+            self.step_kept = []
         for j, (seq, row) in enumerate(rows):
             if not finite[j] and shared:  # (after() reset failures: this step went through)
                 # a NaN of one packed prompt reaches the others' rows (0 x NaN in a masked
@@ -330,6 +333,8 @@ class Scheduler(Allocation):
                                "logits); the server keeps serving, retry or change the request",
                           500)  # fmt: skip
                 continue
+            if seq.prefilling:
+                continue  # a piece before the prompt's last: nothing to sample yet
             if seq.sampling.greedy:
                 token = greedy[j]
             else:
