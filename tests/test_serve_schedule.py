@@ -33,7 +33,7 @@ SYSTEM_IDS = list(range(10, 22))  # a 12-token system prompt: chunk 0 and a bloc
 
 
 def _run_real(tok, model, jobs: list[tuple[int, serve_sim.SimJob]], blocks: int, chunk: int,
-              block: int, max_running: int = 4) -> Scheduler:  # fmt: skip
+              block: int, max_running: int = 4, runner=None) -> Scheduler:  # fmt: skip
     """Rank 0's scheduler and a Runner over `model` in this process (W = 1, zigzag): each job
     queued at its step (at once when nothing else is left), steps until every one has ended.
     An empty plan while requests wait fails (a deadlock)."""
@@ -44,7 +44,7 @@ def _run_real(tok, model, jobs: list[tuple[int, serve_sim.SimJob]], blocks: int,
     sched = Scheduler(queue.Queue(), serve_sim.Alive(), tok, [tok.eos_token_id], pool,
                       Shares("zigzag", 1), chunk, max_running, prefix_cache=True,
                       metrics=Metrics(), make_sink=lambda job: job.sink)  # fmt: skip
-    runner = Runner(KVEngine(model, layout="zigzag"), block_size=block)
+    runner = runner or Runner(KVEngine(model, layout="zigzag"), block_size=block)
     arrived, step = 0, 0
     with torch.no_grad(), runner.engine.holding():
         while arrived < len(jobs) or sched.running or sched.waiting or not sched.jobs.empty():
@@ -234,3 +234,27 @@ def test_prefix_hashes_are_computed_once_per_sequence(monkeypatch):
         sched.after(None, [torch.zeros(serve_sim.VOCAB)])
     assert len(sched.running) == 1 and sched.waiting[0].job is waiting
     assert len(calls) == 2  # each request once, though the second asked at every step
+
+
+def test_nothing_grows_with_the_requests_served():
+    """20 requests through one scheduler and engine (W = 1), in bursts: once the last frees
+    reach the rank, no per-request state is left (the engine's counts and caches, the
+    scheduler's lists, the pool's holdings), and the prefix store holds the pool's entries."""
+    from ringattn.inference.hf.engine import KVEngine
+    from ringattn.serve.runner import Runner
+    from workers_serve import tiny_model
+
+    tok, model = tiny_model()
+    runner = Runner(KVEngine(model, layout="zigzag"), block_size=4)
+    jobs = [
+        (i // 4, serve_sim.SimJob(Request(SYSTEM_IDS + [30 + i, 40 + i], 2))) for i in range(40)
+    ]
+    sched = _run_real(tok, model, jobs, 24, 8, 4, runner=runner)
+    with torch.no_grad(), runner.engine.holding():
+        runner.step(sched.plan())  # the idle plan carries the last frees
+    engine = runner.engine
+    assert engine.lengths == engine.decoded == engine.shifts == {}
+    assert engine.state.caches == {} and engine.state.room == {}
+    assert sched.freed == [] and sched.step_decode == sched.step_chunks == []
+    assert sched.pool.held == sched.pool.grown == {} and not sched.running and not sched.waiting
+    assert set(runner.store) == set(sched.pool.cached) and len(runner.store) <= 24
