@@ -258,3 +258,27 @@ def test_nothing_grows_with_the_requests_served():
     assert sched.freed == [] and sched.step_decode == sched.step_chunks == []
     assert sched.pool.held == sched.pool.grown == {} and not sched.running and not sched.waiting
     assert set(runner.store) == set(sched.pool.cached) and len(runner.store) <= 24
+
+
+def test_two_ranks_share_a_prefix_on_a_pool_for_two_and_answer_as_alone(pools):
+    """rank_loop on two ranks (workers_serve.stepped, zigzag, chunks of 8, blocks of 4): five
+    prompts sharing a system prompt queued at once against a pool of about two of them, the
+    prefix cache on. Every text is transformers' greedy alone, on every rank's plan."""
+    from ringattn.serve.worker import kv_token_bytes
+    from test_serve_robust import greedy
+    from workers_serve import tiny_model
+
+    tok, model = tiny_model()
+    system = "ring attention passes keys and values around a ring of processes"
+    prompts = [system + s for s in (" hello", " the lazy dog", " how are you today?",
+                                    " a long context", " fine, thank you.")]  # fmt: skip
+    ids = [tok(p)["input_ids"] for p in prompts]
+    shares = Shares("zigzag", 2)
+    blocks = 2 * -(-max(shares.tokens(len(i), 8, 10) for i in ids) // 4) + 1
+    gb = blocks * 4 * kv_token_bytes(model) / (1 << 30)
+    cfg = {"max_batch_tokens": 8, "kv_block_size": 4, "kv_cache_gb": gb}
+    results = pools(2).run("workers_serve:stepped", prompts, 10, cfg)
+    texts, _, (hits, preempted), _ = results[0]
+    assert [r[1] for r in results] == [len(prompts)] * 2
+    assert texts == [greedy(model, tok, i, 10) for i in ids]
+    assert hits > 0 and preempted > 0, (hits, preempted)
