@@ -71,8 +71,8 @@ class Allocation:
             self.waiting.remove(seq)
             self.waiting.appendleft(seq)  # first in line, before those it preempted
             self._admit(plan, budget, 1)
-            if seq in self.running or not self.running:
-                return
+            if seq in self.running or seq not in self.waiting or not self.running:
+                return  # in; or gone (cancelled meanwhile: another may have been admitted)
             victim = self.running[-1]
             self._unplan(plan, victim)
             self.preempt(victim)
