@@ -159,7 +159,7 @@ def test_bursts_of_chats_sharing_a_system_prompt_all_end_on_a_pool_for_two(tmp_p
     longest = max(len(chat_ids(tok, c)) for c in chats) + 8
     blocks = 2 * -(-longest // 4) + 2  # about two chats
     gb = blocks * 4 * kv_token_bytes(model) / (1 << 30)
-    cfg = ServeConfig(max_batch_tokens=8, kv_block_size=4, kv_cache_gb=gb)
+    cfg = ServeConfig(max_batch_tokens=8, kv_block_size=4, kv_cache_gb=gb, max_model_len=longest)
     server = serve_model.InProcess(tmp_path, cfg=cfg)
     client = openai.OpenAI(base_url=server.url, api_key="-", max_retries=0, timeout=300)
     try:
@@ -276,7 +276,8 @@ def test_two_ranks_share_a_prefix_on_a_pool_for_two_and_answer_as_alone(pools):
     shares = Shares("zigzag", 2)
     blocks = 2 * -(-max(shares.tokens(len(i), 8, 10) for i in ids) // 4) + 1
     gb = blocks * 4 * kv_token_bytes(model) / (1 << 30)
-    cfg = {"max_batch_tokens": 8, "kv_block_size": 4, "kv_cache_gb": gb}
+    longest = max(len(i) for i in ids) + 10
+    cfg = {"max_batch_tokens": 8, "kv_block_size": 4, "kv_cache_gb": gb, "max_model_len": longest}
     results = pools(2).run("workers_serve:stepped", prompts, 10, cfg)
     texts, _, (hits, preempted), _ = results[0]
     assert [r[1] for r in results] == [len(prompts)] * 2

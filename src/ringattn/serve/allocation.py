@@ -47,11 +47,26 @@ class Allocation:
         (out of `plan`) until it fits; False when `seq` was the newest and went back itself."""
         while not self.pool.grow(seq.id, rows):
             victim = self.running[-1]
+            if victim is seq and len(self.running) == 1:  # alone, it never fits: no livelock
+                self._unplan(plan, seq)
+                self.fail(seq, self._alone_too_large(seq, rows), 400)
+                return False
             self._unplan(plan, victim)
             self.preempt(victim)
             if victim is seq:
                 return False
         return True
+
+    def _alone_too_large(self, seq, rows: int) -> str:
+        """A sequence that alone cannot grow: a preempted one recomputes the tokens it made as
+        prompt, in chunks, which can take more rows than decoding them did (only a pool
+        smaller than one sequence of the served context allows it: worker.check_pool)."""
+        return (f"this request's {len(seq.tokens)} tokens ({len(seq.request.ids)} prompt + "
+                f"{len(seq.out)} made, recomputed after a preemption) need {rows} rows on the "
+                f"fullest of {self.shares.world_size} ranks, more than the pool's "
+                f"{self.pool.n_blocks} blocks of {self.pool.block_size} tokens per rank hold; "
+                f"lower max_tokens or the prompt, or start the server with a larger "
+                f"--kv-cache-gb")  # fmt: skip
 
     def _unplan(self, plan: dict, seq) -> None:
         """Take `seq` out of the step being planned (its decode, its piece and what it kept)."""
