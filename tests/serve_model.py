@@ -200,7 +200,8 @@ class InProcess:
         sock = bind("127.0.0.1", 0)
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
         self.metrics = Metrics(self.jobs.qsize)
-        self.limits = limits(self.model, tok, app.pop("max_body_bytes", None))
+        longest = None if cfg is None else cfg.max_model_len
+        self.limits = limits(self.model, tok, app.pop("max_body_bytes", None), longest)
         built = build_app(name, tok, self.limits, self.jobs, api_key, metrics=self.metrics, **app)
         self.server, http = serve_in_thread(built, sock)
         args = (self.model, tok, resolve_group(None), "zigzag", self.jobs, http)

@@ -38,7 +38,12 @@ def servers(tmp_path_factory):
     with served_tiny(tmp_path_factory) as (plain, client, model, tok, directory):
         plain.directory = directory
         gb = BLOCKS * BLOCK * kv_token_bytes(model) / (1 << 30)
-        cfg = ServeConfig(max_batch_tokens=CHUNK, kv_block_size=BLOCK, kv_cache_gb=gb)
+        cfg = ServeConfig(
+            max_batch_tokens=CHUNK,
+            kv_block_size=BLOCK,
+            kv_cache_gb=gb,
+            max_model_len=BLOCKS * BLOCK,
+        )  # what the pool holds: start-up checks it
         small = InProcess(directory, cfg=cfg)
         small_client = openai.OpenAI(base_url=small.url, api_key="unused", max_retries=0,
                                      timeout=120)  # fmt: skip
@@ -165,18 +170,36 @@ def test_a_prefix_ending_mid_chunk_or_shorter_than_one_is_reused_by_blocks(serve
         assert again >= (len(ids) - 1) // BLOCK * BLOCK  # the whole second prompt
 
 
-def test_a_request_too_large_for_the_pool_is_refused_with_the_numbers(servers):
-    _, (small, client), _, _ = servers
+def test_a_pool_that_cannot_hold_the_served_context_stops_start_up_with_the_numbers(servers):
+    """The small server's pool (32 blocks of 4) holds a 128-token sequence: it serves 128
+    tokens (--max-model-len), so a request beyond is a 400 for the context, never a wait for a
+    pool it could not fit. Without --max-model-len (the model's 192) rank_loop refuses to
+    start, with the numbers and both fixes (issue 48: no request without max_tokens can then be
+    refused for the pool)."""
+    import queue
+
+    from ringattn.comm import resolve_group
+    from ringattn.serve.worker import rank_loop, served_context
+
+    _, (small, client), model, tok = servers
     before = scrape(small)
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model="tiny", prompt="hello world", max_tokens=150)
-    message = err.value.body["message"]
-    assert f"the pool holds {BLOCKS} blocks ({BLOCKS * BLOCK} tokens) per rank" in message
-    assert "--kv-cache-gb" in message and "150 completion" in message
+    assert "maximum context length is 128 tokens" in err.value.body["message"]
     after = scrape(small)
     assert after['ringattn_requests_total{outcome="invalid"}'] == (
         before['ringattn_requests_total{outcome="invalid"}'] + 1
     )
+    gb = BLOCKS * BLOCK * kv_token_bytes(model) / (1 << 30)
+    cfg = ServeConfig(max_batch_tokens=CHUNK, kv_block_size=BLOCK, kv_cache_gb=gb)
+    numbers = (
+        f"holds {BLOCKS} blocks of {BLOCK} tokens per rank, but one sequence of the "
+        r"served context \(192 tokens: 192 on the fullest of 1 ranks\) needs 48; "
+    )
+    with pytest.raises(ValueError, match=numbers + ".*--kv-cache-gb.*--max-model-len"):
+        rank_loop(model, tok, resolve_group(None), "zigzag", queue.Queue(), None, cfg)
+    with pytest.raises(ValueError, match="--max-model-len 193 exceeds the model's context of 192"):
+        served_context(model, 193)
 
 
 def test_requests_beyond_the_pool_wait_or_recompute_and_answer_as_alone(servers):
@@ -197,7 +220,9 @@ def test_requests_beyond_the_pool_wait_or_recompute_and_answer_as_alone(servers)
 def test_a_request_waits_for_blocks_behind_a_bounded_queue_then_answers(servers):
     (plain, _), _, model, tok = servers
     gb = 16 * BLOCK * kv_token_bytes(model) / (1 << 30)  # 16 blocks of 4 tokens
-    cfg = ServeConfig(kv_block_size=BLOCK, kv_cache_gb=gb, prefix_cache=False)
+    cfg = ServeConfig(
+        kv_block_size=BLOCK, kv_cache_gb=gb, prefix_cache=False, max_model_len=16 * BLOCK
+    )
     server = InProcess(plain.directory, cfg=cfg, max_queue=1)
     client = openai.OpenAI(base_url=server.url, api_key="-", max_retries=0, timeout=120)
     first = tok("the quick brown")["input_ids"]
@@ -322,7 +347,7 @@ def test_two_ranks_run_the_steps_chunked_and_shared_as_each_alone(pools):
     assert [r[1] for r in results] == [len(prompts)] * 2  # both ranks ran every request
     assert texts == [greedy(model, tok, p, 12) for p in ids]
     assert hits == 28 + 36  # whole blocks of each one's longest cached prefix
-    small = {**cfg, "kv_cache_gb": gb / 5, "prefix_cache": False}
+    small = {**cfg, "kv_cache_gb": gb / 5, "prefix_cache": False, "max_model_len": 60}
     rerun = pools(2).run("workers_serve:stepped", prompts, 12, small)[0]
     again, served, (hits, preempted), _ = rerun
     assert (again, served, hits) == (texts, 4, 0) and preempted > 0

@@ -325,18 +325,34 @@ class _Slow:
 
 
 def test_admission_is_off_the_loop_and_bounded(served):
+    """--max-queue 2 with one job queued (no rank loop takes it): a chat whose template is held
+    is in admission; meanwhile GET /health answers and a third request gets 503 at once, its
+    body never read nor templated (issue 48: the bound is checked before the body)."""
     server, _, _, tok = served
     slow, jobs = _Slow(tok), queue.Queue()
     jobs.put("a job the ranks have not taken yet")  # no rank loop here: the queue stays full
     sock = bind("127.0.0.1", 0)
     root = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    app = build_app("tiny", slow, server.limits, jobs, max_queue=1)
+    app = build_app("tiny", slow, server.limits, jobs, max_queue=2)
     http, _ = serve_in_thread(app, sock)
     client = openai.OpenAI(base_url=root + "/v1", api_key="-", max_retries=0, timeout=60)
+    busy = []
+
+    def third() -> None:  # while the second is in admission: 1 queued + 1 admitting = 2
+        try:
+            client.completions.create(model="tiny", prompt="x" * 1000, max_tokens=2)
+        except openai.InternalServerError as err:
+            busy.append(err)
+
     try:
-        [busy] = concurrently(lambda: _with_health(slow, root, client))
-        assert isinstance(busy, openai.InternalServerError) and busy.status_code == 503, busy
-        assert busy.response.headers["retry-after"] == "1"
+        [stream] = concurrently(lambda: _with_health(slow, root, client, third))
+        assert not isinstance(stream, Exception), stream
+        stream.close()
+        assert len(busy) == 1 and busy[0].status_code == 503, busy
+        assert busy[0].response.headers["retry-after"] == "1"
+        assert slow.calls == 1 and jobs.qsize() == 2  # the third never reached the template
+        while not jobs.empty():
+            jobs.get()
         calls = slow.calls
         chars = server.limits.max_prompt_chars
         with pytest.raises(openai.BadRequestError, match=f"at most {chars} characters"):
@@ -369,20 +385,23 @@ def test_admission_is_off_the_loop_and_bounded(served):
         http.should_exit = True
 
 
-def _with_health(slow: _Slow, root: str, client) -> None:
-    """A chat request whose template is held; GET /health must answer meanwhile."""
+def _with_health(slow: _Slow, root: str, client, during) -> object:
+    """A streamed chat request whose template is held; GET /health must answer meanwhile,
+    then `during()` runs, then the template goes on. The stream."""
     done = []
 
     def health() -> None:
         slow.entered.wait(60)
         with urllib.request.urlopen(root + "/health", timeout=10) as r:
             done.append(json.load(r)["status"])
+        during()
         slow.release.set()
 
     t = threading.Thread(target=health)
     t.start()
     try:
-        client.chat.completions.create(model="tiny", messages=HELLO, max_tokens=2)
+        return client.chat.completions.create(model="tiny", messages=HELLO, max_tokens=2,
+                                              stream=True)  # fmt: skip
     finally:
         t.join(60)
         assert done == ["ok"], "GET /health waited for the chat template"

@@ -96,7 +96,9 @@ def opened_prefill(rank: int, world_size: int, arch: str, prompts: list, split: 
         seqs = [engine.open() for _ in prompts]
         idle = engine.open()  # an opened sequence the packed prefill must leave empty
         first = engine.prefill([p[:split] for p in prompts], seqs=seqs)
-        assert engine.lengths[idle] == 0 and engine.lengths[: len(seqs)] == [split] * len(seqs)
+        assert engine.lengths[idle] == 0 and [engine.lengths[s] for s in seqs] == [split] * len(
+            seqs
+        )
         rest = [engine.extend(s, p[split:]) for s, p in zip(seqs, prompts)]
         step = engine.decode(seqs, [int(r.argmax()) for r in rest])
     assert model.config._attn_implementation != "ringattn-kv"  # holding() gave the model back

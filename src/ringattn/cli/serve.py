@@ -88,8 +88,8 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
     # environment: a key on the command line shows in `ps` to every user
     d = replace(d, api_key=os.environ.get(API_KEY_ENV, d.api_key))
     names = ("hf", "nproc", "tp", "ep", "host", "port", "model_name", "api_key", "layout", "seed",
-             "max_batch", "max_batch_tokens", "kv_cache_gb", "kv_block_size", "prefix_cache",
-             "max_queue", "max_body_mb", "dtype")  # fmt: skip
+             "max_batch", "max_batch_tokens", "kv_cache_gb", "kv_block_size", "max_model_len",
+             "prefix_cache", "max_queue", "max_body_mb", "dtype")  # fmt: skip
     add_flags(
         p,
         d,
@@ -101,6 +101,7 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
             "max_body_mb": "MB",
             "kv_cache_gb": "G",
             "max_batch_tokens": "N",
+            "max_model_len": "N",
         },
         negatable=("prefix_cache",),
         required=("hf",),

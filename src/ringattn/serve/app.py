@@ -14,13 +14,14 @@
 A body over `limits.max_body_bytes` is refused unread (413). The rest is parsed and admitted
 (schema.py) on one admission thread, off the event loop: a long prompt's template and tokenizer
 never hold up another request or `GET /health`. A refusal is an HTTP error with the API's JSON
-body and nothing reaches the ranks; beyond `max_queue` waiting requests the answer is 503 with
-Retry-After. An admitted request becomes one `Job` per choice in `jobs`, a queue the worker
-(main thread) takes from in order; their events come back on one asyncio queue. A client
-that goes away (a closed stream, a dropped connection) sets the jobs' `cancelled`: the worker
-drops them or ends their sequences at the next step. With `api_key`, every /v1 route needs
-`Authorization: Bearer <key>` (401 otherwise, compared in constant time); /health, /metrics
-and /openapi.json do not.
+body and nothing reaches the ranks. Beyond `max_queue` requests waiting (queued, held back by
+the scheduler, or being read and admitted) the answer is 503 with Retry-After, given before the
+body is read: a flood of large bodies never piles up in memory or before the tokenizer. An
+admitted request becomes one `Job` per choice in `jobs`, a queue the worker (main thread) takes
+from in order; their events come back on one asyncio queue. A client that goes away (a closed
+stream, a dropped connection) sets the jobs' `cancelled`: the worker drops them or ends their
+sequences at the next step. With `api_key`, every /v1 route needs `Authorization: Bearer <key>`
+(401 otherwise, compared in constant time); /health, /metrics and /openapi.json do not.
 
 FastAPI and uvicorn are the optional `serve` extra, so they are imported inside the functions
 that use them (and this module has no `from __future__ import annotations`: FastAPI reads the
@@ -124,16 +125,24 @@ def build_app(model_name: str, tokenizer, limits: Limits, jobs: queue.Queue,
         return [Choice(i, kind, job, tokenizer, tools, echo[i], body.stream)
                 for i, job in enumerate(jobs)]  # fmt: skip
 
+    admitting = [0]  # requests being read and admitted now (only the event loop counts)
+
     async def _submit(request: Request, body_type: type):
         try:
-            raw = await _read_body(request, limits.max_body_bytes)
-            loop = asyncio.get_running_loop()
-            body, requests = await loop.run_in_executor(admission, _admit, raw, body_type)
-            waiting = metrics.waiting()  # the queue and what the scheduler holds back
+            # the bound first: a flood of bodies is refused before one is read or tokenized,
+            # and those in admission count as waiting, so at most max_queue are in flight
+            waiting = metrics.waiting() + admitting[0]  # queued, held back, in admission
             if max_queue is not None and waiting >= max_queue:
                 raise APIError(f"the server has {waiting} requests waiting (--max-queue "
                                f"{max_queue}); retry shortly", code="server_busy", status=503,
                                kind="server_error")  # fmt: skip
+            admitting[0] += 1
+            try:
+                raw = await _read_body(request, limits.max_body_bytes)
+                loop = asyncio.get_running_loop()
+                body, requests = await loop.run_in_executor(admission, _admit, raw, body_type)
+            finally:
+                admitting[0] -= 1
             events: asyncio.Queue = asyncio.Queue()  # every choice's events, by index
             made = [Job(r, loop, events, i) for i, r in enumerate(requests)]
         except APIError as err:

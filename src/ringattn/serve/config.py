@@ -63,6 +63,9 @@ class ServeConfig:
     in whole blocks)"""
     prefix_cache: bool = True
     """reuse the cached K/V of a shared prompt prefix (whole blocks, by chained content hash)"""
+    max_model_len: int | None = None
+    """the longest prompt + completion served (default: the model's context); the KV pool must
+    hold one sequence this long, or the server does not start (vLLM's --max-model-len)"""
     max_queue: int = 256
     """requests that may wait for the ranks; beyond, 503 with Retry-After (0: no limit)"""
     max_body_mb: float | None = None
@@ -111,6 +114,8 @@ def check(cfg: ServeConfig) -> None:
     check_at_least("max-queue", cfg.max_queue, 0)
     check_at_least("max-batch-tokens", cfg.max_batch_tokens, 1)
     check_at_least("kv-block-size", cfg.kv_block_size, 1)
+    if cfg.max_model_len is not None:
+        check_at_least("max-model-len", cfg.max_model_len, 2)
     if cfg.kv_cache_gb is not None and not cfg.kv_cache_gb > 0:
         raise ValueError(f"--kv-cache-gb must be > 0, got {cfg.kv_cache_gb}")
     check_choice("dtype", cfg.dtype, DTYPES)

@@ -45,6 +45,8 @@ new sequence's cache, rather than sharing one paged tensor.)
 from __future__ import annotations
 
 import array
+import bisect
+import functools
 import hashlib
 from dataclasses import dataclass
 
@@ -85,22 +87,23 @@ def truncate(pieces: list[Piece], tokens: int) -> list[Piece]:
     return [(at, n, min(kept, tokens - at)) for at, n, kept in pieces if at < tokens]
 
 
+@functools.lru_cache(maxsize=4096)
+def _alone(layout: str, world_size: int, tokens: int) -> tuple[list[int], ...]:
+    """Each rank's global indices (sorted, no padding) of `tokens` tokens placed alone."""
+    placement = place(get_layout(layout), world_size, (0, tokens))
+    ranks = (placement.global_indices(r).tolist() for r in range(world_size))
+    return tuple(sorted(g for g in rows if g >= 0) for rows in ranks)
+
+
 class Shares:
     """How many of a sequence's tokens its fullest rank keeps (what its blocks must hold)."""
 
     def __init__(self, layout: str, world_size: int):
-        self.layout, self.world_size = get_layout(layout), world_size
-        self._rows: dict[tuple[int, int], int] = {}
+        self.name, self.layout, self.world_size = layout, get_layout(layout), world_size
 
     def piece_rows(self, tokens: int, kept: int) -> int:
         """The most rows any rank holds of the first `kept` tokens of `tokens` placed alone."""
-        if (tokens, kept) not in self._rows:
-            placement = place(self.layout, self.world_size, (0, tokens))
-            self._rows[tokens, kept] = max(
-                int(((g >= 0) & (g < kept)).sum())
-                for g in (placement.global_indices(r) for r in range(self.world_size))
-            )
-        return self._rows[tokens, kept]
+        return max(bisect.bisect_left(g, kept) for g in _alone(self.name, self.world_size, tokens))
 
     def chunk_rows(self, tokens: int) -> int:
         """The most real rows any rank gets of a chunk of `tokens` tokens placed alone."""

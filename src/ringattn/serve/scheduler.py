@@ -3,13 +3,13 @@
 Each step (nano-vllm's scheduler, vLLM's chunked prefill):
 
     1. cancelled sequences (their client gone) end now: their blocks are freed
-    2. decodes first: every sequence whose prompt is in takes one token; a sequence that needs
-       a new block and finds none preempts the newest running one (its blocks freed; it comes
-       back first in line and prefills prompt + tokens so far again, then goes on)
+    2. decodes first: every sequence whose prompt is in takes one token
     3. prefill chunks of the sequences still prefilling, oldest first, then admissions from the
        queue, while the step's prefill budget (--max-batch-tokens) and free blocks last; a
        request that could never fit the pool is refused (400, with the numbers), one that does
-       not fit now waits (at the head of the line: first come, first served)
+       not fit now waits (at the head of the line: first come, first served). A running
+       sequence that finds no blocks for its token or its piece preempts the newest running
+       ones, itself last (allocation.py: the oldest always goes on, so nothing deadlocks)
     4. the short lane: a head of the line that still waits is admitted anyway when the rest of
        its prompt (after the prefix cache) is at most a quarter of the budget, all in this step
        (as vLLM's partial prefills): a chat does not wait out a long prompt's whole prefill
@@ -37,7 +37,8 @@ from collections import deque
 import torch
 
 from ringattn.inference.sampling import next_token
-from ringattn.serve.pool import BlockPool, Shares, prefix_hashes, truncate
+from ringattn.serve.allocation import Allocation
+from ringattn.serve.pool import BlockPool, Shares
 from ringattn.serve.protocol import IDLE_S, Job
 from ringattn.serve.sequence import Seq
 
@@ -47,8 +48,9 @@ __all__ = ["SHORT_LANE", "Scheduler", "Seq"]  # Seq: from sequence.py
 SHORT_LANE = 4
 
 
-class Scheduler:
-    """Rank 0's view of every sequence and of the ranks' pool (module docstring)."""
+class Scheduler(Allocation):
+    """Rank 0's view of every sequence and of the ranks' pool (module docstring; who gets
+    blocks and who is preempted: allocation.py)."""
 
     def __init__(self, jobs: queue.Queue, http, tokenizer, eos: list[int], pool: BlockPool,
                  shares: Shares, chunk: int, max_running: int, prefix_cache: bool = True,
@@ -64,6 +66,12 @@ class Scheduler:
         self.step_decode: list[Seq] = []
         self.step_chunks: list[tuple[Seq, int]] = []
         self.step_kept: list[int] = []  # prefix entries this step's chunks store on every rank
+        # the engine packs the first pieces of a step's new sequences as documents of one
+        # placement; a layout that splits the whole packed sequence (contiguous), not each
+        # document, could put a whole piece on one rank, beyond what `rows` counts: there
+        # a step starts one new sequence from scratch, whose piece is then placed alone
+        self.packs = shares.world_size > 1 and not shares.layout.per_document
+        self.step_fresh = False  # this step starts a sequence from scratch
 
     @property
     def held(self) -> int:
@@ -102,20 +110,12 @@ class Scheduler:
         self._drop(seq)
         seq.sink("error", message, status)
 
-    def preempt(self, seq: Seq) -> None:
-        """Free seq's blocks; it comes back first and recomputes its cache (module doc)."""
-        self._drop(seq)
-        seq.done = seq.target = seq.rows = 0
-        seq.pieces = []
-        self.waiting.appendleft(seq)
-        if self.metrics is not None:
-            self.metrics.preemptions += 1
-
     # ---- the plan ----
 
     def plan(self) -> dict:
         """The next step's plan (runner.py), "idle" when nothing runs, "stop" at the end."""
         self.step_decode, self.step_chunks, self.step_kept = [], [], []
+        self.step_fresh = False
         self.pool.start_step()
         if not self.running and not self.waiting:
             try:
@@ -134,8 +134,10 @@ class Scheduler:
         only = suspect[0] if suspect else None
         self._decodes(plan, only)
         budget = self._prefills(plan, self.chunk, only)
-        if only is None or only not in self.running:
-            self._admit(plan, budget, 1 if only is not None else self.max_running)
+        if only is None:
+            self._admit(plan, budget, self.max_running)
+        elif only not in self.running:
+            self.admit_alone(plan, only, budget)
         if only is None:  # the short lane: a short prompt does not wait out a long prefill
             self._admit(plan, self.chunk // SHORT_LANE, self.max_running, whole=True)
         self._gauges()
@@ -164,9 +166,7 @@ class Scheduler:
         for seq in list(self.running) if only is None else [only]:
             if seq.prefilling or seq not in self.running:
                 continue
-            while seq in self.running and not self.pool.grow(seq.id, self.rows(seq, decode=1)):
-                self.preempt(self.running[-1])  # the newest goes back in line
-            if seq in self.running:
+            if self.allocate(plan, seq, self.rows(seq, decode=1)):
                 plan["decode"].append([seq.id, seq.tokens[-1]])
                 self.step_decode.append(seq)
 
@@ -174,7 +174,14 @@ class Scheduler:
         """Schedule seq's next prefill piece (the rest of its chunk) if `budget` and the pool
         allow, kept in the prefix store when it completes the chunk; tokens used."""
         n = min(self.chunk - seq.done % self.chunk, seq.target - seq.done)
-        if n > budget or not self.pool.grow(seq.id, self.rows(seq, piece=n)):
+        fresh = seq not in self.running and seq.done == 0
+        if n > budget or (fresh and self.packs and self.step_fresh):
+            return 0  # (a second packed first piece would not be placed alone: __init__)
+        rows = self.rows(seq, piece=n)
+        if seq in self.running:  # preempting the newest running ones if need be
+            if not self.allocate(plan, seq, rows):
+                return 0
+        elif not self.pool.grow(seq.id, rows):  # a request in line waits for blocks
             return 0
         c, at = divmod(seq.done, self.chunk)
         end = at + n  # tokens of chunk c in the cache after this piece
@@ -189,11 +196,14 @@ class Scheduler:
         plan["chunks"].append([seq.id, seq.tokens[seq.done : seq.done + n], keep])
         if seq.logprobs.scoring:  # echo: this piece's prompt logprobs (scoring.py)
             plan["chunks"][-1].append(seq.logprobs.prompt_k)
+        self.step_fresh |= fresh
         self.step_chunks.append((seq, n))
         return n
 
     def _prefills(self, plan: dict, budget: int, only: Seq | None) -> int:
         for seq in [s for s in self.running if s.prefilling and only in (None, s)]:
+            if seq not in self.running:
+                continue  # preempted by an older one's piece
             used = self._chunk(plan, seq, budget)
             if not used:
                 break  # first come, first served: a later prompt does not overtake
@@ -212,7 +222,7 @@ class Scheduler:
             seq = item if isinstance(item, Seq) else Seq(item, self.make_sink(item), self.tokenizer)
             self.waiting[0] = seq
             if not seq.job.cancelled:
-                refusal = self._never_fits(seq)
+                refusal = self.never_fits(seq)
                 if refusal is None:
                     return seq
                 self.waiting.popleft()
@@ -228,21 +238,6 @@ class Scheduler:
         elif self.metrics is not None:
             self.metrics.ended("cancelled", latency_s=time.monotonic() - seq.job.arrived)
 
-    def _never_fits(self, seq: Seq) -> str | None:
-        r = self.request_rows(len(seq.request.ids), seq.request.max_new_tokens)
-        blocks = self.pool.blocks(r)
-        if blocks <= self.pool.n_blocks:
-            return None
-        most = self.pool.n_blocks * self.pool.block_size
-        return (f"this request needs {blocks} KV blocks of {self.pool.block_size} tokens per rank "
-                f"({len(seq.request.ids)} prompt + {seq.request.max_new_tokens} completion "
-                f"tokens: {r} on the fullest of {self.shares.world_size} ranks), but the pool "
-                f"holds {self.pool.n_blocks} blocks ({most} tokens) per rank; lower max_tokens "
-                f"or the prompt, or start the server with a larger --kv-cache-gb")  # fmt: skip
-
-    def request_rows(self, prompt: int, new: int) -> int:
-        return self.shares.tokens(prompt, self.chunk, new)
-
     def _admit(self, plan: dict, budget: int, most: int, whole: bool = False) -> None:
         """Admit requests from the head of the line (at most `most`) while they fit; `whole`:
         only one whose prompt, after what the prefix cache holds, goes in all at once."""
@@ -253,7 +248,7 @@ class Scheduler:
                 return
             seq.target = len(seq.tokens)
             seq.id, pinned = self.next_id, set(self.pool.pinned)
-            reuse = self._reuse(seq)
+            reuse = self.reuse(seq)
             if whole and seq.target - seq.done > budget:  # it waits at the head of the line
                 self.pool.pinned, seq.id, seq.done, seq.rows, seq.pieces = pinned, -1, 0, 0, []
                 return
@@ -276,32 +271,6 @@ class Scheduler:
                 self.pool.hits += 1
                 self.pool.hit_tokens += seq.done
 
-    def _reuse(self, seq: Seq) -> list[tuple[int, int]]:
-        """The cached prefix seq starts from (pool.lookup, at least one token left to compute),
-        pinned, with seq's progress, rows and pieces set to it; [] when none would fit."""
-        if not self.prefix_cache or seq.logprobs.scoring:  # a cached prefix is not scored
-            return []
-        seq.hashes = prefix_hashes(seq.tokens, self.chunk, self.pool.block_size)
-        found = self.pool.lookup(seq.hashes, seq.target - 1)
-        if not found:
-            return []
-        rows, pieces = 0, []
-        for entry, k in found:
-            pieces = truncate(self.pool.cached[entry].pieces, k)
-            rows += self.shares.rows(pieces)
-        seq.done = (len(found) - 1) * self.chunk + found[-1][1]
-        seq.rows, seq.pieces = rows, pieces if found[-1][1] < self.chunk else []
-        # the pieces may need more rows than an all-fresh prefill: still within the pool?
-        first = min(self.chunk - seq.done % self.chunk, seq.target - seq.done)
-        new = seq.request.max_new_tokens - len(seq.out)
-        most = rows + self.shares.chunk_rows(first)
-        most += self.shares.tokens(seq.target - seq.done - first, self.chunk, new)
-        if self.pool.blocks(most) > self.pool.n_blocks:
-            seq.done, seq.rows, seq.pieces = 0, 0, []
-            return []
-        self.pool.pinned |= {entry for entry, _ in found}
-        return found
-
     # ---- after the step ----
 
     def after(self, decoded: torch.Tensor | None, chunks: list[torch.Tensor],
@@ -320,10 +289,7 @@ class Scheduler:
             at = seq.done % self.chunk
             seq.pieces = [] if at + n == self.chunk else [*seq.pieces, (at, n, n)]
             seq.done += n
-            if not seq.prefilling and seq.request.max_new_tokens == 0:  # echo's prompt only
-                self._emit(seq, None, None)
-            elif not seq.prefilling:
-                rows.append((seq, logits))
+            rows.append((seq, logits))  # every piece's last row: a NaN anywhere is seen
         if rows:
             self._sample(rows)
         self._gauges()
@@ -333,6 +299,10 @@ class Scheduler:
         checks = torch.stack([logits.argmax(-1), torch.isfinite(logits).all(-1).long()])
         greedy, finite = checks.tolist()  # one host sync for the step
         shared = len(self.step_decode) + len(self.step_chunks) > 1
+        if not all(finite):  # the chunks this step kept may hold the NaN's rows: forgotten
+            for entry in self.step_kept:
+                self.pool.forget(entry)
+            self.step_kept = []
         for j, (seq, row) in enumerate(rows):
             if not finite[j] and shared:  # (after() reset failures: this step went through)
                 # a NaN of one packed prompt reaches the others' rows (0 x NaN in a masked
@@ -344,6 +314,11 @@ class Scheduler:
                 self.fail(seq, "the server failed while generating this request (non-finite "
                                "logits); the server keeps serving, retry or change the request",
                           500)  # fmt: skip
+                continue
+            if seq.prefilling:
+                continue  # a piece before the prompt's last: nothing to sample yet
+            if seq.request.max_new_tokens == 0:  # echo's prompt logprobs only
+                self._emit(seq, None, None)
                 continue
             if seq.sampling.greedy:
                 token = greedy[j]

@@ -29,6 +29,7 @@ class Seq:
         self.out: list[int] = []
         self.id, self.done, self.target, self.failures = -1, 0, 0, 0
         self.hashes: list[list[Point]] = []  # each chunk's hash points (pool.prefix_hashes)
+        self.hashed = -1  # of how many tokens `hashes` are
         self.rows = 0  # prompt rows on the fullest rank so far: sum over pieces (pool.py)
         self.pieces: list[Piece] = []  # the pieces of the chunk being prefilled, so far
         self.started = False  # admitted once (a preempted one comes back started)

@@ -63,8 +63,8 @@ from ringattn.serve.runner import Runner
 from ringattn.serve.scheduler import Scheduler
 from ringattn.serve.schema import Limits
 
-__all__ = ["SAMPLING", "Sink", "eos_ids", "kv_token_bytes", "limits", "pool_blocks", "rank_loop",
-           "serve_worker"]  # fmt: skip
+__all__ = ["SAMPLING", "Sink", "check_pool", "eos_ids", "kv_token_bytes", "limits", "pool_blocks",
+           "rank_loop", "serve_worker", "served_context"]  # fmt: skip
 
 # ringattn.hf.generate samples when it takes do_sample (issue 22's sampling contract)
 SAMPLING = "do_sample" in inspect.signature(ringattn.hf.generate).parameters
@@ -81,14 +81,46 @@ def eos_ids(model, tokenizer) -> list[int]:
     return sorted({int(t) for t in ids})
 
 
-def limits(model, tokenizer=None, max_body_bytes: int | None = None) -> Limits:
-    """What admission checks against: the context, the vocabulary, the sampling defaults, the
-    most characters a prompt can have and still fit (context x the longest token's characters,
-    with `tokenizer`) and the largest body (default BODY_BYTES_PER_TOKEN x context)."""
+def served_context(model, max_model_len: int | None = None) -> int:
+    """The longest prompt + completion served: the model's context, or --max-model-len when
+    given (ValueError beyond the model's context)."""
+    context = int(model.config.get_text_config().max_position_embeddings)
+    if max_model_len is None:
+        return context
+    if max_model_len > context:
+        raise ValueError(f"--max-model-len {max_model_len} exceeds the model's context of "
+                         f"{context} tokens (max_position_embeddings); give at most "
+                         f"{context}")  # fmt: skip
+    return max_model_len
+
+
+def check_pool(blocks: int, block: int, shares: Shares, chunk: int, context: int) -> None:
+    """ValueError, with the numbers, unless `blocks` blocks of `block` tokens per rank hold one
+    sequence of `context` tokens (prompt and completion split either way: its fullest rank's
+    rows). Then every request the API admits fits the pool alone, and one without max_tokens
+    (the rest of the context) needs no reservation: it grows as it goes."""
+    rows = max(shares.tokens(p, chunk, context - p) for p in range(1, context + 1))
+    need = -(-rows // block)
+    if need > blocks:
+        raise ValueError(
+            f"the KV pool holds {blocks} blocks of {block} tokens per rank, but one sequence of "
+            f"the served context ({context} tokens: {rows} on the fullest of "
+            f"{shares.world_size} ranks) needs {need}; give a larger --kv-cache-gb (x "
+            f"{need / max(blocks, 1):.2f} at least) or serve a shorter context with "
+            f"--max-model-len"
+        )
+
+
+def limits(model, tokenizer=None, max_body_bytes: int | None = None,
+           max_model_len: int | None = None) -> Limits:  # fmt: skip
+    """What admission checks against: the context (`served_context`), the vocabulary, the
+    sampling defaults, the most characters a prompt can have and still fit (context x the
+    longest token's characters, with `tokenizer`) and the largest body (default
+    BODY_BYTES_PER_TOKEN x context)."""
     text = model.config.get_text_config()
     gen = getattr(model, "generation_config", None)
     sampled = bool(getattr(gen, "do_sample", False))
-    context = int(text.max_position_embeddings)
+    context = served_context(model, max_model_len)
     chars = None
     if tokenizer is not None:
         longest = max((len(piece) for piece in tokenizer.get_vocab()), default=0)
@@ -198,12 +230,16 @@ def rank_loop(model, tokenizer, info: GroupInfo, layout: str, jobs: queue.Queue,
     cp = resolve_group(cp_group).world_size
     runner = Runner(KVEngine(model, group=cp_group, layout=layout), cfg.kv_block_size)
     blocks = pool_blocks(model, cfg, info, device)
+    shares = Shares(layout, cp)
+    # the same numbers on every rank (pool_blocks agreed on them): every rank raises alike
+    check_pool(blocks, cfg.kv_block_size, shares, cfg.max_batch_tokens,
+               served_context(model, cfg.max_model_len))  # fmt: skip
     verdict = Verdict(info, agree_s)
     scheduler = None
     if info.rank == 0:
         pool = BlockPool(blocks, cfg.kv_block_size)
         scheduler = Scheduler(jobs, http, tokenizer, eos_ids(model, tokenizer), pool,
-                              Shares(layout, cp), cfg.max_batch_tokens, cfg.max_batch,
+                              shares, cfg.max_batch_tokens, cfg.max_batch,
                               cfg.prefix_cache and prefix_cacheable(model), metrics,
                               lambda job: Sink(job, metrics))  # fmt: skip
         if metrics is not None:
@@ -271,8 +307,8 @@ def serve_worker(cfg: ServeConfig) -> dict:
         name = model_name(cfg)
         metrics = Metrics(jobs.qsize)
         body = None if cfg.max_body_mb is None else int(cfg.max_body_mb * (1 << 20))
-        app = build_app(name, tokenizer, limits(model, tokenizer, body), jobs, cfg.api_key,
-                        metrics=metrics, max_queue=cfg.max_queue or None,
+        app = build_app(name, tokenizer, limits(model, tokenizer, body, cfg.max_model_len), jobs,
+                        cfg.api_key, metrics=metrics, max_queue=cfg.max_queue or None,
                         aliases=model_aliases(cfg))  # fmt: skip
         _, http = serve_in_thread(app, sock)
         host, port = sock.getsockname()[:2]

@@ -66,9 +66,12 @@ class KVEngine:
         self.state = KVState(self.info, group, layout, offload, self.n_layers)
         self.n_heads = getattr(text, "num_attention_heads", None) or 1  # Mamba: no attention
         self.n_kv_heads = getattr(text, "num_key_value_heads", None) or self.n_heads
-        self.lengths: list[int] = []  # tokens in each sequence so far
-        self.decoded: list[int] = []  # tokens decoded one at a time per sequence (round-robin)
-        self.shifts: list[int] = []  # RoPE position - cache position (a VLM's images: vision.py)
+        # per live sequence (dropped by `release`: a server's engine does not grow with the
+        # requests it has served); ids count up from 0 and are never reused
+        self.lengths: dict[int, int] = {}  # tokens in each sequence so far
+        self.decoded: dict[int, int] = {}  # tokens decoded one at a time (round-robin)
+        self.shifts: dict[int, int] = {}  # RoPE position - cache position (a VLM's images)
+        self.next_seq = 0
         self.held = False  # holding(): the model stays on "ringattn-kv" between calls
         self.scores: dict = {}  # the last step's prompt logprobs, {piece: PromptScores}
 
@@ -136,7 +139,7 @@ class KVEngine:
         the decoder's pre-hook cuts this rank's rows (vision.py). `seqs`: sequences already
         opened and still empty to start instead of new ones (the server's first chunks of
         several requests in one forward; each prompt is placed by the layout within itself)."""
-        device, first = self.device, len(self.lengths)
+        device, first = self.device, self.next_seq
         if seqs is not None:
             assert multimodal is None and len(seqs) == len(prompts), "seqs: text prompts, one each"
             assert all(self.lengths[s] == 0 for s in seqs), f"sequences {seqs} are not empty"
@@ -155,27 +158,25 @@ class KVEngine:
             logits = self._forward(input_ids=ids, **multimodal, **lengths_kw)
             state.real = None
             shift = 0 if state.next_position is None else state.next_position - total
-            self.shifts.append(shift)
         else:
             logits = self._forward(
                 input_ids=local[None], position_ids=within.clamp(min=0)[None], **lengths_kw
             )
-            self.shifts += [0] * len(prompts) if seqs is None else []
+            shift = 0
         state.on_layer = None
+        for seq, length in zip(ids_of, lengths):
+            self.lengths[seq] = length
+            if seqs is None:  # new sequences (opened ones have their counts already)
+                self.decoded[seq], self.shifts[seq] = 0, shift
         if seqs is None:
-            self.lengths += lengths
-            self.decoded += [0] * len(prompts)
-        else:
-            for seq, length in zip(seqs, lengths):
-                self.lengths[seq] = length
+            self.next_seq += len(prompts)
         return self._shared_rows(logits, [d for _, d in keep], len(prompts))
 
     def open(self) -> int:
         """A new sequence with nothing cached yet (its tokens come by `extend`); its id."""
-        self.lengths.append(0)
-        self.decoded.append(0)
-        self.shifts.append(0)
-        return len(self.lengths) - 1
+        seq, self.next_seq = self.next_seq, self.next_seq + 1
+        self.lengths[seq] = self.decoded[seq] = self.shifts[seq] = 0
+        return seq
 
     def rows(self, seq: int, start: int, stop: int) -> list[tuple[torch.Tensor, ...]]:
         """Copies of this rank's K/V of positions [start, stop) of `seq`, per layer: (k, v,
@@ -217,8 +218,10 @@ class KVEngine:
                 cache.reserve(extra[seqs.index(seq)])
 
     def release(self, seq: int) -> None:
-        """Free every layer's cache of sequence `seq` (a cancelled request's)."""
+        """Free every layer's cache of sequence `seq` (a cancelled request's) and its counts."""
         self.state.drop(seq)
+        for counts in (self.lengths, self.decoded, self.shifts):
+            counts.pop(seq, None)
 
     def room(self, seq: int, rows: int) -> None:
         """Let every layer's buffer of `seq` grow to `rows` rows when it next grows (a KV pool's

@@ -1,0 +1,259 @@
+"""Rank 0's scheduler driven by a model of the ranks: what every rank would hold, without a model.
+
+`Ranks` executes step plans (runner.py's format) as bookkeeping: for every sequence and every
+rank, the global positions whose K/V that rank keeps, placed as the engine places them
+(inference/hf/engine.py): the first pieces of empty sequences packed as documents into one
+placement (`packing.place` over their cu_seqlens), every other piece placed alone after what the
+sequence holds, decoded tokens round-robin from rank `seq mod W`, adopted entries cut at a
+position. `simulate` runs a seeded scenario (arrivals, prompts sharing prefixes, lengths,
+cancellations, failed steps, NaN rows) through the real `Scheduler` and `BlockPool` and checks,
+after every step, that no rank holds more rows of a sequence or an entry than the pool counts,
+and at the end that every request got one last event, that no block is held, and that every
+rank's prefix store holds what the pool's index says.
+"""
+
+from __future__ import annotations
+
+import queue
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+from ringattn.layout import get_layout
+from ringattn.packing import place
+from ringattn.serve.pool import BlockPool, Shares
+from ringattn.serve.protocol import Request
+from ringattn.serve.scheduler import Scheduler
+
+VOCAB, EOS = 320, 2  # serve_model.tokenizer()'s size and its <|im_end|>; 0-2 are special
+
+
+class SimJob:
+    """A Job's stand-in: its request, the cancel flag and the events its sink got."""
+
+    def __init__(self, request: Request):
+        self.request, self.cancelled, self.arrived = request, False, 0.0
+        self.events: list[tuple] = []
+
+    def sink(self, *event: object) -> None:
+        if event[0] != "token":
+            self.events.append(event)
+
+    @property
+    def ended(self) -> bool:
+        return bool(self.events) and self.events[-1][0] in ("done", "error")
+
+
+class Alive:
+    """rank_loop's `http` stand-in: the server never stops during a scenario."""
+
+    @staticmethod
+    def is_alive() -> bool:
+        return True
+
+
+class Ranks:
+    """Every rank's K/V positions per sequence and per stored entry (module docstring)."""
+
+    def __init__(self, layout: str, world_size: int):
+        self.layout, self.world_size = get_layout(layout), world_size
+        self.seqs: dict[int, list[list[int]]] = {}  # seq -> per rank, positions held
+        self.decoded: dict[int, int] = {}
+        self.store: dict[int, list[list[int]]] = {}  # entry -> per rank, positions kept
+        self.opened = 0
+
+    def length(self, seq: int) -> int:
+        return sum(len(r) for r in self.seqs[seq])
+
+    def prologue(self, plan: dict) -> None:
+        """What a rank does before its forward: evict, free, open (also when the step fails)."""
+        for entry in plan["evict"]:
+            self.store.pop(entry, None)
+        for seq in plan["free"]:
+            self.seqs.pop(seq, None)
+        for seq, _, _ in plan["open"]:
+            assert seq == self.opened, f"opened {self.opened}, the plan says {seq}"
+            self.opened += 1
+            self.seqs[seq], self.decoded[seq] = [[] for _ in range(self.world_size)], 0
+
+    def forward(self, plan: dict) -> None:
+        """The step's decodes and pieces, in the runner's order (adopt at a first piece)."""
+        adopt = {seq: (reuse, tokens) for seq, reuse, tokens in plan["open"] if reuse}
+        for seq, _ in plan["decode"]:
+            rank = (self.decoded[seq] + seq) % self.world_size
+            self.seqs[seq][rank].append(self.length(seq))
+            self.decoded[seq] += 1
+        fresh = [(seq, len(ids)) for seq, ids, _ in plan["chunks"] if seq not in adopt
+                 and self.length(seq) == 0]  # fmt: skip
+        self._packed(fresh)
+        for seq, ids, keep in plan["chunks"]:
+            if seq in adopt:
+                reuse, tokens = adopt.pop(seq)
+                for entry in reuse:
+                    for rank, kept in enumerate(self.store[entry]):
+                        self.seqs[seq][rank] += [p for p in kept if p < tokens]
+            if (seq, len(ids)) not in fresh or self.length(seq) != len(ids):
+                cached = self.length(seq)
+                alone = place(self.layout, self.world_size, (0, len(ids)))
+                for rank in range(self.world_size):
+                    got = [g for g in alone.global_indices(rank).tolist() if g >= 0]
+                    self.seqs[seq][rank] += [cached + g for g in got]
+            if keep is not None:
+                entry, start = keep
+                self.store[entry] = [[p for p in r if p >= start] for r in self.seqs[seq]]
+        for rows in self.seqs.values():
+            for r in rows:
+                r.sort()
+
+    def _packed(self, fresh: list[tuple[int, int]]) -> None:
+        if not fresh:
+            return
+        bounds = [0]
+        for _, n in fresh:
+            bounds.append(bounds[-1] + n)
+        placement = place(self.layout, self.world_size, tuple(bounds))
+        for rank in range(self.world_size):
+            for g in placement.global_indices(rank).tolist():
+                if g < 0:
+                    continue
+                d = next(i for i in range(len(fresh)) if g < bounds[i + 1])
+                self.seqs[fresh[d][0]][rank].append(g - bounds[d])
+
+    def check(self, pool: BlockPool, freed: list[int]) -> None:
+        """No rank holds more rows of a sequence or an entry than the pool counts for it (one
+        the pool has freed since its last plan, `freed`, goes with the next plan's frees)."""
+        block = pool.block_size
+        for seq, rows in self.seqs.items():
+            if seq in freed:
+                continue
+            most = max(len(r) for r in rows)
+            assert most <= pool.held.get(seq, 0) * block, (
+                f"sequence {seq}: per-rank rows {[len(r) for r in rows]}, the pool counts "
+                f"{pool.held.get(seq, 0)} blocks of {block}"
+            )
+        for entry, rows in self.store.items():
+            if entry in pool.evicted:
+                continue
+            counted = pool.cached[entry].blocks if entry in pool.cached else 0
+            assert max(len(r) for r in rows) <= counted * block, (entry, rows, counted)
+        for rank in range(self.world_size):
+            held = [r for seq, r in self.seqs.items() if seq not in freed]
+            held += [r for e, r in self.store.items() if e not in pool.evicted]
+            total = sum(len(r[rank]) for r in held)
+            assert total <= pool.n_blocks * block, (rank, total, pool.n_blocks)
+
+
+@dataclass
+class Scenario:
+    """One seeded run's settings (see `scenario`)."""
+
+    layout: str
+    world_size: int
+    chunk: int
+    block: int
+    blocks: int
+    max_running: int
+    prefix_cache: bool
+    jobs: list[tuple[int, Request]] = field(default_factory=list)  # (arrival step, request)
+    cancel: dict[int, int] = field(default_factory=dict)  # job -> step it is cancelled at
+    fail_p: float = 0.0  # chance that a step raises
+    nan_p: float = 0.0  # chance that a row's logits are NaN
+
+
+def scenario(seed: int, layouts: tuple[str, ...]) -> Scenario:
+    """A random small case: W 1-4, blocks of 1-4 tokens, chunks of one to a few blocks x W, a
+    pool from barely one request's size up, prompts that share a few system prefixes."""
+    rng = random.Random(seed)
+    world_size, block = rng.randint(1, 4), rng.randint(1, 4)
+    chunk = block * world_size * rng.randint(1, 3)
+    s = Scenario(rng.choice(layouts), world_size, chunk, block, 0, rng.randint(1, 4),
+                 rng.random() < 0.8, fail_p=rng.choice([0, 0, 0.05]),
+                 nan_p=rng.choice([0, 0, 0.03]))  # fmt: skip
+    systems = [
+        [rng.randrange(3, VOCAB) for _ in range(rng.randint(1, 3 * chunk))] for _ in range(2)
+    ]
+    step = 0
+    for _ in range(rng.randint(1, 8)):
+        step += rng.choice([0, 0, 1, 3])
+        prompt = [rng.randrange(3, VOCAB) for _ in range(rng.randint(1, 2 * chunk))]
+        if rng.random() < 0.7:
+            prompt = rng.choice(systems) + prompt
+        s.jobs.append((step, Request(prompt, rng.randint(1, 12))))
+        if rng.random() < 0.15:
+            s.cancel[len(s.jobs) - 1] = step + rng.randint(0, 6)
+    shares = Shares(s.layout, world_size)
+    need = max(shares.tokens(len(r.ids), chunk, r.max_new_tokens) for _, r in s.jobs)
+    s.blocks = -(-need // block) + rng.choice([-1, 0, 0, 1, 2, 4, 8])  # -1: one is refused
+    return s
+
+
+def simulate(s: Scenario, tokenizer, seed: int = 0, most_steps: int = 5000) -> list[SimJob]:
+    """Run `s` to its end (module docstring) with `tokenizer` (serve_model.tokenizer()); every
+    job, with its events."""
+    rng = random.Random(seed)
+    pool = BlockPool(s.blocks, s.block)
+    jobs_q: queue.Queue = queue.Queue()
+    sched = Scheduler(jobs_q, Alive(), tokenizer, [EOS], pool, Shares(s.layout, s.world_size),
+                      s.chunk, s.max_running, s.prefix_cache,
+                      make_sink=lambda job: job.sink)  # fmt: skip
+    ranks = Ranks(s.layout, s.world_size)
+    jobs = [SimJob(r) for _, r in s.jobs]
+    arrived = 0
+    for step in range(most_steps):
+        while arrived < len(jobs) and (s.jobs[arrived][0] <= step or _quiet(sched, jobs_q)):
+            jobs_q.put(jobs[arrived])
+            arrived += 1
+        for j, at in s.cancel.items():
+            if at == step:
+                jobs[j].cancelled = True
+        if arrived == len(jobs) and _quiet(sched, jobs_q):
+            break
+        plan = sched.plan()
+        if plan["op"] != "step" and not _quiet(sched, jobs_q):
+            stuck = [j.request.ids[:4] for j in jobs if not j.ended]
+            raise AssertionError(f"step {step}: nothing to run while {len(stuck)} requests "
+                                 f"wait (a deadlock): {s}")  # fmt: skip
+        if plan["op"] != "step":
+            continue  # only cancelled requests were in line
+        ranks.prologue(plan)
+        if (plan["decode"] or plan["chunks"]) and rng.random() < s.fail_p:
+            sched.failed(torch.OutOfMemoryError("simulated"))
+            ranks.check(pool, sched.freed)
+            continue
+        ranks.forward(plan)
+        ranks.check(pool, sched.freed)
+        sched.after(*_logits(plan, rng, s.nan_p))
+    else:
+        raise AssertionError(f"not done after {most_steps} steps: {s}")
+    _final(sched, pool, ranks, jobs)
+    return jobs
+
+
+def _quiet(sched: Scheduler, jobs_q: queue.Queue) -> bool:
+    return not sched.running and not sched.waiting and jobs_q.empty()
+
+
+def _logits(plan: dict, rng: random.Random, nan_p: float):
+    def row() -> torch.Tensor:
+        out = torch.zeros(VOCAB)
+        if rng.random() < nan_p:
+            return out.fill_(float("nan"))
+        out[EOS if rng.random() < 0.05 else rng.randrange(3, VOCAB)] = 1.0
+        return out
+
+    n = len(plan["decode"])
+    return (torch.stack([row() for _ in range(n)]) if n else None), [row() for _ in plan["chunks"]]
+
+
+def _final(sched: Scheduler, pool: BlockPool, ranks: Ranks, jobs: list[SimJob]) -> None:
+    ranks.prologue({"evict": pool.evicted, "free": sched.freed, "open": []})  # the next plan's
+    for j in jobs:
+        ends = [e for e in j.events if e[0] in ("done", "error")]
+        assert len(ends) == 1 or (j.cancelled and not ends), j.events
+        if ends and ends[0][0] == "error":
+            assert ends[0][2] in (400, 500) and len(ends[0][1]) > 40, ends
+    assert pool.held == {} and pool.used == 0, pool.held
+    assert pool.free + pool.cached_blocks == pool.n_blocks
+    assert not sched.running and not sched.waiting
+    assert ranks.seqs == {} and set(ranks.store) == set(pool.cached)
