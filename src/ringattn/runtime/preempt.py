@@ -12,7 +12,7 @@ process of the step at once; an operator may signal one rank. So each rank handl
                     -> exit code 75 (EX_TEMPFAIL: "try again", outcome.py). The same command
                     resumes from that checkpoint.
     grace_s later, or SIGTERM #2 more than DEBOUNCE_S after #1
-                -> os._exit(143) at once. Checkpoints are atomic (checkpoint.py), so the
+                -> os._exit(143) at once. Checkpoints are atomic (checkpoint/), so the
                     newest complete one is intact; a half-written `.tmp-step-N` is never read.
 
 A SIGTERM within DEBOUNCE_S of the first counts as the same request: under SLURM a rank gets one

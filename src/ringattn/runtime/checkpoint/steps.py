@@ -16,13 +16,9 @@ loss at any moment leaves the previous complete checkpoints, or those and the ne
 files' data: only the fsyncs before it do). On several nodes, `dir` must be on a file system
 every node sees (DCP's own requirement).
 
-Durable publishing, shared with the token cache (train/hf/corpus.py) and --export: files written
-and fsync'ed into TMP/ (`write_synced`, `fsync_tree`), TMP/ fsync'ed, [an existing FINAL renamed
-to `.replaced-FINAL`], TMP renamed to FINAL (the commit point), the parent fsync'ed, [the old one
-deleted]. A crash between the two renames leaves the old version aside and nothing at FINAL:
-`recover` (the next writer) renames it back, and `complete_checkpoints` counts it meanwhile.
-`publish_into` is for a directory the user names (an export), which may hold other files: renamed
-whole only when it is new or empty, else file by file (each file atomic).
+The write-aside, fsync and rename-as-commit protocol itself is durable.py's, shared with the
+token cache and --export; a `.replaced-step-N` whose `step-N` is missing (a crash between a
+replacement's two renames) counts as the complete checkpoint of step N here.
 
 "Newest" means last written, not highest step: `latest` and the pruning order checkpoints by
 `order.json` (a checkpoint written before it existed counts as older than any with it, by step
@@ -52,16 +48,22 @@ import re
 import shutil
 import sys
 from collections.abc import Callable
-from typing import IO
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["FAULT_POINTS", "CheckpointError", "NonFiniteWeights", "fsync_path", "fsync_tree",
-           "latest", "load", "publish", "publish_into", "save", "sweep",
-           "write_synced"]  # fmt: skip
+from ringattn.runtime.checkpoint import durable
+from ringattn.runtime.checkpoint.durable import (
+    ASIDE_PREFIX,
+    PRUNED_PREFIX,
+    TMP_PREFIX,
+    fsync_path,
+    publish,
+    write_synced,
+)
 
-ASIDE_PREFIX = ".replaced-"
+__all__ = ["FAULT_POINTS", "CheckpointError", "NonFiniteWeights", "complete_checkpoints", "latest",
+           "load", "read_state", "save", "step_of", "sweep"]  # fmt: skip
 
 FAULT_POINTS = ("start", "directory", "model", "rng", "state", "shared", "aside", "committed",
                 "synced", "pruned", "end")  # fmt: skip
@@ -121,10 +123,6 @@ def latest(root: str | None) -> str | None:
     return found[-1][1] if found else None
 
 
-def _no_fault(point: str) -> None:
-    del point
-
-
 def save(root: str, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
          state: dict, keep: int = 2,
          fault: Callable[[str], None] | None = None) -> str:  # fmt: skip
@@ -136,10 +134,10 @@ def save(root: str, step: int, model: torch.nn.Module, optimizer: torch.optim.Op
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    fault = fault or _no_fault
+    fault = fault or (lambda point: None)
     rank = dist.get_rank() if dist.is_initialized() else 0
     final = _step_dir(root, step)
-    tmp = os.path.join(root, f".tmp-step-{step:08d}")
+    tmp = os.path.join(root, f"{TMP_PREFIX}step-{step:08d}")
     try:
         model_state, optim_state = get_state_dict(model, optimizer)
         bad = [name for name, value in model_state.items() if not _finite(value)]
@@ -199,13 +197,9 @@ def _write_json(path: str, value: dict) -> None:
 
 def sweep(root: str | None, aside: bool = False) -> None:
     """Rank 0: remove what a crash left that is never read (a save or a prune cut short), and
-    with `aside` (before a save) finish replacements (`recover`); not when a run starts (the
-    other ranks may be loading an aside checkpoint then)."""
-    for name in os.listdir(root) if root and os.path.isdir(root) else []:
-        if name.startswith((".tmp-step-", ".pruned-step-")):
-            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-        elif aside and (m := _ASIDE_DIR.match(name)):
-            recover(os.path.join(root, f"step-{m.group(1)}"))
+    with `aside` (before a save) finish replacements (durable.recover); not when a run starts
+    (the other ranks may be loading an aside checkpoint then)."""
+    durable.sweep(root, "step-", aside)
 
 
 def _prune(root: str, keep: int) -> None:
@@ -214,7 +208,7 @@ def _prune(root: str, keep: int) -> None:
     if keep <= 0:
         return
     for step, old in complete_checkpoints(root)[:-keep]:
-        doomed = os.path.join(root, f".pruned-step-{step:08d}")
+        doomed = os.path.join(root, f"{PRUNED_PREFIX}step-{step:08d}")
         try:
             os.rename(old, doomed)  # a half-deleted checkpoint never keeps a complete one's name
         except OSError as err:
@@ -313,85 +307,3 @@ def _set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["cpu"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
-
-
-def fsync_path(path: str) -> None:
-    """fsync a file, or a directory (the names created, renamed or removed in it)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_synced(path: str, write: Callable[[IO], None], mode: str = "wb") -> None:
-    """Create `path` with `write(f)`, then flush and fsync it."""
-    with open(path, mode) as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def fsync_tree(root: str) -> None:
-    """fsync every file under `root` (written by another library), then every folder, deepest
-    first."""
-    for folder, _, names in os.walk(root, topdown=False):
-        for name in names:
-            fsync_path(os.path.join(folder, name))
-        fsync_path(folder)
-
-
-def _aside_of(final: str) -> str:
-    parent, name = os.path.split(os.path.normpath(final))
-    return os.path.join(parent, ASIDE_PREFIX + name)
-
-
-def recover(final: str) -> None:
-    """An aside version whose `final` is missing goes back; one whose `final` exists goes."""
-    aside = _aside_of(final)
-    if not os.path.isdir(aside):
-        return
-    if os.path.exists(final):
-        shutil.rmtree(aside, ignore_errors=True)
-    else:
-        os.rename(aside, final)
-        fsync_path(os.path.dirname(aside) or ".")
-
-
-def publish(tmp: str, final: str, fault: Callable[[str], None] | None = None) -> None:
-    """Rename the finished, fsync'ed directory `tmp` to `final`, an existing `final` renamed aside
-    first and deleted only after the commit (see the module docstring)."""
-    fault = fault or _no_fault
-    aside = _aside_of(final)
-    recover(final)
-    if os.path.exists(final):
-        os.rename(final, aside)
-        fault("aside")
-    try:
-        os.rename(tmp, final)  # the commit point
-    except BaseException:
-        if os.path.isdir(aside) and not os.path.exists(final):
-            os.rename(aside, final)
-        raise
-    fault("committed")
-    fsync_path(os.path.dirname(os.path.normpath(final)) or ".")
-    fault("synced")
-    shutil.rmtree(aside, ignore_errors=True)
-
-
-def publish_into(tmp: str, final: str) -> None:
-    """Publish the finished directory `tmp` (fsync'ed here) as `final`: renamed whole when `final`
-    is new or empty, else file by file into it (a user's other files stay); `tmp` is consumed."""
-    fsync_tree(tmp)
-    if not os.path.isdir(final) or not os.listdir(final):
-        if os.path.isdir(final):
-            os.rmdir(final)
-        publish(tmp, final)
-        return
-    for folder, _, names in os.walk(tmp):
-        target = os.path.join(final, os.path.relpath(folder, tmp))
-        os.makedirs(target, exist_ok=True)
-        for name in names:
-            os.replace(os.path.join(folder, name), os.path.join(target, name))
-        fsync_path(target)
-    shutil.rmtree(tmp, ignore_errors=True)
