@@ -21,7 +21,7 @@ _needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a 
 
 
 def cuda(fn):
-    """GPU-only: skipped without CUDA, marked `gpu` so scripts/gpu_bench.sh's `-m gpu` runs it."""
+    """GPU-only: skipped without CUDA, marked `gpu` so scripts/bench/gpu.sh's `-m gpu` runs it."""
     return pytest.mark.gpu(_needs_cuda(fn))
 
 

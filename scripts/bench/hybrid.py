@@ -1,7 +1,7 @@
 """Hybrid models under context parallelism on this CPU: per-rank peak memory, step time, bytes.
 
-    python scripts/hybrid_bench.py                                # both models, S 4k 8k 16k, W 1 2
-    python scripts/hybrid_bench.py --models qwen3_5 --seqs 4096 --worlds 1,2,4 --steps 2
+    python scripts/bench/hybrid.py                                # both models, S 4k 8k 16k, W 1 2
+    python scripts/bench/hybrid.py --models qwen3_5 --seqs 4096 --worlds 1,2,4 --steps 2
 
 Two random-init hybrids of tens of millions of parameters (most of them the 16k vocabulary):
 - qwen3_5: Qwen3.5-style, 8 layers, 3 gated DeltaNet : 1 gated attention, hidden 384, 4 key and
@@ -26,14 +26,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import shlex
 import statistics
-import sys
 import time
 
 import torch
+
+from ringattn.bench import record
 
 VOCAB = 16384
 
@@ -141,7 +139,6 @@ def main(argv: list[str] | None = None) -> int:
     models = args.models.split(",")
     seqs = [int(s) for s in args.seqs.split(",")]
     worlds = [int(w) for w in args.worlds.split(",")]
-    import transformers
 
     from ringattn.runtime.launch import launch
 
@@ -178,19 +175,11 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['one_process_step_s']:>9.2f} {r['step_s']:>8.2f} {r['step_ratio']:>6.2f} "
               f"{r['one_process_peak_mb']:>10.0f} {max(r['peak_mb_per_rank']):>11.0f} "
               f"{r['peak_ratio']:>6.2f} {r['bytes_per_mixer_layer'] / 2**20:>15.2f}")  # fmt: skip
-    result = {
-        "command": "python " + shlex.join(["scripts/hybrid_bench.py", *(argv or sys.argv[1:])]),
-        "machine": {"system": platform.platform(), "processor": platform.machine(),
-                    "cpus": os.cpu_count()},
-        "torch": torch.__version__, "transformers": transformers.__version__,
+    record.write(args.json, __file__, argv, {
         "method": "step: rank 0's median of --steps after a warm-up; peak: profiler tensor "
                   "bytes over one step, largest rank; bytes: mixers/hooks.py's per-call traffic",
         "rows": rows,
-    }  # fmt: skip
-    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(result, f, indent=2)
-    print(f"wrote {args.json}")
+    }, packages=["transformers"])  # fmt: skip
     return 0
 
 

@@ -1,7 +1,7 @@
 """What gloo's collectives cost over the shaped link between two hosts: the facts the planner's
 cpu-hosts pricing rests on (planner/cost.py). Needs root.
 
-    sudo .venv/bin/python scripts/two_hosts_link.py        # results/two_hosts_link_cpu.json
+    sudo .venv/bin/python scripts/bench/two_hosts_link.py        # results/two_hosts_link_cpu.json
 
 2 hosts x 2 ranks (ringattn/testing/hosts.py), one run, side by side, each the fastest of 5
 after a warm-up, between barriers, C = 128 KiB per rank:
@@ -21,14 +21,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import shlex
 import sys
 import tempfile
-import time
 
-import torch
-
+from ringattn.bench import record
 from ringattn.testing.hosts import TwoHosts, unavailable
 
 CHUNK = 128 * 1024  # bytes per rank (per peer for the all-to-all)
@@ -87,22 +83,13 @@ def main(argv: list[str] | None = None) -> int:
     seconds = json.loads(line[len("RESULT ") :])
     chunk_s = CHUNK * 8 / bits
     rows = {k: {"seconds": v, "chunks": v / chunk_s} for k, v in seconds.items()}
-    result = {
-        "command": shlex.join(["python", *sys.argv]),
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "machine": {"node": platform.node(), "system": platform.platform(),
-                    "cpus": os.cpu_count(), "python": platform.python_version()},
-        "torch": torch.__version__, "rate": args.rate, "chunk_bytes": CHUNK,
-        "chunk_link_s": chunk_s, "load_average": os.getloadavg()[0], "rows": rows,
-    }  # fmt: skip
-    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(result, f, indent=1)
+    record.write(args.json, __file__, argv, {
+        "rate": args.rate, "chunk_bytes": CHUNK, "chunk_link_s": chunk_s, "rows": rows,
+    })  # fmt: skip
     print(f"| collective ({args.rate}, {CHUNK // 1024} KiB) | seconds | C over the link |")
     print("|---|---|---|")
     for name, row in rows.items():
         print(f"| {name} | {row['seconds']:.3f} | {row['chunks']:.1f} |")
-    print(f"wrote {args.json}")
     return 0
 
 

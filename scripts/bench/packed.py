@@ -8,20 +8,20 @@ after the inputs are sharded), the host plan on its own (place + ring reach + th
 plans, on a fresh placement), and the visible (query, key) pairs, i.e. the attention FLOPs
 actually needed. The dense row (no cu_seqlens) is the same sequence as one document.
 
-    .venv/bin/python scripts/packed_bench.py            # writes results/packed_cpu.json
+    .venv/bin/python scripts/bench/packed.py            # writes results/packed_cpu.json
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import random
 import statistics
 import time
 
 import torch
+
+from ringattn.bench import record
 
 
 def _bounds(seq_len: int, documents: int, seed: int) -> list[int]:
@@ -146,18 +146,16 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['host_plan_max_s']:11.4f} | {r['host_plan_share']:10.1%} | "
             f"{r['attention_flops'] / 1e9:12.1f}"
         )
-    report = {
-        "command": "python scripts/packed_bench.py " + " ".join(argv or []),
-        "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform()},
-        "versions": {"torch": torch.__version__, "python": platform.python_version()},
-        "threads_per_rank": ranks[0]["threads"],
-        "config": vars(args),
-        "rows": rows,
-    }
-    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(report, f, indent=2)
-    print(f"wrote {args.json}")
+    record.write(
+        args.json,
+        __file__,
+        argv,
+        {
+            "threads_per_rank": ranks[0]["threads"],
+            "config": vars(args),
+            "rows": rows,
+        },
+    )
     return 0
 
 

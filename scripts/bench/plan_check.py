@@ -1,19 +1,19 @@
 """Check `ringattn plan --hardware cpu` against `ringattn train` runs measured on this machine.
 
-    python scripts/plan_check.py                 # writes results/plan_check_cpu.json
-    python scripts/plan_check.py --quick         # two configurations, for a smoke test
-    python scripts/plan_check.py --only 3,4      # some configurations (indices into CONFIGS)
-    python scripts/plan_check.py --published     # docs/plan.md's table of published runs
-    python scripts/plan_check.py --sharing       # 2 vs 4 processes on 2 cores, paired
+    python scripts/bench/plan_check.py                 # writes results/plan_check_cpu.json
+    python scripts/bench/plan_check.py --quick         # two configurations, for a smoke test
+    python scripts/bench/plan_check.py --only 3,4      # some configurations (indices into CONFIGS)
+    python scripts/bench/plan_check.py --published     # docs/plan.md's table of published runs
+    python scripts/bench/plan_check.py --sharing       # 2 vs 4 processes on 2 cores, paired
 
 1. `ringattn plan --calibrate` measures this CPU (kernel rates by size, gloo) into a cache file;
 2. for each configuration (model, processes, dp, cp, strategy, layout, length), a fresh
    `ringattn train ... --memory-warmup --checkpoint-every -1` run of a few steps: measured
    tokens/s = the median over the steps after the first of tokens / step seconds, and the peak
-   memory per rank (peak RSS above the RSS after a warm-up step, as scripts/memory.py measures);
+   memory per rank (peak RSS above the RSS after a warm-up step, as bench/memory.py measures);
 3. `ringattn plan --hardware cpu --json` with the same degrees, strategy and layout: predicted
    tokens/s per process and memory per process;
-4. the same prediction for the rows of results/memory_cpu.json (scripts/memory.py's figures).
+4. the same prediction for the rows of results/memory_cpu.json (scripts/bench/memory.py's figures).
 
 Errors are (predicted - measured) / measured. Both commands run as subprocesses through the CLI,
 exactly as a user types them. The machine is shared: the load average before and after each run
@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shlex
 import statistics
 import subprocess
@@ -33,7 +32,7 @@ import sys
 import tempfile
 import time
 
-import torch
+from ringattn.bench import record
 
 # (model, nproc, dp, cp, strategy, layout, seq_len, steps)
 CONFIGS = [
@@ -129,12 +128,7 @@ def sharing_check(path: str, rounds: int) -> dict:
         print(f"round {r}: trainer step {2 * cores} / {cores} processes = {step_ratio:.2f}; "
               f"measured sharing cost {bench['cost'][str(2 * cores)]:.2f}; load "
               f"{bench['load_average']}", flush=True)  # fmt: skip
-    result = {"command": shlex.join(["python", *sys.argv]), "torch": torch.__version__,
-              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cores": cores,
-              "rounds": rounds_out}  # fmt: skip
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
-    return result
+    return record.write(path, __file__, None, {"cores": cores, "rounds": rounds_out})
 
 
 def published_table() -> str:
@@ -250,20 +244,12 @@ def main(argv: list[str] | None = None) -> int:
     within = [abs(r["tokens_per_s_error"]) <= 0.25 for r in rows]
     mem_within = [abs(r["memory_error"]) <= 0.25 for r in rows] + [
         abs(r["error"]) <= 0.25 for r in memory_rows]  # fmt: skip
-    result = {
-        "command": shlex.join(["python", *sys.argv]), "date": time.strftime("%Y-%m-%d %H:%M UTC",
-                                                                            time.gmtime()),
-        "machine": {"node": platform.node(), "system": platform.platform(),
-                    "processor": platform.processor() or platform.machine(),
-                    "cpus": os.cpu_count(), "python": platform.python_version()},
-        "torch": torch.__version__, "calibration": calib, "rows": rows,
+    result = record.write(args.json, __file__, argv, {
+        "calibration": calib, "rows": rows,
         "memory_py_rows": memory_rows,
         "tokens_per_s_within_25pct": f"{sum(within)} of {len(within)}",
         "memory_within_25pct": f"{sum(mem_within)} of {len(mem_within)}",
-    }  # fmt: skip
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(result, f, indent=1)
+    })  # fmt: skip
     print(f"\n{'config':<44} {'tok/s meas':>10} {'pred':>7} {'err':>6} {'MB meas':>8} "
           f"{'pred':>6} {'err':>6}")  # fmt: skip
     for r in rows:

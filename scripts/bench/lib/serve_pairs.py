@@ -18,7 +18,7 @@ there is nothing to stop: an idle `ringattn serve` takes no CPU (rank 0 waits on
 ranks exchange one "idle" plan a second; measured: its ranks' CPU time did not move in 40 s,
 its agent's by under a second).
 
-    python scripts/serve_bench.py --hf DIR --pairs 4 --prefill-pairs 3
+    python scripts/bench/serve.py --hf DIR --pairs 4 --prefill-pairs 3
 """
 
 from __future__ import annotations

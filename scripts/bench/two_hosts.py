@@ -1,8 +1,8 @@
 """Topology measured: step time of each strategy over 2 hosts x 2 ranks at two link rates, beside
 `ringattn plan --hardware cpu --gpus-per-node 2 --inter-bw RATE`'s prediction. Needs root.
 
-    sudo .venv/bin/python scripts/two_hosts_bench.py            # results/two_hosts_cpu.json
-    sudo .venv/bin/python scripts/two_hosts_bench.py --rates 1gbit --steps 4 --calibration C
+    sudo .venv/bin/python scripts/bench/two_hosts.py            # results/two_hosts_cpu.json
+    sudo .venv/bin/python scripts/bench/two_hosts.py --rates 1gbit --steps 4 --calibration C
 
 1. `ringattn plan --calibrate` measures this CPU into a calibration file (or --calibration);
 2. for each link rate, two hosts (ringattn/testing/hosts.py: network namespaces, a veth shaped
@@ -19,7 +19,7 @@ overlap (the noise, measured: --tries runs of each, round robin), in the predict
 are within the planner's error margin. The machine is shared (2 cores, other sessions): the
 load average is recorded per run.
 
-    python scripts/two_hosts_bench.py --replan results/two_hosts_cpu_repeats.json
+    python scripts/bench/two_hosts.py --replan results/two_hosts_cpu_repeats.json
 
 prices the stored measurements again with the current planner (no root, no runs) and rewrites
 the predictions, the orders and the check.
@@ -31,7 +31,6 @@ import argparse
 import itertools
 import json
 import os
-import platform
 import shlex
 import statistics
 import subprocess
@@ -39,8 +38,8 @@ import sys
 import tempfile
 import time
 
-import torch
-
+from ringattn.bench import record
+from ringattn.bench.common import write_json
 from ringattn.planner.calibrate import machine_key
 from ringattn.planner.search import PLAN_MARGIN, compare_orders, measured_faster, tie_groups
 from ringattn.testing.hosts import TwoHosts, unavailable
@@ -244,20 +243,13 @@ def main(argv: list[str] | None = None) -> int:
     with open(calibration) as f:
         calib = json.load(f)
     result = {
-        "command": shlex.join(["python", *sys.argv]),
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "machine": {"node": platform.node(), "system": platform.platform(),
-                    "processor": platform.processor() or platform.machine(),
-                    "cpus": os.cpu_count(), "python": platform.python_version()},
-        "torch": torch.__version__, "model": args.model, "seq_len": args.seq_len,
+        **record.header(__file__, argv), "model": args.model, "seq_len": args.seq_len,
         "layout": args.layout, "steps": args.steps, "tries": args.tries,
         "hosts": "2 network namespaces x 2 ranks, veth shaped by tc tbf both ways, gloo, "
         "OMP_NUM_THREADS=1", "rows": rows, "calibration": calib,
     }  # fmt: skip
     result = replan(result, calibration)
-    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(result, f, indent=1)
+    write_json(args.json, result)
     report(result)
     print(f"wrote {args.json}")
     return 0

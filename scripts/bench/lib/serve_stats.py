@@ -1,4 +1,4 @@
-"""scripts/serve_bench.py's figures from timed records: percentiles, the longest stall, tokens/s,
+"""scripts/bench/serve.py's figures from timed records: percentiles, the longest stall, tokens/s,
 time to first token, one server's summary, issue 32's targets, and the printed table.
 
 A record is one request as the load sent it: `sent` (time.perf_counter seconds), `first` (its

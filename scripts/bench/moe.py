@@ -1,7 +1,7 @@
 """Expert parallelism on this CPU: per-rank expert memory and step time at ep 1, 2, 4.
 
-    python scripts/moe_bench.py                      # 4 ranks, cp 4, ep 1 2 4, the default model
-    python scripts/moe_bench.py --nproc 4 --eps 1,2,4 --experts 8 --tokens 2048 --steps 5
+    python scripts/bench/moe.py                      # 4 ranks, cp 4, ep 1 2 4, the default model
+    python scripts/bench/moe.py --nproc 4 --eps 1,2,4 --experts 8 --tokens 2048 --steps 5
 
 One launch of --nproc gloo ranks (cp = nproc, zigzag, ring) runs every ep side by side: for each,
 a fresh copy of one random-init Mixtral (hidden 256, 2 layers, --experts experts of MLP 512, top
@@ -17,15 +17,12 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
-import os
-import platform
-import shlex
 import statistics
-import sys
 import time
 
 import torch
+
+from ringattn.bench import record
 
 
 def _model(experts: int):
@@ -95,7 +92,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default="results/moe_bench_cpu.json", help="where the results go")
     args = p.parse_args(argv)
     eps = [int(e) for e in args.eps.split(",")]
-    import transformers
 
     from ringattn.runtime.launch import launch
 
@@ -116,19 +112,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['ep']:>3} {mb['weights']:>23.2f} {mb['gradients']:>9.2f} "
               f"{mb['optimizer']:>9.2f} {share:>8.3f} {r['step_s']:>8.3f} "
               f"{r['step_s'] / base['step_s']:>8.2f}")  # fmt: skip
-    result = {
-        "command": "python " + shlex.join(["scripts/moe_bench.py", *(argv or sys.argv[1:])]),
-        "machine": {"node": platform.node(), "system": platform.platform(),
-                    "processor": platform.machine(), "cpus": os.cpu_count()},
-        "torch": torch.__version__, "transformers": transformers.__version__,
+    record.write(args.json, __file__, argv, {
         "model": f"Mixtral hidden 256, 2 layers, {args.experts} experts of MLP 512, top 2",
         "nproc": args.nproc, "cp": args.nproc, "tokens": args.tokens, "steps": args.steps,
         "bytes": "per rank, expert tensors only", "rows": rows,
-    }  # fmt: skip
-    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(result, f, indent=2)
-    print(f"wrote {args.json}")
+    }, packages=["transformers"])  # fmt: skip
     return 0
 
 

@@ -1,7 +1,7 @@
 """Inference over a sharded KV cache: decode cost per token, prefill, cache per rank, W = 1, 2, 4.
 
-    python scripts/inference_bench.py                   # CPU: writes results/inference_cpu.json
-    python scripts/inference_bench.py --seq-len 16384 --world-sizes 2 --json results/x.json
+    python scripts/bench/inference.py                   # CPU: writes results/inference_cpu.json
+    python scripts/bench/inference.py --seq-len 16384 --world-sizes 2 --json results/x.json
 
 Each W is a fresh launch of W processes (ringattn.runtime.launch), the same model (seeded) on
 every rank, --threads torch threads per rank (default 1, at every W). In each launch, after one
@@ -26,15 +26,14 @@ times are noise on a shared machine; the ratios are the figures.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
-import shlex
 import statistics
 import sys
 import time
 
 import torch
+
+from ringattn.bench import record
 
 
 def _barrier(info) -> None:
@@ -169,21 +168,12 @@ def main(argv: list[str] | None = None) -> int:
               f"{row['prefill_over_train_forward']:5.2f} | {ag:8.2f} / {ar:8.2f} "
               f"({row['faster_merge']}) | {row['decode_step_over_prefill']:14.4f} | "
               f"{cache}")  # fmt: skip
-    import ringattn
 
-    result = {
-        "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
-        "machine": {"platform": platform.platform(), "processor": platform.processor(),
-                    "cpu_count": os.cpu_count(), "python": platform.python_version(),
-                    "torch": torch.__version__, "ringattn": ringattn.__version__},
+    record.write(args.json, __file__, argv, {
         "options": options,
         "single_device_cache_bytes": single,
         "rows": rows,
-    }  # fmt: skip
-    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(result, f, indent=2)
-    print(f"wrote {args.json}")
+    }, packages=["ringattn"])  # fmt: skip
     return 0
 
 

@@ -2,9 +2,9 @@
 # Everything that needs a GPU, in one call, within ~9.5 minutes on one H200 (torch 2.11, Triton
 # 3.6, no internet): nothing is installed or downloaded; ringattn runs from src/.
 #
-#   bash scripts/gpu_bench.sh [OUT_DIR]        # default: results/gpu-<UTC date>
-#   bash scripts/gpu_bench.sh "$OUT"            # through the device tool: outputs come back
-#   PYTHON=.venv/bin/python GPU_BENCH_DRY_RUN=1 bash scripts/gpu_bench.sh /tmp/dry
+#   bash scripts/bench/gpu.sh [OUT_DIR]        # default: results/gpu-<UTC date>
+#   bash scripts/bench/gpu.sh "$OUT"            # through the device tool: outputs come back
+#   PYTHON=.venv/bin/python GPU_BENCH_DRY_RUN=1 bash scripts/bench/gpu.sh /tmp/dry
 #                                               # every stage at toy sizes, on a CPU (~40 s)
 #
 # Stages (each under its own time limit, all under one deadline; a stage that fails or runs out
@@ -20,14 +20,14 @@
 #   check    ringattn check on 1 GPU (bf16, fp16; W = 1)
 #   extra    GQA 32:8 causal sweep, and the merge decomposition at 4k/8k (kernels only / torch
 #            merge / Triton merge)                            -> bench_gqa.json, bench_merge_*.json
-#   apps     scripts/gpu_apps.py: train --compile, train --hf --dtype bfloat16, generate --hf,
+#   apps     scripts/bench/gpu_apps.py: train --compile, train --hf --dtype bfloat16, generate --hf,
 #            generate --checkpoint with and without --offload-kv, on the GPU at toy sizes
 #                                                             -> apps.json, apps_*.log
 #            (serve needs fastapi/uvicorn, which the GPU image lacks: carry wheels to add it)
 # Every stage's output goes to OUT_DIR/<stage>.log; OUT_DIR/SUMMARY.txt lists status and seconds.
 set -uo pipefail
 
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 OUT="${1:-$ROOT/results/gpu-$(date -u +%Y%m%dT%H%M%SZ)}"
 DEADLINE_S="${GPU_BENCH_DEADLINE_S:-570}"  # the device tool stops a command at 600 s
 mkdir -p "$OUT"
@@ -117,7 +117,7 @@ for merge in none torch triton; do
         --masks causal,full --passes fwd --baselines cudnn --merge "$merge" --repeats 5 \
         --json "$OUT/bench_merge_$merge.json"
 done
-APPS=("$PY" scripts/gpu_apps.py "$OUT")
+APPS=("$PY" scripts/bench/gpu_apps.py "$OUT")
 [[ "${GPU_BENCH_DRY_RUN:-0}" == 1 ]] && APPS+=(--dry-run)
 run apps 150 "${APPS[@]}"
 echo "total ${SECONDS}s; outputs in $OUT" >> "$SUMMARY"

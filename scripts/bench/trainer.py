@@ -1,8 +1,8 @@
 """Per-rank peak memory and tokens/s of `ringattn.hf.Trainer` (transformers.Trainer with context
 parallelism) against the same Trainer without it, at the same sequence length.
 
-    python scripts/trainer_bench.py            # S = 4096, writes results/trainer_cpu.json
-    python scripts/trainer_bench.py --seq-len 8192 --steps 4 --out results/trainer_cpu_8k.json
+    python scripts/bench/trainer.py            # S = 4096, writes results/trainer_cpu.json
+    python scripts/bench/trainer.py --seq-len 8192 --steps 4 --out results/trainer_cpu_8k.json
 
 Three launches of the same training (a random-init Llama: hidden 128, 4 layers, 4 heads / 2 KV,
 MLP 512, a 512-token vocabulary; one sequence of --seq-len random tokens per step and data-parallel
@@ -30,8 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import shlex
 import statistics
 import subprocess
 import sys
@@ -40,7 +38,9 @@ import time
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from ringattn.bench import record
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _trainer(seq_len: int, steps: int, cp: int, out_dir: str, loss_chunk: int = -1):
@@ -165,15 +165,6 @@ def main() -> None:
         run["peak_mb_vs_plain_w1"] = max(run["peak_mb_per_rank"]) / max(base["peak_mb_per_rank"])
         run["tokens_per_second_vs_plain_w1"] = run["tokens_per_second"] / base["tokens_per_second"]
     report = {
-        "command": "python " + shlex.join(["scripts/trainer_bench.py", *sys.argv[1:]]),
-        "machine": {
-            "node": platform.node(),
-            "system": platform.platform(),
-            "processor": platform.machine(),
-            "cpus": os.cpu_count(),
-        },
-        "torch": torch.__version__,
-        "transformers": __import__("transformers").__version__,
         "model": "Llama hidden 128, 4 layers, MLP 512, 4 heads / 2 KV, vocab 512, random init",
         "seq_len": args.seq_len,
         "steps": args.steps,
@@ -186,10 +177,7 @@ def main() -> None:
         peak, speed = max(run["peak_mb_per_rank"]), run["tokens_per_second"]
         print(f"{name:<24}{peak:>14.0f}{run['peak_mb_vs_plain_w1']:>8.2f}"
               f"{speed:>10.0f}{run['tokens_per_second_vs_plain_w1']:>8.2f}")  # fmt: skip
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=2)
-    print(f"wrote {args.out}")
+    record.write(args.out, __file__, None, report, packages=["transformers"])
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """A rank's memory does not grow with the corpus: `train --hf` on 2 MB and on 500 MB of text.
 
-    python scripts/corpus_memory.py                          # 2 MB and 500 MB, CPU, CP 2
-    python scripts/corpus_memory.py --sizes-mb 2,50 --tokenizer-mb 8
+    python scripts/bench/corpus_memory.py                          # 2 MB and 500 MB, CPU, CP 2
+    python scripts/bench/corpus_memory.py --sizes-mb 2,50 --tokenizer-mb 8
 
 1. Text: documents of 50-400 random words (a fixed 5,000-word vocabulary), blank-line separated,
    written to one file per size (numpy, a few seconds for 500 MB).
@@ -10,7 +10,7 @@
    Hugging Face tokenizer (a byte-level BPE of 8,192 tokens trained here on the first MB) on the
    first --tokenizer-mb MB, whose rate says how long the whole corpus would take.
 3. Memory: a fresh launch of CP ranks per size (`--memory-warmup`, one step of a tiny Llama,
-   1,024 tokens), peak RSS above each rank's baseline, and the baseline itself (scripts/memory.py's
+   1,024 tokens), peak RSS above each rank's baseline, and the baseline itself (bench/memory.py's
    method). Equal figures for both sizes are the claim.
 
 Prints a table and writes JSON (machine, versions, command, rates, every rank's figures).
@@ -19,17 +19,13 @@ Prints a table and writes JSON (machine, versions, command, rates, every rank's 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
-import shlex
-import sys
 import tempfile
 import time
 
 import numpy as np
-import torch
 
+from ringattn.bench import record
 from ringattn.train.config import TrainConfig
 from ringattn.train.hf.corpus import load_corpus
 from ringattn.train.main import run_train
@@ -135,16 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         print(f"{r['text_mb']:>8.0f} {r['documents']:>10} {r['byte_path_seconds']:>12.1f} "
               f"{[round(m) for m in r['peak_mb_per_rank']]!s:>20}")  # fmt: skip
-    result = {
-        "command": "python " + shlex.join(["scripts/corpus_memory.py", *(argv or sys.argv[1:])]),
-        "machine": {"node": platform.node(), "system": platform.platform(),
-                    "processor": platform.machine(), "cpus": os.cpu_count()},
-        "torch": torch.__version__, "rows": rows, "tokenizer_rate": rates,
-    }  # fmt: skip
-    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(result, f, indent=2)
-    print(f"wrote {args.json}")
+    record.write(args.json, __file__, argv, {"rows": rows, "tokenizer_rate": rates},
+                 packages=["transformers"])  # fmt: skip
     return 0
 
 

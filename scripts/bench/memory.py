@@ -1,7 +1,7 @@
 """Per-rank peak memory of a training step at a fixed global sequence length, W = 1, 2, 4.
 
-    python scripts/memory.py                      # CPU: writes results/memory_cpu.json
-    python scripts/memory.py --seq-len 32768 --world-sizes 1,4 --json results/x.json
+    python scripts/bench/memory.py                      # CPU: writes results/memory_cpu.json
+    python scripts/bench/memory.py --seq-len 32768 --world-sizes 1,4 --json results/x.json
 
 Each W is a fresh launch of W processes (`ringattn train --nproc W --cp W`), so no process
 carries memory over from another measurement. In each rank:
@@ -22,16 +22,12 @@ machine, the torch version and the command line.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
-import shlex
 import sys
 import tempfile
 import time
 
-import torch
-
+from ringattn.bench import record
 from ringattn.train.config import TrainConfig
 from ringattn.train.main import run_train
 
@@ -93,21 +89,13 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"baseline RSS per process (torch, kernels' code, process group; not counted): {baselines}"
     )
-    result = {
-        "command": " ".join(shlex.quote(a) for a in [sys.executable.split("/")[-1], *sys.argv]),
-        "machine": {"node": platform.node(), "system": platform.platform(),
-                    "processor": platform.processor() or platform.machine(),
-                    "cpus": os.cpu_count()},
-        "torch": torch.__version__, "seq_len": args.seq_len, "model": args.model,
+    record.write(args.json, __file__, argv, {
+        "seq_len": args.seq_len, "model": args.model,
         "steps": args.steps, "layout": args.layout, "strategy": args.strategy,
         "activation_checkpointing": args.activation_checkpointing,
         "loss_chunk": args.loss_chunk, "method": rows[0]["memory_method"] + ", above the RSS "
         "after one warm-up step of a tiny model (fresh processes per W)", "rows": rows,
-    }  # fmt: skip
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(result, f, indent=2)
-    print(f"wrote {args.json}")
+    })  # fmt: skip
     return 0
 
 

@@ -1,7 +1,7 @@
 """Serving under a bounded load: `ringattn serve` (W = 1, 2) beside `transformers serve`, one run.
 
-    python scripts/serve_bench.py --hf /tmp/smollm2 [--quick]  # results/serve_bench_cpu*.json
-    python scripts/serve_bench.py --hf DIR --serve-args "--max-batch-tokens 512 --kv-cache-gb 1"
+    python scripts/bench/serve.py --hf /tmp/smollm2 [--quick]  # results/serve_bench_cpu*.json
+    python scripts/bench/serve.py --hf DIR --serve-args "--max-batch-tokens 512 --kv-cache-gb 1"
 
 Each server in turn, fresh on loopback (same model, cores, OMP_NUM_THREADS = cores / W), gets a
 warm-up, then the same chats streamed through the `openai` client (temperature 0), every chunk's
@@ -15,19 +15,19 @@ block series sampled meanwhile). Targets and the table: docs/serving.md#the-serv
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import pathlib
-import platform
 import random
 import re
-import shlex
 import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
+from ringattn.bench import record
+from ringattn.bench.common import write_json
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "lib"))
 from serve_servers import Server, get, ringattn_ready, server_argv
 from serve_stats import summarize, table, targets, throughput, ttft
 
@@ -220,16 +220,17 @@ def prefill_pairs(args: argparse.Namespace, sizes: SimpleNamespace, tokenizer) -
             "ttft_s": ttfts}  # fmt: skip
 
 
-def versions() -> dict:
-    import openai
-    import torch
-    import transformers
-
+def head(load_before: float, pinned: str | None) -> dict:
+    """bench/record.py's block, with the CPUs the run may use, the load around it and the
+    commit."""
+    block = record.header(__file__, None, ["transformers", "openai"])
+    block["machine"].update({"affinity": sorted(os.sched_getaffinity(0)), "pinned": pinned,
+                             "load_avg_1m_before": load_before,
+                             "load_avg_1m_after": os.getloadavg()[0]})  # fmt: skip
     git = ["git", "-C", os.path.dirname(os.path.abspath(__file__)), "rev-parse", "HEAD"]
     commit = subprocess.run(git, capture_output=True, text=True, check=False)
-    return {"python": platform.python_version(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "openai": openai.__version__,
-            "ringattn_commit": commit.stdout.strip() or None}  # fmt: skip
+    block["versions"]["ringattn_commit"] = commit.stdout.strip() or None
+    return block
 
 
 def parse_sizes(base: SimpleNamespace, text: str) -> SimpleNamespace:
@@ -291,16 +292,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name}: {time.perf_counter() - began:.0f} s {error}", flush=True)
         summaries = {k: v["summary"] for k, v in servers.items() if "summary" in v}
         medians = [x and x["median_ratio"] for x in (paired, prefill)]
-        out = {"command": shlex.join([sys.executable, *sys.argv]), "sizes": vars(sizes),
+        out = {**head(load_before, args.cpus or None), "sizes": vars(sizes),
                "prompt_tokens": counts, "targets": targets(summaries, *medians), "pairs": paired,
-               "prefill_pairs": prefill,
-               "servers": servers,
-               "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                           "affinity": sorted(os.sched_getaffinity(0)), "pinned": args.cpus or None,
-                           "load_avg_1m_before": load_before,
-                           "load_avg_1m_after": os.getloadavg()[0]},
-               "versions": versions()}  # fmt: skip
-        pathlib.Path(path).write_text(json.dumps(out, indent=1))
+               "prefill_pairs": prefill, "servers": servers}  # fmt: skip
+        write_json(path, out)
     if paired:
         print(f"paired bursts, ringattn W=1 / transformers per round: "
               f"{', '.join(f'{r:.3f}' for r in paired['ratios'])}")  # fmt: skip

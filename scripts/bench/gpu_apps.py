@@ -1,7 +1,7 @@
-"""The applications on a GPU, for scripts/gpu_bench.sh's `apps` stage: each command that the
+"""The applications on a GPU, for scripts/bench/gpu.sh's `apps` stage: each command that the
 issues call CUDA-only-unverified, once, at a size that runs in seconds, with its output kept.
 
-    python scripts/gpu_apps.py OUT_DIR [--dry-run]
+    python scripts/bench/gpu_apps.py OUT_DIR [--dry-run]
 
 Runs, one subprocess each (under its own time limit; a failure is recorded and the next runs):
     train_compile   ringattn train --model tiny --compile, 1 process, a few steps

@@ -1,7 +1,7 @@
 """Family survey: is every causal-LM family transformers registers exact under ringattn.hf at cp 2?
 
-    PYTHONPATH=src python scripts/family_survey.py                   # every family (~minutes)
-    PYTHONPATH=src python scripts/family_survey.py --families llama opt
+    PYTHONPATH=src python scripts/tools/family_survey.py                   # every family (~minutes)
+    PYTHONPATH=src python scripts/tools/family_survey.py --families llama opt
 
 For each model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES: a tiny config (the config class's
 defaults shrunk by field name, layer patterns cut to one layer of each kind, plus FIXES below),

@@ -1,9 +1,9 @@
 """Compiled vs eager training step: `ringattn train --compile` against the same run without it.
 
-    python scripts/bench_compile.py                  # CPU: writes results/compile_cpu.json
-    python scripts/bench_compile.py --nproc 2 --cp 2 --seq-len 2048 --steps 8
-    python scripts/bench_compile.py --nproc 4 --cp 2 --tp 2 --json results/compile_cp2_tp2_cpu.json
-    python scripts/bench_compile.py --nproc 4 --cp 1 --pp 2 --tp 2 \
+    python scripts/bench/compile.py                  # CPU: writes results/compile_cpu.json
+    python scripts/bench/compile.py --nproc 2 --cp 2 --seq-len 2048 --steps 8
+    python scripts/bench/compile.py --nproc 4 --cp 2 --tp 2 --json results/compile_cp2_tp2_cpu.json
+    python scripts/bench/compile.py --nproc 4 --cp 1 --pp 2 --tp 2 \
         --json results/compile_pp2_tp2_cpu.json
 
 Each mode is a fresh launch of the same training run (`run_train`, the code behind `ringattn
@@ -23,17 +23,13 @@ script prints a table and writes JSON with the machine, the torch version and th
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
-import shlex
 import statistics
 import sys
 import tempfile
 import time
 
-import torch
-
+from ringattn.bench import record
 from ringattn.train.config import TrainConfig
 from ringattn.train.main import run_train
 
@@ -93,20 +89,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:>9} {r['median_step_s']:>14.3f} {r['first_step_s']:>13.2f}")
     print(f"compiled / eager step time: {ratio:.3f}; compile time {compile_s:.1f} s; "
           f"largest loss difference {loss_diff:.2e}")  # fmt: skip
-    result = {
-        "command": " ".join(shlex.quote(a) for a in [sys.executable.split("/")[-1], *sys.argv]),
-        "machine": {"system": platform.platform(), "processor": platform.processor()
-                    or platform.machine(), "cpus": os.cpu_count(),
-                    "load_average": os.getloadavg()},
-        "torch": torch.__version__, "config": vars(args), "rows": rows,
+    record.write(args.json, __file__, argv, {
+        "config": vars(args), "rows": rows,
         "inductor_caches": "reused" if args.warm_cache else "disabled",
         "compiled_over_eager_step": ratio, "compile_seconds": compile_s,
         "max_loss_difference": loss_diff,
-    }  # fmt: skip
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(result, f, indent=2)
-    print(f"wrote {args.json}")
+    }, packages=["triton"])  # fmt: skip
     return 0
 
 
