@@ -4,7 +4,8 @@
 - every relative link `[text](path)` or `[text](path#anchor)` in README.md, BENCHMARKS.md and
   docs/*.md names a file that exists, and an anchor names a heading of that file (GitHub's slugs:
   lower case, punctuation dropped, spaces to dashes);
-- docs/README.md, the map, links every page in docs/.
+- docs/README.md, the map, links every page in docs/;
+- every page in docs/ is at most 200 lines, one topic (OVER_THE_CAP_UNTIL_SPLIT excepted).
 """
 
 from __future__ import annotations
@@ -17,6 +18,10 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", ROOT / "BENCHMARKS.md", *sorted((ROOT / "docs").glob("*.md"))]
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+PAGE_CAP = 200
+OVER_THE_CAP_UNTIL_SPLIT = {"training.md", "hf.md", "plan.md", "serving.md"}
+"""TEMPORARY (issue 52): pages over PAGE_CAP that are being split into pages along their own
+sections; each name goes from this set when its page is split, and then the set goes."""
 
 
 def _slug(heading: str) -> str:
@@ -70,3 +75,19 @@ def test_slugs_follow_github():
         "ringattn-serve-an-openai-compatible-server"
     )
     assert "the-documentation" in _anchors(ROOT / "docs" / "README.md")
+
+
+@pytest.mark.parametrize("page", sorted((ROOT / "docs").glob("*.md")), ids=lambda p: p.name)
+def test_every_docs_page_is_at_most_200_lines(page):
+    lines = len(page.read_text().splitlines())
+    if page.name in OVER_THE_CAP_UNTIL_SPLIT:
+        pytest.xfail(f"{page.name}: {lines} lines, being split (OVER_THE_CAP_UNTIL_SPLIT)")
+    assert lines <= PAGE_CAP, f"docs/{page.name} has {lines} lines; split it along its sections"
+
+
+def test_the_pages_over_the_cap_still_exist_and_are_over_it():
+    """An exception outlives its reason once its page is split or removed: then drop it."""
+    stale = {name for name in OVER_THE_CAP_UNTIL_SPLIT
+             if not (ROOT / "docs" / name).exists()
+             or len((ROOT / "docs" / name).read_text().splitlines()) <= PAGE_CAP}  # fmt: skip
+    assert not stale, f"remove {sorted(stale)} from OVER_THE_CAP_UNTIL_SPLIT"
