@@ -19,17 +19,15 @@ and is idempotent. Needs root and the Debian packages slurm-wlm and munge
 
 from __future__ import annotations
 
-import atexit
 import os
 import shutil
 import signal
 import socket
 import subprocess
 import tempfile
-import threading
 import time
 
-from typing_extensions import Self
+from ringattn.testing.teardown import Teardown
 
 __all__ = ["LocalSlurm", "unavailable"]
 
@@ -53,7 +51,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-class LocalSlurm:
+class LocalSlurm(Teardown):
     """munged + slurmctld + slurmd on 127.0.0.1 with one node of `cpus` CPUs."""
 
     def __init__(self, cpus: int = 2, kill_wait_s: int = 30):
@@ -65,7 +63,6 @@ class LocalSlurm:
         self.cpus, self.kill_wait_s = cpus, kill_wait_s
         self.conf = os.path.join(self.dir, "slurm.conf")
         self._pids: list[str] = []  # pid files of the daemons started here
-        self._previous_sigterm: object = None
 
     def env(self, extra: dict | None = None) -> dict:
         """The environment of a client command: SLURM_CONF pointing here."""
@@ -78,25 +75,6 @@ class LocalSlurm:
             raise RuntimeError(f"{' '.join(argv)} failed ({done.returncode}): "
                                f"{(done.stderr or done.stdout).strip()}")  # fmt: skip
         return done.stdout
-
-    def __enter__(self) -> Self:
-        atexit.register(self.close)
-        main = threading.current_thread() is threading.main_thread()
-        if main and signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
-            self._previous_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
-        try:
-            self._start()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def _on_sigterm(self, signum: int, frame: object) -> None:
-        self.close()
-        raise SystemExit(128 + signum)
 
     def _start(self) -> None:
         d = self.dir
@@ -170,8 +148,8 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
     def state(self, job_id: str) -> str:
         return self.job(job_id)["JobState"]
 
-    def pids(self) -> list[int]:
-        """The daemons and every slurmstepd (whose children are the jobs' processes)."""
+    def _daemons(self) -> list[int]:
+        """The pids of the daemons started here, from their pid files."""
         found = []
         for path in self._pids:
             try:
@@ -179,6 +157,11 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
                     found.append(int(f.read().split()[0]))
             except (OSError, ValueError, IndexError):
                 pass
+        return found
+
+    def pids(self) -> list[int]:
+        """The daemons and every slurmstepd (whose children are the jobs' processes)."""
+        found = self._daemons()
         for entry in os.listdir("/proc"):
             try:
                 with open(f"/proc/{entry}/comm") as f:
@@ -194,13 +177,7 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
         if self._pids and os.path.exists(self.conf):
             subprocess.run(["scancel", "--user", "root"],
                            env=self.env(), capture_output=True, check=False)  # fmt: skip
-        pids = []
-        for path in self._pids:
-            try:
-                with open(path) as f:
-                    pids.append(int(f.read().split()[0]))
-            except (OSError, ValueError, IndexError):
-                pass
+        pids = self._daemons()
         for sig in (signal.SIGTERM, signal.SIGKILL):
             for pid in pids:
                 try:
@@ -212,9 +189,7 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
                 time.sleep(0.2)
         self._pids = []
         shutil.rmtree(self.dir, ignore_errors=True)
-        if self._previous_sigterm is not None:
-            signal.signal(signal.SIGTERM, self._previous_sigterm)
-            self._previous_sigterm = None
+        self._disarm()
 
 
 def _alive(pid: int) -> bool:
