@@ -21,7 +21,7 @@ Why later SIGTERMs never end the rank: one preemption reaches a rank through sev
 sending its own copy, and how far apart they arrive depends on the machine's load, not on anyone's
 intent. Slurm's `scancel --signal=TERM --full` (what preemption with a grace time sends) signals
 every process of the job: the rank directly, and torchrun's agent, which forwards a copy when its
-Python handler gets to run; a loaded node delivers the two seconds apart. An earlier rule (a
+Python handler gets to run, on a loaded node seconds later. An earlier rule (a
 SIGTERM more than 2 s after the first exits at once) turned that second copy into a hard exit and
 the preemption into a run without its checkpoint. The grace period is the bound; an operator who
 wants a rank gone now sends SIGKILL.
@@ -79,8 +79,8 @@ class StopRequest:
             self.signals += 1
             if self.first is None:
                 self.first = now
-                _say(f"SIGTERM: finishing this step, then checkpointing and exiting (a second "
-                     f"SIGTERM, or {self.grace_s:g} s, exits at once)")  # fmt: skip
+                _say(f"SIGTERM: finishing this step, then checkpointing and exiting (after "
+                     f"{self.grace_s:g} s, at once; SIGKILL ends it now)")  # fmt: skip
                 threading.Thread(target=self._deadline, name="ringattn-grace", daemon=True).start()
             # else: another layer's copy of the same request (see the module docstring)
 
