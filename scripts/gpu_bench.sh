@@ -20,7 +20,7 @@
 #   check    ringattn check on 1 GPU (bf16, fp16; W = 1)
 #   extra    GQA 32:8 causal sweep, and the merge decomposition at 4k/8k (kernels only / torch
 #            merge / Triton merge)                            -> bench_gqa.json, bench_merge_*.json
-#   apps     scripts/gpu_apps.py: train --compile, train --hf --dtype bfloat16, generate --hf,
+#   apps     scripts/bench/gpu_apps.py: train --compile, train --hf --dtype bfloat16, generate --hf,
 #            generate --checkpoint with and without --offload-kv, on the GPU at toy sizes
 #                                                             -> apps.json, apps_*.log
 #            (serve needs fastapi/uvicorn, which the GPU image lacks: carry wheels to add it)
@@ -117,7 +117,7 @@ for merge in none torch triton; do
         --masks causal,full --passes fwd --baselines cudnn --merge "$merge" --repeats 5 \
         --json "$OUT/bench_merge_$merge.json"
 done
-APPS=("$PY" scripts/gpu_apps.py "$OUT")
+APPS=("$PY" scripts/bench/gpu_apps.py "$OUT")
 [[ "${GPU_BENCH_DRY_RUN:-0}" == 1 ]] && APPS+=(--dry-run)
 run apps 150 "${APPS[@]}"
 echo "total ${SECONDS}s; outputs in $OUT" >> "$SUMMARY"

@@ -109,6 +109,16 @@ if ! "$PY" -c "import numpy" >/dev/null 2>&1 && [[ ! -d "$VENV/triton-interp/num
         || echo "[setup] numpy did not install: the Triton interpreter tests will skip"
 fi
 
+# Optional, as root with apt only: Slurm (slurm-wlm) and munge, for tests/test_slurm.py, which
+# starts a one-node cluster of its own (slurmctld, slurmd, munged) and skips without them.
+if [[ $EUID -eq 0 ]] && command -v apt-get >/dev/null 2>&1 && ! command -v slurmctld >/dev/null 2>&1; then
+    echo "[setup] installing slurm-wlm and munge (optional: the Slurm recipe's test)"
+    export DEBIAN_FRONTEND=noninteractive
+    { apt-get install -y -q slurm-wlm munge >/dev/null \
+        || { apt-get update -q >/dev/null && apt-get install -y -q slurm-wlm munge >/dev/null; }; } \
+        || echo "[setup] slurm-wlm and munge did not install; tests/test_slurm.py will skip"
+fi
+
 version="$(installed_here)" || {
     echo "[setup] ringattn is not importable from $ROOT/src after install" >&2
     exit 1

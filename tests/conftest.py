@@ -14,7 +14,7 @@ import os
 import sys
 from collections import OrderedDict
 from collections.abc import Iterator
-from typing import Any
+from typing import IO, Any
 
 import pytest
 
@@ -24,7 +24,19 @@ _TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 if _TESTS_DIR not in sys.path:
     sys.path.insert(0, _TESTS_DIR)
 
+import basetemp
 from harness import WorkerPool
+
+_LOCK = pytest.StashKey[IO]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """This run's own --basetemp (tests/basetemp.py), unless one was given; pytest-xdist's
+    workers inherit their controller's."""
+    if config.option.basetemp or hasattr(config, "workerinput"):
+        return
+    config.option.basetemp, lock = basetemp.claim()
+    config.stash[_LOCK] = lock  # held (open) until this process ends
 
 
 class PoolCache:

@@ -14,6 +14,7 @@ import sys
 import pytest
 import torch
 
+from ringattn.bench import record
 from ringattn.cli import main as cli
 from ringattn.layout import get_layout
 from ringattn.testing import emulated as emulate
@@ -200,3 +201,24 @@ def test_emulated_ring_on_cuda_within_bf16_gates(hq, hkv, causal):
         base = getattr(baseline, name).index_select(2, index)
         passed, worst = relative_gate(compare(got, want), compare(base, want))
         assert passed, (name, worst)
+
+
+def test_a_bench_scripts_record_starts_with_its_command_machine_and_versions(
+    tmp_path, capsys, monkeypatch
+):
+    """bench/record.py: the command reruns the script from the working directory with the same
+    arguments (quoted), the versions name python, torch and each package asked for (null when
+    not installed), and the bench's own keys follow."""
+    monkeypatch.chdir(tmp_path)  # the repository root, as the docs run the benches
+    script = str(tmp_path / "scripts" / "bench" / "memory.py")  # a bench's __file__
+    path = str(tmp_path / "out" / "result.json")
+    record.write(path, script, ["--seq-len", "64", "--note", "two words"], {"rows": [1, 2]},
+                 packages=["torch", "surely-not-installed-pkg"])  # fmt: skip
+    with open(path) as f:
+        data = json.load(f)
+    assert list(data)[:4] == ["command", "date", "machine", "versions"]
+    assert data["command"] == "python scripts/bench/memory.py --seq-len 64 --note 'two words'"
+    assert data["versions"]["torch"] == torch.__version__
+    assert data["versions"]["surely-not-installed-pkg"] is None
+    assert data["machine"]["cpus"] >= 1 and data["rows"] == [1, 2]
+    assert f"wrote {path}" in capsys.readouterr().out

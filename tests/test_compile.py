@@ -10,7 +10,7 @@ The attention forward and backward are `torch.library` custom ops (ringattn/ops.
 
 Multi-rank cases compile with "aot_eager" (the same dynamo and AOTAutograd graphs as inductor,
 without its ~30 s of code generation per graph on this machine); the one-process case and the
-benchmark (scripts/bench_compile.py) use inductor.
+benchmark (scripts/bench/compile.py) use inductor.
 """
 
 from __future__ import annotations

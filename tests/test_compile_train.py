@@ -3,7 +3,7 @@
 The trainer compiles every block's forward with fullgraph=True when FSDP2 shards the model (its
 hooks stay outside the graphs), the whole model otherwise (train/compile.py). Here on 4 ranks,
 mostly with the "aot_eager" backend (the same graphs as inductor, without its code generation;
-scripts/bench_compile.py measures inductor), against one process in eager: the same losses and
+scripts/bench/compile.py measures inductor), against one process in eager: the same losses and
 final parameters as tests/test_train.py requires of eager runs, for
 - dp 2 x cp 2;
 - cp 2 x tp 2: the row-parallel embedding hands the first compiled block an

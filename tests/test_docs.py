@@ -4,7 +4,8 @@
 - every relative link `[text](path)` or `[text](path#anchor)` in README.md, BENCHMARKS.md and
   docs/*.md names a file that exists, and an anchor names a heading of that file (GitHub's slugs:
   lower case, punctuation dropped, spaces to dashes);
-- docs/README.md, the map, links every page in docs/.
+- docs/README.md, the map, links every page in docs/;
+- every page in docs/ is at most 200 lines, one topic.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", ROOT / "BENCHMARKS.md", *sorted((ROOT / "docs").glob("*.md"))]
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+PAGE_CAP = 200
 
 
 def _slug(heading: str) -> str:
@@ -70,3 +72,9 @@ def test_slugs_follow_github():
         "ringattn-serve-an-openai-compatible-server"
     )
     assert "the-documentation" in _anchors(ROOT / "docs" / "README.md")
+
+
+@pytest.mark.parametrize("page", sorted((ROOT / "docs").glob("*.md")), ids=lambda p: p.name)
+def test_every_docs_page_is_at_most_200_lines(page):
+    lines = len(page.read_text().splitlines())
+    assert lines <= PAGE_CAP, f"docs/{page.name} has {lines} lines; split it along its sections"

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import basetemp
 from harness import WorkerPool
 
 # Worker functions: module level, so workers can import them as `test_harness:<name>`.
@@ -116,3 +117,29 @@ def test_hang_hits_deadline_and_pool_is_replaced(pools):
 def test_startup_deadline_is_a_clear_error():
     with pytest.raises(RuntimeError, match=r"startup: ranks \[0\] did not answer within 0.01 s"):
         WorkerPool(1, startup_timeout_s=0.01)
+
+
+def test_a_run_deletes_only_ended_runs_folders_beyond_the_newest_kept(tmp_path, monkeypatch):
+    """basetemp.claim: a live run's folder (its lock held) survives, ended ones beyond `keep`
+    go, oldest first, and the claiming run's own folder is new."""
+    runs = str(tmp_path / "runs")
+    os.makedirs(runs)
+    for second in range(4):  # four ended runs: folders with a free lock
+        name = os.path.join(runs, f"run-20260101-00000{second}-1")
+        os.makedirs(name)
+        open(name + ".lock", "w").close()
+    live_folder, live_lock = basetemp.claim(runs, keep=1)  # itself deletes ended runs 0-2
+    os.makedirs(live_folder)
+    try:
+        assert sorted(os.listdir(runs)) == sorted(
+            ["run-20260101-000003-1", "run-20260101-000003-1.lock",
+             os.path.basename(live_folder), os.path.basename(live_folder) + ".lock"]
+        )  # fmt: skip
+        monkeypatch.setattr(basetemp.time, "strftime", lambda fmt: "29991231-235959")
+        second, lock = basetemp.claim(runs, keep=0)  # every ended run goes, the live one stays
+        lock.close()
+        assert os.path.isdir(live_folder) and not os.path.exists(second)
+        assert not os.path.exists(os.path.join(runs, "run-20260101-000003-1"))
+    finally:
+        live_lock.close()
+    assert basetemp.remove_ended(runs, keep=0) == [live_folder, second]

@@ -67,11 +67,11 @@ def test_supported_families_is_the_documented_public_list():
 
 
 def test_the_docs_page_is_written_from_the_lists():
-    """docs/families.md is scripts/families_doc.py's rendering of EXACT and REFUSED."""
+    """docs/families.md is scripts/tools/families_doc.py's rendering of EXACT and REFUSED."""
     import families_doc
 
     assert families_doc.PAGE.read_text() == families_doc.render(), (
-        "docs/families.md is stale: run PYTHONPATH=src python scripts/families_doc.py"
+        "docs/families.md is stale: run PYTHONPATH=src python scripts/tools/families_doc.py"
     )
 
 

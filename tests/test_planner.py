@@ -1,6 +1,6 @@
 """`ringattn plan`: JSON contract, search, the modelled effects, errors, and the CPU calibration.
 
-No training runs here: the prediction-vs-measurement check is scripts/plan_check.py (results in
+No training runs here: the check of predictions against runs is scripts/bench/plan_check.py (in
 BENCHMARKS.md). The calibration test measures the kernels at a few sizes, with the gloo and
 trainer-floor steps stubbed out (plan_check.py runs them for real).
 """
@@ -232,7 +232,7 @@ def test_calibration_cache_is_reused(tmp_path, monkeypatch, capsys):
 
 def test_cpu_hosts_joined_by_a_shared_link():
     """`--hardware cpu --gpus-per-node 2 --inter-bw B`: hosts of 2 processes joined by one link
-    of B GB/s (scripts/two_hosts_bench.py measures this). A ring crosses it once per direction,
+    of B GB/s (scripts/bench/two_hosts.py measures this). A ring crosses it once per direction,
     hybrid's ring of Ulysses pairs with both ranks of a host at once: on a slow link hybrid
     moves fewer bytes over fewer hops and wins; on one machine nothing changes."""
     calibration = _fake_calibration()

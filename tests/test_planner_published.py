@@ -60,7 +60,7 @@ def test_torchtitan_attention_rate_is_one_number_for_both_tables():
     # at FlashAttention-2's published rate the long rows' absolute throughput is far too high
     full = evaluate(torchtitan_8b(8, 262144, attention_scale=1.0))["tokens_per_s_per_gpu"]
     assert full > 1.5 * TORCHTITAN_8B[-1][2]
-    # docs/plan-published.md's figures (scripts/plan_check.py --published prints them)
+    # docs/plan-published.md's figures (scripts/bench/plan_check.py --published prints them)
     sens = titan_sensitivity()
     assert sens["absolute_errors"][1.0]["405B"][-1] > 0.5  # the 405B 256k row, too
     assert sens["absolute_errors"][fitted]["405B"][-1] == pytest.approx(0.0, abs=1e-3)

@@ -1,4 +1,4 @@
-"""scripts/serve_bench.py and serve_stats.py: the statistics, targets and table on synthetic
+"""scripts/bench/serve.py and serve_stats.py: the statistics, targets and table on synthetic
 timings, and the load's phases against the tests' tiny chat model served in process (ringattn
 only; no timing asserted).
 """
@@ -14,24 +14,24 @@ import urllib.request
 
 import pytest
 
-SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "serve_bench.py"
+SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "bench" / "serve.py"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(SCRIPT.parent))  # its sibling modules, as when run as a script
+    sys.path.insert(0, str(SCRIPT.parent / "lib"))  # its servers and statistics, as it does
     spec = importlib.util.spec_from_file_location("serve_bench", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     sys.modules["serve_bench"] = module  # dataclasses look their module up
     spec.loader.exec_module(module)
     yield module
     del sys.modules["serve_bench"]
-    sys.path.remove(str(SCRIPT.parent))
+    sys.path.remove(str(SCRIPT.parent / "lib"))
 
 
 @pytest.fixture(scope="module")
 def stats(bench):
-    """scripts/serve_stats.py, which serve_bench imports (its figures from timed records)."""
+    """scripts/bench/lib/serve_stats.py, which serve.py imports (its figures from records)."""
     return sys.modules["serve_stats"]
 
 

@@ -9,6 +9,7 @@ Multi-rank cases run the real training loop (build_run + loop.train) in a pool o
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -16,6 +17,7 @@ import sys
 import pytest
 import torch
 
+from patience import wait_until
 from ringattn.train.config import TrainConfig, validate
 from ringattn.train.decoder import DECODER
 from ringattn.train.progress import read_log
@@ -186,11 +188,21 @@ def test_two_torchrun_nodes_on_loopback_equal_one_node(pools, tmp_path):
                 "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-id", "two-nodes",
                 "--rdzv-endpoint", rendezvous, "--local-addr", "127.0.0.1"]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+    logs = [tmp_path / f"node{i}.log" for i in range(2)]
     nodes = [subprocess.Popen([*torchrun, "--node-rank", str(i), "-m", "ringattn", "train",
                                *flags, "--out-dir", str(tmp_path / "two")], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for i in range(2)]  # fmt: skip
-    outputs = [node.communicate(timeout=180)[0] for node in nodes]
+                              stdout=log.open("w"), stderr=subprocess.STDOUT,
+                              start_new_session=True)
+             for i, log in enumerate(logs)]  # fmt: skip
+    try:  # as long as the job makes progress, however loaded the machine (patience.py)
+        wait_until(lambda: all(n.poll() is not None for n in nodes),
+                   lambda: [n.pid for n in nodes], "two torchrun nodes")  # fmt: skip
+    finally:
+        for node in nodes:
+            if node.poll() is None:  # a hang: the agent and its ranks, its whole session
+                os.killpg(node.pid, signal.SIGKILL)
+            node.wait()
+    outputs = [log.read_text() for log in logs]
     for i, (node, out) in enumerate(zip(nodes, outputs)):
         assert node.returncode == 0, f"node {i} exited with {node.returncode}:\n{out[-3000:]}"
     records = read_log(str(tmp_path / "two" / "train_log.jsonl"))

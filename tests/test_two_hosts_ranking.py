@@ -1,6 +1,6 @@
 """The planner's ranking against the committed two-hosts measurements (no runs, no root).
 
-results/two_hosts_cpu_repeats.json holds scripts/two_hosts_bench.py's measurements: every
+results/two_hosts_cpu_repeats.json holds scripts/bench/two_hosts.py's measurements: every
 strategy over 2 hosts x 2 ranks at two link rates, each configuration run several times round
 robin, and the calibration the planner priced them with. Here the current planner prices them
 again in-process: its order must never contradict the measured one (ties on both sides:

@@ -1,7 +1,7 @@
 """Rank functions for tests/test_hf_families.py: one listed family at CP 2 against one process.
 
 The tiny configs, the data, the one-process reference and the comparison are the family survey's
-(scripts/family_survey.py, which surveys every family; here only those on the allow-list run).
+(scripts/tools/family_survey.py, which surveys every family; here only those on the allow-list run).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import sys
 import torch.distributed as dist
 
 sys.path.insert(
-    0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts")
+    0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "tools")
 )
 
 import family_survey as survey

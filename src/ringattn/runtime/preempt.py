@@ -1,5 +1,5 @@
-"""Preemption: SIGTERM asks every rank to finish its step, checkpoint it and exit; a second one
-(or the grace period running out) exits at once.
+"""Preemption: SIGTERM asks every rank to finish its step, checkpoint it and exit; the grace
+period running out exits at once.
 
 Schedulers preempt a job with SIGTERM and a grace period (Kubernetes: 30 s by default, SLURM:
 KillWait). The signal reaches the launcher (our `launch` or `torchrun`), whose elastic agent
@@ -11,12 +11,20 @@ process of the step at once; an operator may signal one rank. So each rank handl
                     rank asked: all checkpoint that step together and return `stopped: preempted`
                     -> exit code 75 (EX_TEMPFAIL: "try again", outcome.py). The same command
                     resumes from that checkpoint.
-    grace_s later, or SIGTERM #2 more than DEBOUNCE_S after #1
-                -> os._exit(143) at once. Checkpoints are atomic (checkpoint.py), so the
+    SIGTERM #2, #3 ...
+                -> the same request: nothing more.
+    grace_s after #1
+                -> os._exit(143) at once. Checkpoints are atomic (checkpoint/), so the
                     newest complete one is intact; a half-written `.tmp-step-N` is never read.
 
-A SIGTERM within DEBOUNCE_S of the first counts as the same request: under SLURM a rank gets one
-from the scheduler and one forwarded by the launcher, a few milliseconds apart.
+Why later SIGTERMs never end the rank: one preemption reaches a rank through several layers, each
+sending its own copy, and how far apart they arrive depends on the machine's load, not on anyone's
+intent. Slurm's `scancel --signal=TERM --full` (what preemption with a grace time sends) signals
+every process of the job: the rank directly, and torchrun's agent, which forwards a copy when its
+Python handler gets to run, on a loaded node seconds later. An earlier rule (a
+SIGTERM more than 2 s after the first exits at once) turned that second copy into a hard exit and
+the preemption into a run without its checkpoint. The grace period is the bound; an operator who
+wants a rank gone now sends SIGKILL.
 
 Why a thread and `signal.set_wakeup_fd`: a Python signal handler runs only when the main thread
 returns to the interpreter, and a rank blocked in a collective (its peer is gone) may never do so.
@@ -42,6 +50,8 @@ __all__ = ["DEBOUNCE_S", "GRACE_S", "SigtermForwarder", "StopRequest", "install"
 GRACE_S = 25.0
 """Default time from the first SIGTERM to a hard exit: inside the agents' and Kubernetes' 30 s."""
 DEBOUNCE_S = 2.0
+"""The launcher's window (SigtermForwarder): SIGTERMs to it within this of the first are forwarded;
+a later one SIGKILLs the ranks."""
 
 _PIPE: tuple[int, int] | None = None  # this process's wakeup pipe (read end, write end)
 
@@ -69,11 +79,10 @@ class StopRequest:
             self.signals += 1
             if self.first is None:
                 self.first = now
-                _say(f"SIGTERM: finishing this step, then checkpointing and exiting (a second "
-                     f"SIGTERM, or {self.grace_s:g} s, exits at once)")  # fmt: skip
+                _say(f"SIGTERM: finishing this step, then checkpointing and exiting (after "
+                     f"{self.grace_s:g} s, at once; SIGKILL ends it now)")  # fmt: skip
                 threading.Thread(target=self._deadline, name="ringattn-grace", daemon=True).start()
-            elif now - self.first > DEBOUNCE_S:
-                self.hard_exit("a second SIGTERM")
+            # else: another layer's copy of the same request (see the module docstring)
 
     def finished(self) -> None:
         """The rank is done (its checkpoint is written): the grace deadline no longer applies."""

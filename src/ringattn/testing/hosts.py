@@ -27,18 +27,16 @@ not, for tests to skip with.
 
 from __future__ import annotations
 
-import atexit
 import itertools
 import os
 import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Sequence
 
-from typing_extensions import Self
+from ringattn.testing.teardown import Teardown
 
 __all__ = ["ADDRESSES", "DEVICE", "TwoHosts", "unavailable"]
 
@@ -79,7 +77,7 @@ def _burst(rate: str) -> str:
     raise ValueError(f"rate {rate!r}: give a number with kbit, mbit or gbit, e.g. 100mbit")
 
 
-class TwoHosts:
+class TwoHosts(Teardown):
     """Two namespaces ("hosts") joined by a veth shaped to `rate` (tc's syntax: 100mbit, 1gbit)."""
 
     def __init__(self, rate: str = "1gbit"):
@@ -93,38 +91,21 @@ class TwoHosts:
         self.procs: list[subprocess.Popen] = []
         self.launches = 0  # each launch rendezvouses on a port of its own (no TIME_WAIT clash)
         self._made: list[str] = []
-        self._previous_sigterm: object = None
 
-    def __enter__(self) -> Self:
-        atexit.register(self.close)
-        main = threading.current_thread() is threading.main_thread()
-        if main and signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
-            self._previous_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
-        try:
-            for name in self.names:
-                _run("ip", "netns", "add", name)
-                self._made.append(name)
-            h0, h1 = self.names
-            _run("ip", "link", "add", DEVICE, "netns", h0, "type", "veth", "peer", "name", DEVICE,
-                 "netns", h1)  # fmt: skip
-            for name, address in zip(self.names, self.addresses):
-                _run("ip", "netns", "exec", name, "sysctl", "-q", "-w",
-                     f"net.ipv6.conf.{DEVICE}.disable_ipv6=1")  # fmt: skip
-                _run("ip", "-n", name, "addr", "add", f"{address}/30", "dev", DEVICE)
-                _run("ip", "-n", name, "link", "set", "lo", "up")
-                _run("ip", "-n", name, "link", "set", DEVICE, "up")
-            self.set_rate(self.rate, replace=False)
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def _on_sigterm(self, signum: int, frame: object) -> None:
-        self.close()
-        raise SystemExit(128 + signum)
+    def _start(self) -> None:
+        for name in self.names:
+            _run("ip", "netns", "add", name)
+            self._made.append(name)
+        h0, h1 = self.names
+        _run("ip", "link", "add", DEVICE, "netns", h0, "type", "veth", "peer", "name", DEVICE,
+             "netns", h1)  # fmt: skip
+        for name, address in zip(self.names, self.addresses):
+            _run("ip", "netns", "exec", name, "sysctl", "-q", "-w",
+                 f"net.ipv6.conf.{DEVICE}.disable_ipv6=1")  # fmt: skip
+            _run("ip", "-n", name, "addr", "add", f"{address}/30", "dev", DEVICE)
+            _run("ip", "-n", name, "link", "set", "lo", "up")
+            _run("ip", "-n", name, "link", "set", DEVICE, "up")
+        self.set_rate(self.rate, replace=False)
 
     def set_rate(self, rate: str, replace: bool = True) -> None:
         """Shape both directions of the link to `rate`."""
@@ -227,6 +208,4 @@ class TwoHosts:
         while self._made:
             name = self._made.pop()
             subprocess.run(["ip", "netns", "del", name], capture_output=True, check=False)
-        if self._previous_sigterm is not None:
-            signal.signal(signal.SIGTERM, self._previous_sigterm)
-            self._previous_sigterm = None
+        self._disarm()

@@ -9,7 +9,7 @@ pp x dp x cp x tp mesh (TP/SP, pipeline stages, FSDP2, DCP checkpoints that resh
                      recipe.py   ModelRecipe(build, parallelize, loader, check)
                      decoder.py  DECODER: models/decoder.py + models/parallelize.py
                      hf/         HF: a transformers causal LM, its packed documents, the export
-                     runtime/mesh.py, runtime/checkpoint.py: the mesh; resume
+                     runtime/mesh.py, runtime/checkpoint/: the mesh; resume
                      step.py    AdamW
                      data.py    Loader: step -> this rank's Batch (ringattn.shard / positions)
                      dynamic/   --data docs: packed documents, static or --dynamic-cp

@@ -171,8 +171,8 @@ class TrainConfig:
     """stop after this many steps in a row with a non-finite loss or gradient norm on any rank
     (their updates are skipped)"""
     grace_s: float = 25.0
-    """after SIGTERM: seconds to finish the step and checkpoint it before exiting at once (a
-    second SIGTERM exits at once too)"""
+    """after SIGTERM: seconds to finish the step and checkpoint it before exiting at once (more
+    SIGTERMs, the copies a scheduler and a launcher send, join the first)"""
     tensorboard: bool = False
     """also write TensorBoard event files under OUT_DIR/tensorboard (loss, lr, grad norm,
     tokens/s, MFU, per-rank peak memory); needs tensorboard"""

@@ -19,7 +19,7 @@ the three ways a long run ends early on a cluster (preemption, divergence, a fai
 Every decision to stop comes from the flags that every rank received in the same all-reduce, so
 all ranks leave the loop after the same step and write the same checkpoint; a run that stops early
 returns normally, `run.stopped` saying why (runtime/outcome.py: the exit code and the message).
-A checkpoint write that fails raises the same CheckpointError on every rank (checkpoint.py) and
+A checkpoint write that fails raises the same CheckpointError on every rank (checkpoint/) and
 ends the run the same way; weights that are not finite are never written.
 
 MFU: the model FLOPs of a step (planner/flops.py: the planner's count for this model shape,

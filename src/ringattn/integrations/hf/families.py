@@ -3,8 +3,8 @@
 `parallelize` (and KV-cache decoding) accepts a text model only when its `config.model_type` is in
 `EXACT`: each of those families was built tiny with random weights and trained one step at CP 2
 against one process (zigzag, packed documents, loss and gradients within the gates): see
-tests/test_hf_families.py, which runs every entry, and scripts/family_survey.py, which surveys every
-causal-LM family transformers registers (results/family_survey.json: 189 families with
+tests/test_hf_families.py, which runs every entry, and scripts/tools/family_survey.py, which surveys
+every causal-LM family transformers registers (results/family_survey.json: 189 families with
 transformers 5.23). A family not listed is refused by name, whatever its code looks like: one that
 transformers adds next month stays refused until someone checks it and adds it here.
 `REFUSED` says why the known ones are not listed. Vision-language models are listed in vision.py

@@ -5,7 +5,7 @@
                              starts.i64       where each document starts
                              supervised.u8    chat: 1 on the assistant's tokens
                              meta.json        counts, how the text became tokens
-        --> fsync, rename -> CACHE/KEY/       (atomic and durable: runtime/checkpoint.publish)
+        --> fsync, rename -> CACHE/KEY/       (atomic, durable: checkpoint/durable.py)
 
     KEY = sha256(format, kind, the files' paths, sizes and mtimes, the tokenizer's files, vocab)
 
@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from ringattn.integrations.hf.source import load_tokenizer
-from ringattn.runtime.checkpoint import fsync_tree, publish, write_synced
+from ringattn.runtime.checkpoint.durable import fsync_tree, publish, write_synced
 from ringattn.train.hf.chat import check_chat_tokenizer, render
 from ringattn.train.hf.sources import files, records
 

@@ -93,7 +93,7 @@ class ExpertParallel:
 def expert_parallel(model: nn.Module, ep: int, device: torch.device, policy: object) -> None:
     """--ep > 1: shard `model`'s experts (before the blocks' FSDP2) and give the model the
     trainer's two seams, `clip_grad_norm_` (train/step.py) and `checkpoint_view`
-    (runtime/checkpoint.py)."""
+    (runtime/checkpoint/)."""
     parallel = ExpertParallel(ep, device)
     parallel.shard(model, policy)
     model.clip_grad_norm_ = lambda max_norm: parallel.clip_grad_norm_(model, max_norm)

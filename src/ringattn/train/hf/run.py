@@ -15,7 +15,7 @@ every rank wrote into the full tensors of a plain transformers model (the same l
 a run on another number of ranks), which `save_pretrained` writes with the tokenizer beside it.
 It needs no memory on the training ranks, and works again on any finished run. The files are
 written beside the export directory, fsync'ed, then renamed into it
-(runtime/checkpoint.publish_into).
+(runtime/checkpoint/durable.publish_into).
 """
 
 from __future__ import annotations
