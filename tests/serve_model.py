@@ -21,7 +21,7 @@ import time
 import torch
 
 from ringattn.comm import resolve_group
-from ringattn.serve.app import build_app, serve_in_thread
+from ringattn.serve.api.app import build_app, serve_in_thread
 from ringattn.serve.config import ServeConfig, bind
 from ringattn.serve.metrics import Metrics
 from ringattn.serve.worker import limits, rank_loop

@@ -1,6 +1,6 @@
 """`ringattn serve`'s HTTP layer, asked by the official `openai` client, in this process.
 
-The app (serve/app.py) and one rank's loop (serve/worker.py, world size 1) run in threads over a
+The app (serve/api/app.py) and one rank's loop (serve/worker.py, world size 1) run in threads over a
 tiny random Llama and a BPE tokenizer with a ChatML template built offline (serve_model.py).
 Answers are checked against transformers' own `model.generate` (greedy) on a separate copy of
 the model; streams against the whole answers; bad requests must get the API's 400 body and never

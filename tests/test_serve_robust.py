@@ -35,7 +35,7 @@ import ringattn.hf
 from ringattn.inference.hf.generate import RESERVE_AHEAD
 from ringattn.inference.sampling import Sampling, next_token
 from ringattn.integrations.hf.source import load_model, model_source
-from ringattn.serve.app import build_app, serve_in_thread
+from ringattn.serve.api.app import build_app, serve_in_thread
 from ringattn.serve.config import ServeConfig, bind
 from serve_model import InProcess, save_chat_model, served_tiny
 

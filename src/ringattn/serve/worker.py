@@ -54,14 +54,14 @@ from ringattn.integrations.hf.source import load_model, load_tokenizer, model_so
 from ringattn.integrations.hf.tensor_parallel import split_cp_tp
 from ringattn.runtime.heartbeat import report_progress
 from ringattn.runtime.launch import init_distributed
-from ringattn.serve.app import build_app, serve_in_thread
+from ringattn.serve.api.app import build_app, serve_in_thread
+from ringattn.serve.api.schema import Limits
 from ringattn.serve.config import ServeConfig, bind, model_aliases, model_name
 from ringattn.serve.metrics import Metrics
 from ringattn.serve.pool import BlockPool, Shares
 from ringattn.serve.protocol import AGREE_S, Job, Verdict, exchange
 from ringattn.serve.runner import Runner
 from ringattn.serve.scheduler import Scheduler
-from ringattn.serve.schema import Limits
 
 __all__ = ["SAMPLING", "Sink", "check_pool", "eos_ids", "kv_token_bytes", "limits", "pool_blocks",
            "rank_loop", "serve_worker", "served_context"]  # fmt: skip

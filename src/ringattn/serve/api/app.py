@@ -36,11 +36,9 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
-from ringattn.serve.choices import Choice, gather, stream
-from ringattn.serve.metrics import Metrics
-from ringattn.serve.openapi import install_openapi, post_route, responses
-from ringattn.serve.protocol import Job
-from ringattn.serve.schema import (
+from ringattn.serve.api.choices import Choice, gather, stream
+from ringattn.serve.api.openapi import install_openapi, post_route, responses
+from ringattn.serve.api.schema import (
     APIError,
     ChatBody,
     CompletionBody,
@@ -50,6 +48,8 @@ from ringattn.serve.schema import (
     prompts_of,
     tools_of,
 )
+from ringattn.serve.metrics import Metrics
+from ringattn.serve.protocol import Job
 
 RETRY_AFTER_S = 1  # Retry-After of a 503 (the queue is full)
 DRAIN_BYTES = 64 << 20  # a refused body is read and dropped up to this, then the line is cut

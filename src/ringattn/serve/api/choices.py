@@ -26,8 +26,8 @@ import asyncio
 import json
 from collections.abc import AsyncIterator
 
+from ringattn.serve.api.schema import APIError
 from ringattn.serve.protocol import Job
-from ringattn.serve.schema import APIError
 from ringattn.serve.text import ToolCalls
 
 __all__ = ["Choice", "event_error", "gather", "stream"]
