@@ -30,8 +30,8 @@ PER_MIXER = ["qwen3_5_wide", "nemotron_h_wide", "jamba", "lfm2", "minimax", "zay
 CASES = [(layout, "ring", kind) for layout in LAYOUTS for kind in ("dense", "packed")]
 
 
-def _check(rows, label):
-    assert [row[0] for row in rows] == CASES
+def _check(rows, label, cases=CASES):
+    assert [row[0] for row in rows] == cases
     failures = [
         f"{case}: loss {loss:.3g}, gradient {name} {grad:.3g} of its max entry"
         for case, loss, grad, name in rows
@@ -51,6 +51,18 @@ def test_family_exact_at_cp2(pools, arch):
 def test_mixer_exact_at_cp3_and_cp4(pools, arch, world_size):
     rows = pools(world_size).run("workers_hf_hybrid:compare_cases", arch=arch, cases=CASES)[0]
     _check(rows, f"{arch} at CP = {world_size}")
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_deepseek_v4_with_its_router_loss(pools, world_size):
+    """DeepSeek-V4 with output_router_logits: the load-balancing loss over the whole sequence
+    (integrations/hf/moe.py) beside its compressed layers run whole. One document only: a packed
+    batch's router loss is over all its tokens, which the per-document reference cannot give."""
+    cases = [(layout, "ring", "dense") for layout in LAYOUTS]
+    rows = pools(world_size).run(
+        "workers_hf_hybrid:compare_cases", arch="deepseek_v4_aux", cases=cases
+    )[0]
+    _check(rows, f"deepseek_v4 with its router loss at CP = {world_size}", cases)
 
 
 @pytest.mark.parametrize(

@@ -168,9 +168,12 @@ def config(arch: str):
             cca_time0=3,
             cca_time1=2,
         )
-    if arch == "deepseek_v4":  # a sliding, a CSA and an HCA layer: windows of 2 and 4 tokens,
-        # the indexer keeps 2 entries of up to 11, a window of 4 (the pooled keys matter)
+    if arch.startswith("deepseek_v4"):  # a sliding, a CSA and an HCA layer: windows of 2 and 4
+        # tokens, the indexer keeps 2 entries of up to 11, a window of 4 (the pooled keys matter);
+        # _aux: the router load-balancing loss in the loss too (integrations/hf/moe.py)
         return tf.DeepseekV4Config(
+            output_router_logits=arch == "deepseek_v4_aux",
+            router_aux_loss_coef=0.1,
             **{k: v for k, v in common.items() if k != "intermediate_size"},
             moe_intermediate_size=16,
             num_hidden_layers=3,
@@ -235,7 +238,7 @@ def build(arch: str) -> torch.nn.Module:
     if arch not in _MODELS:
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config(arch)).float()
-        if arch == "deepseek_v4":  # what the initialisation leaves at zero: random too
+        if arch.startswith("deepseek_v4"):  # what the initialisation leaves at zero: random too
             with torch.no_grad():
                 for name, tensor in itertools.chain(
                     model.named_parameters(), model.named_buffers()
