@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from ringattn.integrations.hf.families import _HYBRID, _SURVEYED, EXACT, REFUSED
+from ringattn.integrations.hf.families import _HYBRID, _SURVEYED, _WHOLE, EXACT, REFUSED
 from test_hf_hybrid import FAMILIES as HYBRIDS
 from workers_hf_families import survey  # noqa: F401 - puts scripts/ on sys.path
 
@@ -37,8 +37,8 @@ def test_every_listed_family_has_a_test():
     """Walk the allow-list: each family must be on a list that an equivalence test runs.
 
     surveyed: test_listed_family_is_exact_at_cp2 above runs it (its tiny config must build from
-    the survey's registry); hybrid: tests/test_hf_hybrid.py's FAMILIES. Any other kind of entry
-    has no test here, and fails.
+    the survey's registry); hybrid, or compressed attention run whole (DeepSeek-V4):
+    tests/test_hf_hybrid.py's FAMILIES. Any other kind of entry has no test here, and fails.
     """
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -49,7 +49,7 @@ def test_every_listed_family_has_a_test():
             tested = name in SURVEYED and (
                 REGISTRY_KEY.get(name, name) in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
             )
-        elif how == _HYBRID:
+        elif how in (_HYBRID, _WHOLE):
             tested = name in hybrids
         else:
             tested = False
@@ -80,10 +80,7 @@ def test_the_docs_page_is_written_from_the_lists():
     [
         ("mystery_lm", r"model_type='mystery_lm'\) is not on ringattn.hf's list .* check --hf"),
         ("llama4_text", r"model_type='llama4_text'\) is refused by ringattn.hf: chunked"),
-        (
-            "deepseek_v4",
-            r"model_type='deepseek_v4'\) is refused by ringattn.hf: its compressed attention",
-        ),
+        ("doge", r"model_type='doge'\) is refused by ringattn.hf: a dense 4-D attention mask"),
     ],
 )
 def test_a_family_off_the_list_is_refused_on_every_rank(pools, model_type, match):

@@ -22,15 +22,16 @@ from ringattn.layout import LAYOUTS
 LOSS_RTOL, GRAD_RTOL = 1e-5, 1e-4
 FAMILIES = ["qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid", "nemotron_h",
             "falcon_h1", "granitemoehybrid", "bamba", "zamba2", "mamba2", "jamba", "mamba",
-            "falcon_mamba", "lfm2", "minimax", "zaya"]  # fmt: skip
+            "falcon_mamba", "lfm2", "minimax", "zaya", "deepseek_v4"]  # fmt: skip
 # one family per mixer kind at the larger world sizes (each case is a full forward + backward);
 # the wide ones split their heads at W = 4 and run whole at W = 3
-PER_MIXER = ["qwen3_5_wide", "nemotron_h_wide", "jamba", "lfm2", "minimax", "zaya"]
+PER_MIXER = ["qwen3_5_wide", "nemotron_h_wide", "jamba", "lfm2", "minimax", "zaya",
+             "deepseek_v4"]  # fmt: skip
 CASES = [(layout, "ring", kind) for layout in LAYOUTS for kind in ("dense", "packed")]
 
 
-def _check(rows, label):
-    assert [row[0] for row in rows] == CASES
+def _check(rows, label, cases=CASES):
+    assert [row[0] for row in rows] == cases
     failures = [
         f"{case}: loss {loss:.3g}, gradient {name} {grad:.3g} of its max entry"
         for case, loss, grad, name in rows
@@ -52,6 +53,18 @@ def test_mixer_exact_at_cp3_and_cp4(pools, arch, world_size):
     _check(rows, f"{arch} at CP = {world_size}")
 
 
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_deepseek_v4_with_its_router_loss(pools, world_size):
+    """DeepSeek-V4 with output_router_logits: the load-balancing loss over the whole sequence
+    (integrations/hf/moe.py) beside its compressed layers run whole. One document only: a packed
+    batch's router loss is over all its tokens, which the per-document reference cannot give."""
+    cases = [(layout, "ring", "dense") for layout in LAYOUTS]
+    rows = pools(world_size).run(
+        "workers_hf_hybrid:compare_cases", arch="deepseek_v4_aux", cases=cases
+    )[0]
+    _check(rows, f"deepseek_v4 with its router loss at CP = {world_size}", cases)
+
+
 @pytest.mark.parametrize(
     ("arch", "world_size", "want"),
     [
@@ -68,14 +81,14 @@ def test_each_mixer_runs_head_parallel_where_its_heads_divide(pools, arch, world
     assert pools(world_size).run("workers_hf_hybrid:schemes", arch=arch)[0] == want
 
 
-@pytest.mark.parametrize("arch", ["nemotron_h", "qwen3_5_text", "bamba", "zaya"])
+@pytest.mark.parametrize("arch", ["nemotron_h", "qwen3_5_text", "bamba", "zaya", "deepseek_v4"])
 def test_a_mutated_mixer_input_is_caught(pools, arch):
     """Each token's mixer input taken from the token before: far outside the gates."""
     ((_, loss, grad, _),) = pools(2).run("workers_hf_hybrid:mutated_errors", arch=arch)[0]
     assert loss > 100 * LOSS_RTOL or grad > 100 * GRAD_RTOL, (loss, grad)
 
 
-DECODED = [f for f in FAMILIES if f not in ("minimax", "zamba2", "zaya")]
+DECODED = [f for f in FAMILIES if f not in ("minimax", "zamba2", "zaya", "deepseek_v4")]
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]]
 
 
@@ -111,8 +124,18 @@ def test_greedy_decoding_at_cp1_and_cp3(pools, arch, world_size):
         ("generate", r"MiniMaxLightningAttention .* keeps its lightning-attention cache"),
         ("generate_zamba2", r"model_type='zamba2'\): its shared attention block"),
         ("generate_zaya", r"ZayaCCAProjection .* keeps its convolution and delayed-value states"),
+        ("generate_deepseek_v4", r"model_type='deepseek_v4'\): its compressed attention layers"),
+        ("dropout_deepseek_v4", r"DeepseekV4Attention \(layer 1\): attention dropout 0.1"),
     ],
-    ids=["unknown-module", "conv-leaf", "generate-minimax", "generate-zamba2", "generate-zaya"],
+    ids=[
+        "unknown-module",
+        "conv-leaf",
+        "generate-minimax",
+        "generate-zamba2",
+        "generate-zaya",
+        "generate-deepseek_v4",
+        "dropout-deepseek_v4",
+    ],
 )
 def test_refused_on_every_rank(pools, what, match):
     pools(2).run_expect_error(

@@ -168,6 +168,33 @@ def config(arch: str):
             cca_time0=3,
             cca_time1=2,
         )
+    if arch.startswith("deepseek_v4"):  # a sliding, a CSA and an HCA layer: windows of 2 and 4
+        # tokens, the indexer keeps 2 entries of up to 11, a window of 4 (the pooled keys matter);
+        # _aux: the router load-balancing loss in the loss too (integrations/hf/moe.py)
+        return tf.DeepseekV4Config(
+            output_router_logits=arch == "deepseek_v4_aux",
+            router_aux_loss_coef=0.1,
+            **{k: v for k, v in common.items() if k != "intermediate_size"},
+            moe_intermediate_size=16,
+            num_hidden_layers=3,
+            head_dim=16,
+            q_lora_rank=16,
+            partial_rotary_factor=0.5,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            layer_types=["sliding_attention", "compressed_sparse_attention",
+                         "heavily_compressed_attention"],
+            mlp_layer_types=["hash_moe", "moe", "moe"],
+            compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 4},
+            hc_mult=2,
+            hc_sinkhorn_iters=3,
+            sliding_window=4,
+            o_groups=2,
+            o_lora_rank=8,
+            index_n_heads=2,
+            index_head_dim=8,
+            index_topk=2,
+        )  # fmt: skip
     if arch == "llama_like":  # a plain decoder, for the refusal tests
         return tf.LlamaConfig(**common, num_hidden_layers=2)
     if arch == "mamba2":
@@ -211,6 +238,15 @@ def build(arch: str) -> torch.nn.Module:
     if arch not in _MODELS:
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config(arch)).float()
+        if arch.startswith("deepseek_v4"):  # what the initialisation leaves at zero: random too
+            with torch.no_grad():
+                for name, tensor in itertools.chain(
+                    model.named_parameters(), model.named_buffers()
+                ):
+                    if name.endswith(("sinks", "position_bias")):
+                        tensor.normal_(0.0, 0.5)
+                    elif name.endswith("tid2eid"):  # the hash router's token -> experts table
+                        tensor.copy_(torch.randint(0, 4, tensor.shape))
         _MODELS[arch] = model
     return _MODELS[arch]
 
@@ -359,8 +395,14 @@ def refuse(rank: int, world_size: int, *, what: str) -> None:
         model = copy.deepcopy(build("llama_like"))
         model.model.layers[0].mlp.extra = torch.nn.Conv1d(4, 4, 3)
         ringattn.hf.parallelize(model)
+    elif what == "dropout_deepseek_v4":  # its first compressed layer's dropout, in training
+        model = copy.deepcopy(build("deepseek_v4"))
+        model.model.layers[1].self_attn.attention_dropout = 0.1
+        ringattn.hf.parallelize(model).train()
+        model(**ringattn.hf.shard_batch(data("packed")))
     elif what.startswith("generate"):
-        arch = {"generate_zamba2": "zamba2", "generate_zaya": "zaya"}.get(what, "minimax")
+        arch = {"generate_zamba2": "zamba2", "generate_zaya": "zaya",
+                "generate_deepseek_v4": "deepseek_v4"}.get(what, "minimax")  # fmt: skip
         model = build(arch)
         ringattn.hf.generate(model, torch.tensor([[5, 6, 7, 8, 9]]), 4)
     else:

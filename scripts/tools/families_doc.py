@@ -14,7 +14,7 @@ import argparse
 import pathlib
 import sys
 
-from ringattn.integrations.hf.families import _HYBRID, _SURVEYED, EXACT, REFUSED
+from ringattn.integrations.hf.families import _HYBRID, _SURVEYED, _WHOLE, EXACT, REFUSED
 
 PAGE = pathlib.Path(__file__).resolve().parents[2] / "docs" / "families.md"
 
@@ -41,13 +41,21 @@ PhiMoE is exact where its router is deterministic: in eval, or in training with
 jitter samples experts at random and is refused by name at each forward
 (`tests/test_hf_phimoe.py`). Zaya's CCA projection (causal
 convolutions on queries and keys, values from the previous token) runs on the whole sequence
-like a hybrid's mixers ([hybrid.md](hybrid.md)); its decoding is refused.
+like a hybrid's mixers ([hybrid.md](hybrid.md)); its decoding is refused. DeepSeek-V4's
+compressed attention layers (pooled windows of tokens, a top-k indexer over the whole sequence)
+run the same way, the attention module itself on the whole sequence: exact, at W times the
+layer's compute on every rank; its sliding-only layers use ringattn's attention; its decoding
+is refused ([deepseek-v4.md](deepseek-v4.md)).
 
 This page is written by `scripts/tools/families_doc.py` from the dicts; edit those, then rerun it.
 """
 
 # how each kind of EXACT entry shows in the table
-CHECKED = {_SURVEYED: "surveyed", _HYBRID: "hybrid: [hybrid.md](hybrid.md)"}
+CHECKED = {
+    _SURVEYED: "surveyed",
+    _HYBRID: "hybrid: [hybrid.md](hybrid.md)",
+    _WHOLE: "compressed attention run whole: [deepseek-v4.md](deepseek-v4.md)",
+}
 
 
 def render() -> str:

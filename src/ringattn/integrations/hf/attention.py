@@ -40,6 +40,10 @@ from ringattn.comm import all_gather_ints, resolve_group
 
 ATTENTION_NAME = "ringattn"
 CONTEXT_ATTR = "ringattn_context"
+# set on an attention module that runs on the whole sequence on every rank (mixers/
+# whole_attention.py: DeepSeek-V4's compressed layers): its family's own attention function,
+# which this module's calls go to instead of attending across the ranks
+LOCAL_ATTR = "ringattn_local_attention"
 
 
 @dataclass(frozen=True)
@@ -157,6 +161,10 @@ def ringattn_attention(
             f"{_where(module)} uses attn_implementation={ATTENTION_NAME!r} but its model was not "
             f"prepared with ringattn.hf.parallelize(model, ...)"
         )
+    local = getattr(module, LOCAL_ATTR, None)
+    if local is not None:  # the whole sequence is here (its dropout refused by whole_attention.py)
+        return local(module, query, key, value, attention_mask, dropout=dropout,
+                     scaling=scaling, sliding_window=sliding_window, **kwargs)  # fmt: skip
     _check_call(module, query, key, attention_mask, dropout, kwargs)
     if attention_mask is not None:
         _check_padding_mask(attention_mask, module, context)

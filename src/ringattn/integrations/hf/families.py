@@ -11,7 +11,8 @@ transformers adds next month stays refused until someone checks it and adds it h
 (their text decoders' families need not be listed here: vision.py's own tests cover them).
 
 Families with recurrent or convolutional mixers (hybrids) are exact through mixers/, each mixer
-class by name; their tests are tests/test_hf_hybrid.py.
+class by name; their tests are tests/test_hf_hybrid.py. DeepSeek-V4's compressed attention layers
+run the same way, the attention module itself on the whole sequence (mixers/whole_attention.py).
 
 A few listed families are exact only in a configuration that can change after `parallelize` (the
 training flag): `install_guards` puts a forward pre-hook on the model that refuses the others by
@@ -31,6 +32,10 @@ from __future__ import annotations
 # checked (docs/families.md shows the table)
 _SURVEYED = "transformers' own classes, CP 2 zigzag, packed documents"
 _HYBRID = "recurrent mixers exact (mixers/hooks.py); CP 2-4, three layouts, packed documents"
+_WHOLE = (
+    "compressed attention layers run on the whole sequence (mixers/whole_attention.py); CP 2-4, "
+    "three layouts, packed documents"
+)
 EXACT: dict[str, str] = {
     name: _SURVEYED
     for name in (
@@ -56,7 +61,7 @@ EXACT: dict[str, str] = {
         "falcon_h1", "granitemoehybrid", "bamba", "zamba2", "mamba2", "jamba", "mamba",
         "falcon_mamba", "lfm2", "minimax", "zaya",
     )
-}  # fmt: skip
+} | {"deepseek_v4": _WHOLE}  # fmt: skip
 
 _NOT_INTERFACE = "its attention does not go through transformers' AttentionInterface"
 _POSITIONS = "it computes positions inside the model from the shard (learned positions)"
@@ -75,13 +80,6 @@ REFUSED: dict[str, str] = {
     "inkling_text": "an additive position bias in attention",
     "inkling2_text": "an additive position bias in attention",
     "doge": "a dense 4-D attention mask",
-    "deepseek_v4": (
-        "its compressed attention layers (layer_types compressed_sparse_attention and "
-        "heavily_compressed_attention) append to the keys one pooled entry per window of "
-        "config.compress_rates tokens, and its indexer picks each query's top config.index_topk "
-        "of them: windows that span shards and a selection over the whole sequence, for which "
-        "ringattn has no context-parallel path"
-    ),
     "nemotron": "its attention does not pass the batch's document bounds on",
     "stablelm": "its attention does not pass the batch's document bounds on",
     "kimi_linear": "its KDA layers have not been checked against one process yet",

@@ -53,9 +53,17 @@ from torch import nn
 import ringattn
 from ringattn.comm import resolve_group
 from ringattn.integrations.hf import vision
-from ringattn.integrations.hf.attention import CONTEXT_ATTR, _check_padding_mask
+from ringattn.integrations.hf.attention import CONTEXT_ATTR, LOCAL_ATTR, _check_padding_mask
 from ringattn.integrations.hf.mixers.comm import gather_rows, scatter_rows
 from ringattn.integrations.hf.mixers.heads import HeadShare, splits
+from ringattn.integrations.hf.mixers.whole_attention import (
+    WHOLE_ATTENTION,
+    check_whole,
+    document_kwargs,
+    local_attention,
+    runs_whole,
+    to_documents,
+)
 from ringattn.layout import get_layout
 from ringattn.sharding import local_placement
 
@@ -82,6 +90,8 @@ MIXERS: dict[str, str] = {
     "Lfm2MoeShortConv": "short causal convolution",
     "MiniMaxLightningAttention": "lightning attention",
     "ZayaCCAProjection": "CCA projection (causal convolution on q/k, v from the previous token)",
+    # an attention module run whole (whole_attention.py): its compressed layers only
+    "DeepseekV4Attention": "compressed attention (pooled windows, a top-k indexer)",
 }
 # mixers whose every output is per token (Zaya's q, k, v): the hook shards each one; the others
 # return one sequence output (and, in a tuple, nothing per token after it)
@@ -112,7 +122,9 @@ STATE_ATTR = "ringattn_mixer_state"
 
 def _known(module: nn.Module) -> bool:
     cls = type(module)
-    return cls.__name__ in MIXERS and cls.__module__.startswith("transformers.models.")
+    if cls.__name__ not in MIXERS or not cls.__module__.startswith("transformers.models."):
+        return False
+    return runs_whole(module)
 
 
 def _layer_of(names: str) -> str:
@@ -218,6 +230,8 @@ def _before(module: nn.Module, args: tuple, kwargs: dict):
                 f"{where}: a cache ({name}) in a context-parallel forward; ringattn.hf trains and "
                 f"scores whole sequences: call the model with use_cache=False"
             )
+    if type(module).__name__ in WHOLE_ATTENTION:
+        check_whole(module, where)
     if x_local.dim() != 3 or x_local.shape[0] != 1:
         raise ValueError(
             f"{where}: expected hidden states (1, S_local, H), got {tuple(x_local.shape)}"
@@ -231,12 +245,7 @@ def _before(module: nn.Module, args: tuple, kwargs: dict):
     placement = local_placement(get_layout(context.layout), info, x_local.shape[1], bounds_list)
     full = gather_rows(x_local[0], placement, info)[None]  # (1, S, H)
     lengths = [b - a for a, b in itertools.pairwise(bounds_list) if b > a]
-    longest = max(lengths)
-    rows = [
-        nn.functional.pad(part, (0, 0, 0, longest - part.shape[1]))
-        for part in full.split(lengths, dim=1)
-    ]
-    docs = torch.cat(rows, dim=0)  # (n_docs, L_max, H)
+    docs = to_documents(full, lengths)  # (n_docs, L_max, H)
     share = state.heads.get(id(module))
     if info.world_size > 1:
         volume = full.numel() * full.element_size() * (info.world_size - 1) / info.world_size
@@ -260,6 +269,9 @@ def _before(module: nn.Module, args: tuple, kwargs: dict):
             new[name] = docs
         elif name in bound.arguments:
             new[name] = None  # cache, mask, position embeddings: none of them per document
+    if type(module).__name__ in WHOLE_ATTENTION:  # the attention itself
+        args = bound.arguments
+        new |= document_kwargs(module, args, x_local, placement, info, lengths)
     return (), new
 
 
@@ -307,6 +319,8 @@ def install(model: nn.Module, root: nn.Module, mixers: list[tuple[str, nn.Module
     config = model.config.get_text_config()
     for _, module in mixers:
         setattr(module, STATE_ATTR, state)
+        if type(module).__name__ in WHOLE_ATTENTION:
+            setattr(module, LOCAL_ATTR, local_attention(module))
         if splits(module, info.world_size):
             state.heads[id(module)] = HeadShare.build(module, config, info.rank, info.world_size)
         if not getattr(module, "_ringattn_mixer_hooked", False):
