@@ -34,18 +34,12 @@ the list came from: `scripts/tools/family_survey.py` tried every causal-LM famil
 registers (results/family_survey.json). Vision-language models have their own list
 ([hf-models.md](hf-models.md#vision-language-models-qwen2-vl-llava)): Qwen2-VL and LLaVA.
 
-Gemma 2 and VaultGemma cap their attention scores (`config.attn_logit_softcapping`): ringattn
-caps them too, exactly, in training and in KV-cache decoding ([softcap.md](softcap.md)).
-PhiMoE is exact where its router is deterministic: in eval, or in training with
-`config.router_jitter_noise = 0` and `config.input_jitter_noise = 0`; training with either
-jitter samples experts at random and is refused by name at each forward
-(`tests/test_hf_phimoe.py`). Zaya's CCA projection (causal
-convolutions on queries and keys, values from the previous token) runs on the whole sequence
-like a hybrid's mixers ([hybrid.md](hybrid.md)); its decoding is refused. DeepSeek-V4's
-compressed attention layers (pooled windows of tokens, a top-k indexer over the whole sequence)
-run the same way, the attention module itself on the whole sequence: exact, at W times the
-layer's compute on every rank; its sliding-only layers use ringattn's attention; its decoding
-is refused ([deepseek-v4.md](deepseek-v4.md)).
+Gemma 2 and VaultGemma's capped scores are capped exactly ([softcap.md](softcap.md)). PhiMoE
+is exact where its router is deterministic (eval, or no router or input jitter); training with
+jitter samples experts at random and is refused (`tests/test_hf_phimoe.py`). Zaya's CCA
+projection and DeepSeek-V4's compressed attention (pooled windows, a top-k indexer) run on the
+whole sequence like a hybrid's mixers, exact at W times their compute; their decoding is refused
+([hybrid.md](hybrid.md), [deepseek-v4.md](deepseek-v4.md)).
 
 This page is written by `scripts/tools/families_doc.py` from the dicts; edit those, then rerun it.
 """
