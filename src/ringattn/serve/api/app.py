@@ -152,25 +152,22 @@ def build_app(model_name: str, tokenizer, limits: Limits, jobs: queue.Queue,
             jobs.put(job)
         return (body, made, events), None
 
-    @app.post("/v1/chat/completions", **post_route(ChatBody))
-    async def chat(request: Request):
-        admitted, refused = await _submit(request, ChatBody)
+    async def _complete(request: Request, body_type: type, kind: str, prefix: str):
+        """Admit a chat or completions body and answer it (streamed or whole)."""
+        admitted, refused = await _submit(request, body_type)
         if refused is not None:
             return refused
         body, made, events = admitted
-        choices = _choices(body, made, "chat.completion")
-        return await _respond(body, choices, events, "chat.completion", "chatcmpl", model_name,
-                              request)  # fmt: skip
+        choices = _choices(body, made, kind)
+        return await _respond(body, choices, events, kind, prefix, model_name, request)
+
+    @app.post("/v1/chat/completions", **post_route(ChatBody))
+    async def chat(request: Request):
+        return await _complete(request, ChatBody, "chat.completion", "chatcmpl")
 
     @app.post("/v1/completions", **post_route(CompletionBody))
     async def completions(request: Request):
-        admitted, refused = await _submit(request, CompletionBody)
-        if refused is not None:
-            return refused
-        body, made, events = admitted
-        choices = _choices(body, made, "text_completion")
-        return await _respond(body, choices, events, "text_completion", "cmpl", model_name,
-                              request)  # fmt: skip
+        return await _complete(request, CompletionBody, "text_completion", "cmpl")
 
     return app
 
