@@ -1,0 +1,86 @@
+"""Dynamic CP for transformers models: `train --hf --dynamic-cp` equals static CP and one process.
+
+A tiny Llama (testing/tiny_hf.py: GQA 4/2 heads) and a tiny Mistral (its sliding window, 8
+tokens, shorter than most documents) are trained 5 SGD steps without clipping by the real
+`train --hf` trainer (workers_dynamic_cp_hf.py) on fixed windows whose documents straddle every
+group-size threshold (test_dynamic_cp.WINDOWS), and the losses (1e-6 relative) and weights (1e-6)
+are compared against static CP on the same mesh and against one process (cp 1, the dp rows'
+windows in one batch).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from ringattn.testing.tiny_hf import tiny_config
+from ringattn.train.config import TrainConfig, validate
+from test_dynamic_cp import SEQ, WINDOWS
+
+TEXT = "the quick brown fox jumps over the lazy dog. " * 8
+
+
+def _model_dir(root, arch: str):
+    """A bare tiny config.json (random init, seeded by the trainer) and a text corpus."""
+    config = tiny_config(transformers.LlamaConfig() if arch == "llama" else
+                         transformers.MistralConfig())  # fmt: skip
+    config.architectures = [type(config).__name__.replace("Config", "ForCausalLM")]
+    model = root / arch
+    model.mkdir(parents=True)
+    (model / "config.json").write_text(json.dumps(config.to_dict()))
+    (root / "text.txt").write_text(TEXT)
+    return model, config.vocab_size
+
+
+def _options(model, root, **overrides) -> dict:
+    return {"hf": str(model), "data": f"text:{root / 'text.txt'}", "seq_len": SEQ,
+            "batch_size": 1, "steps": 5, "warmup": 1, "lr": 1.0, "grad_clip": 1e9,
+            "quiet": True, "checkpoint_every": 0, "optimizer": "sgd", **overrides}  # fmt: skip
+
+
+def _assert_same(got: dict, want: dict, what: str) -> None:
+    torch.testing.assert_close(torch.tensor(got["losses"], dtype=torch.float64),
+                               torch.tensor(want["losses"], dtype=torch.float64), rtol=1e-6,
+                               atol=0, msg=lambda m: f"{what} losses: {m}")  # fmt: skip
+    for name, value in want["params"].items():
+        torch.testing.assert_close(got["params"][name], value, rtol=0, atol=1e-6,
+                                   msg=lambda m, name=name: f"{what} {name}: {m}")  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "dp, cp, layout, strategy, arch",
+    [
+        (1, 4, "zigzag", "ring", "llama"),
+        (2, 2, "contiguous", "allgather", "mistral"),
+        (2, 4, "striped", "ulysses", "llama"),
+    ],
+)
+def test_train_hf_dynamic_cp_equals_static_and_one_process(pools, tmp_path, dp, cp, layout,
+                                                           strategy, arch):  # fmt: skip
+    model, vocab = _model_dir(tmp_path, arch)
+    options = _options(model, tmp_path, dp=dp, cp=cp, layout=layout, strategy=strategy)
+    run = "workers_dynamic_cp_hf:train_hf"
+    dynamic = pools(dp * cp).run(run, {**options, "dynamic_cp": True,
+                                       "out_dir": str(tmp_path / "d")}, WINDOWS, vocab)  # fmt: skip
+    static = pools(dp * cp).run(run, {**options, "out_dir": str(tmp_path / "s")}, WINDOWS, vocab)
+    single = {**options, "dp": 1, "cp": 1, "batch_size": dp, "strategy": "ring",
+              "out_dir": str(tmp_path / "1")}  # fmt: skip
+    one = pools(1).run(run, single, WINDOWS, vocab)[0]
+    _assert_same(dynamic[0], one, "dynamic vs one process")
+    _assert_same(static[0], one, "static vs one process")
+    _assert_same(dynamic[0], static[0], "dynamic vs static")
+    groups = [r["cp_groups"] for r in dynamic[0]["records"]]
+    assert any(set(h) - {str(cp)} for h in groups), groups  # pieces below the whole group ran
+    assert all(r["imbalance"] >= 1.0 for r in dynamic[0]["records"])
+    docs = [sum(h.values()) for h in groups]
+    assert docs == [sum(len(WINDOWS[w % len(WINDOWS)]) for w in range(s * dp, (s + 1) * dp))
+                    for s in range(5)]  # fmt: skip
+    # every supervised token on one rank once (static: the same count, differently spread)
+    assert sum(r["real"] for r in dynamic) == sum(r["real"] for r in static) > 0
+    # training moved the weights far more than the tolerance
+    moved = max(float((v - one["init"][k]).abs().max()) for k, v in one["params"].items())
+    assert moved > 1000 * 1e-6
