@@ -18,7 +18,6 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from ringattn.testing.tiny_hf import tiny_config
-from ringattn.train.config import TrainConfig, validate
 from test_dynamic_cp import SEQ, WINDOWS
 
 TEXT = "the quick brown fox jumps over the lazy dog. " * 8

@@ -46,13 +46,13 @@ from ringattn.runtime.flags import check_choice
 from ringattn.runtime.mesh import Mesh
 from ringattn.train.config import TrainConfig
 from ringattn.train.hf.context import extended_config
-from ringattn.train.hf.dynamic import DynamicLoader, check_model, dynamic_loader
 from ringattn.train.hf.data import (
     DocumentLoader,
     PackedConversations,
     PackedDocuments,
     load_corpus,
 )
+from ringattn.train.hf.dynamic import DynamicLoader, check_model, dynamic_loader
 from ringattn.train.hf.experts import expert_parallel
 from ringattn.train.hf.probe import check_probe, probe
 from ringattn.train.hf.sources import split_data
