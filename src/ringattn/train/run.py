@@ -42,9 +42,9 @@ from ringattn.train.compile import compile_model
 from ringattn.train.config import IDENTITY, TrainConfig, validate
 from ringattn.train.data import Loader, get_dataset, shard_batch
 from ringattn.train.decoder import DECODER, decoder_of, parallelize_decoder
-from ringattn.train.dynamic.cost import DocumentCost
+from ringattn.planner.dynamic_cp.cost import DocumentCost
 from ringattn.train.dynamic.documents import DocumentTask
-from ringattn.train.dynamic.groups import build_sub_groups
+from ringattn.runtime.subgroups import build_sub_groups
 from ringattn.train.dynamic.loader import DocumentLoader
 from ringattn.train.hf.recipe import HF
 from ringattn.train.recipe import ModelRecipe
@@ -159,7 +159,7 @@ def _document_loader(
                      c.vocab_size)  # fmt: skip
     elem = 4 if cfg.dtype == "float32" else 2
     return DocumentLoader(dataset, cfg.batch_size, mesh.dp_rank, mesh.dp, mesh.cp,
-                          build_sub_groups(mesh), cfg.layout, device,
+                          build_sub_groups(mesh.dp, mesh.cp, mesh.cp_group, mesh.cp_rank), cfg.layout, device,
                           DocumentCost(spec, elem_bytes=elem), cfg.dynamic_cp)  # fmt: skip
 
 

@@ -32,10 +32,10 @@ from ringattn.models.loss import IGNORE
 from ringattn.models.segments import Segment
 from ringattn.packing import place
 from ringattn.train.data import Batch
-from ringattn.train.dynamic.cost import DocumentCost
+from ringattn.planner.dynamic_cp.cost import DocumentCost
 from ringattn.train.dynamic.documents import DocumentTask
-from ringattn.train.dynamic.groups import SubGroups, sizes_of
-from ringattn.train.dynamic.schedule import Schedule, plan_step, static_schedule
+from ringattn.runtime.subgroups import SubGroups, sizes_of
+from ringattn.planner.dynamic_cp.schedule import Schedule, plan_step, static_schedule
 
 __all__ = ["DocumentBatch", "DocumentLoader"]
 

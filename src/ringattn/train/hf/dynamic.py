@@ -35,8 +35,8 @@ from ringattn.integrations.hf.source import load_model, model_source
 from ringattn.planner.models import from_hf_config
 from ringattn.runtime.mesh import Mesh
 from ringattn.train.config import TrainConfig
-from ringattn.train.dynamic.cost import DocumentCost
-from ringattn.train.dynamic.groups import build_sub_groups
+from ringattn.planner.dynamic_cp.cost import DocumentCost
+from ringattn.runtime.subgroups import build_sub_groups
 from ringattn.train.dynamic.loader import DocumentLoader
 from ringattn.train.hf.context import extended_config
 from ringattn.train.hf.data import PackedConversations, PackedDocuments
@@ -96,7 +96,7 @@ def dynamic_loader(
     spec = from_hf_config(model_source(cfg.hf).config_file)
     cost = DocumentCost(spec, elem_bytes=4 if cfg.dtype == "float32" else 2)
     documents = DocumentLoader(Windows(dataset), cfg.batch_size, mesh.dp_rank, mesh.dp, mesh.cp,
-                               build_sub_groups(mesh), cfg.layout, device, cost,
+                               build_sub_groups(mesh.dp, mesh.cp, mesh.cp_group, mesh.cp_rank), cfg.layout, device, cost,
                                dynamic=True)  # fmt: skip
     return DynamicLoader(documents)
 
