@@ -13,12 +13,12 @@ from itertools import pairwise
 import pytest
 import torch
 
+from ringattn.planner.dynamic_cp.cost import DocumentCost
+from ringattn.planner.dynamic_cp.schedule import min_size, plan_step
 from ringattn.planner.models import ModelSpec
 from ringattn.runtime import checkpoint as ckpt
 from ringattn.train.config import TrainConfig, validate
 from ringattn.train.decoder import build_decoder
-from ringattn.planner.dynamic_cp.cost import DocumentCost
-from ringattn.planner.dynamic_cp.schedule import min_size, plan_step
 from ringattn.train.step import learning_rate
 from workers_dynamic_cp import documents_of
 

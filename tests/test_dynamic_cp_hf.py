@@ -83,3 +83,40 @@ def test_train_hf_dynamic_cp_equals_static_and_one_process(pools, tmp_path, dp, 
     # training moved the weights far more than the tolerance
     moved = max(float((v - one["init"][k]).abs().max()) for k, v in one["params"].items())
     assert moved > 1000 * 1e-6
+
+
+# ---- ringattn.hf.Trainer: ContextParallelConfig(dynamic=True) --------------------------------
+
+SGD = {"optim": "sgd", "max_grad_norm": 0.0, "learning_rate": 0.05}
+"""No clipping: a step moves each weight by lr x its gradient (a wrong scale shows)."""
+
+
+def _trainer_same(got: dict, want: dict, what: str) -> None:
+    assert len(got["losses"]) == len(want["losses"]) == 5, (what, got["losses"])
+    torch.testing.assert_close(torch.tensor(got["losses"], dtype=torch.float64),
+                               torch.tensor(want["losses"], dtype=torch.float64), rtol=1e-6,
+                               atol=0, msg=lambda m: f"{what} losses: {m}")  # fmt: skip
+    for name, value in want["params"].items():
+        torch.testing.assert_close(got["params"][name], value, rtol=0, atol=1e-6,
+                                   msg=lambda m, name=name: f"{what} {name}: {m}")  # fmt: skip
+
+
+@pytest.mark.parametrize("dp, cp, layout", [(1, 4, "zigzag"), (2, 2, "striped")])
+def test_trainer_dynamic_equals_static_and_plain(pools, tmp_path, dp, cp, layout):
+    """transformers.Trainer + DataCollatorWithFlattening, 4 chats of mixed lengths per dp row,
+    5 SGD steps without clipping: dynamic CP's losses and weights equal static CP's on the same
+    ranks and the plain Trainer's (one process at dp 1, DDP on 2 at dp 2)."""
+    case = {"kind": "trainer", "cp": cp, "batch": 4, "layout": layout, "args": SGD}
+    run = "workers_hf_trainer:run"
+    dynamic = pools(dp * cp).run(run, {**case, "dynamic": True}, str(tmp_path / "d"), timeout=600)
+    static = pools(dp * cp).run(run, case, str(tmp_path / "s"), timeout=600)
+    plain = pools(dp).run(run, {**case, "cp": 0}, str(tmp_path / "p"), timeout=600)
+    for result in dynamic[1:]:  # every rank logs the same (global) losses
+        assert result["losses"] == dynamic[0]["losses"]
+    _trainer_same(dynamic[0], plain[0], "dynamic vs plain")
+    _trainer_same(static[0], plain[0], "static vs plain")
+    _trainer_same(dynamic[0], static[0], "dynamic vs static")
+    groups = dynamic[0]["cp_groups"]
+    assert len(groups) == 5 and all(sum(h.values()) == 4 * dp for h in groups), groups
+    assert any(set(h) - {str(cp)} for h in groups), groups  # pieces below the whole group ran
+    assert not static[0]["cp_groups"]

@@ -25,11 +25,11 @@ import sys
 import tempfile
 
 from ringattn.bench import record
+from ringattn.planner.dynamic_cp.cost import DocumentCost
+from ringattn.planner.dynamic_cp.schedule import plan_step, static_schedule
 from ringattn.planner.models import ModelSpec
 from ringattn.train.config import TrainConfig
-from ringattn.planner.dynamic_cp.cost import DocumentCost
 from ringattn.train.dynamic.documents import parse_documents
-from ringattn.planner.dynamic_cp.schedule import plan_step, static_schedule
 
 
 def _run(args: argparse.Namespace, dynamic: bool, out: str) -> dict:

@@ -32,11 +32,11 @@ from ringattn.integrations.hf.attention import SEGMENTS_KWARG
 from ringattn.integrations.hf.batch import shift_labels
 from ringattn.integrations.hf.dynamic import refuse_dynamic
 from ringattn.integrations.hf.source import load_model, model_source
+from ringattn.planner.dynamic_cp.cost import DocumentCost
 from ringattn.planner.models import from_hf_config
 from ringattn.runtime.mesh import Mesh
-from ringattn.train.config import TrainConfig
-from ringattn.planner.dynamic_cp.cost import DocumentCost
 from ringattn.runtime.subgroups import build_sub_groups
+from ringattn.train.config import TrainConfig
 from ringattn.train.dynamic.loader import DocumentLoader
 from ringattn.train.hf.context import extended_config
 from ringattn.train.hf.data import PackedConversations, PackedDocuments
@@ -95,9 +95,9 @@ def dynamic_loader(
     """The sub-groups (collective: every rank, once, here) and the loader of --dynamic-cp."""
     spec = from_hf_config(model_source(cfg.hf).config_file)
     cost = DocumentCost(spec, elem_bytes=4 if cfg.dtype == "float32" else 2)
+    groups = build_sub_groups(mesh.dp, mesh.cp, mesh.cp_group, mesh.cp_rank)
     documents = DocumentLoader(Windows(dataset), cfg.batch_size, mesh.dp_rank, mesh.dp, mesh.cp,
-                               build_sub_groups(mesh.dp, mesh.cp, mesh.cp_group, mesh.cp_rank), cfg.layout, device, cost,
-                               dynamic=True)  # fmt: skip
+                               groups, cfg.layout, device, cost, dynamic=True)  # fmt: skip
     return DynamicLoader(documents)
 
 
