@@ -18,6 +18,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from ringattn.testing.tiny_hf import tiny_config
+from ringattn.train.config import TrainConfig, validate
+from ringattn.train.hf.recipe import HF
 from test_dynamic_cp import SEQ, WINDOWS
 
 TEXT = "the quick brown fox jumps over the lazy dog. " * 8
@@ -85,6 +87,21 @@ def test_train_hf_dynamic_cp_equals_static_and_one_process(pools, tmp_path, dp, 
     assert moved > 1000 * 1e-6
 
 
+def test_train_hf_ranks_without_any_document(pools, tmp_path):
+    """Every document on rank 0 alone: ranks 1-3 train a one-token unsupervised document (one
+    forward and backward through every parameter, so FSDP2's collectives meet) and nothing
+    hangs; the losses and weights equal one process's."""
+    model, vocab = _model_dir(tmp_path, "llama")
+    options = _options(model, tmp_path, cp=4, steps=3)
+    run = "workers_dynamic_cp_hf:train_hf"
+    got = pools(4).run(run, {**options, "dynamic_cp": True, "out_dir": str(tmp_path / "d")},
+                       WINDOWS, vocab, True)  # fmt: skip
+    assert [r["real"] for r in got[1:]] == [0, 0, 0] and got[0]["real"] > 0
+    assert all(0 < r["rows"] <= 2 for r in got[1:])  # zigzag pads a one-token document to 2
+    one = pools(1).run(run, {**options, "cp": 1, "out_dir": str(tmp_path / "1")}, WINDOWS, vocab)
+    _assert_same(got[0], one[0], "all on rank 0")
+
+
 # ---- ringattn.hf.Trainer: ContextParallelConfig(dynamic=True) --------------------------------
 
 SGD = {"optim": "sgd", "max_grad_norm": 0.0, "learning_rate": 0.05}
@@ -120,3 +137,71 @@ def test_trainer_dynamic_equals_static_and_plain(pools, tmp_path, dp, cp, layout
     assert len(groups) == 5 and all(sum(h.values()) == 4 * dp for h in groups), groups
     assert any(set(h) - {str(cp)} for h in groups), groups  # pieces below the whole group ran
     assert not static[0]["cp_groups"]
+
+
+# ---- refusals: by name, before any process group ----------------------------------------------
+
+
+def _config_dir(root, config, **settings):
+    config = tiny_config(config)
+    for key, value in settings.items():  # tiny_config keeps the structure, not these flags
+        setattr(config, key, value)
+    root.mkdir(parents=True)
+    (root / "config.json").write_text(json.dumps(config.to_dict()))
+    (root.parent / "text.txt").write_text(TEXT)
+    return root
+
+
+@pytest.mark.parametrize(
+    "config, settings, message",
+    [
+        (lambda: transformers.NemotronHConfig(), {}, "sequence mixers other than attention"),
+        (
+            lambda: transformers.Qwen3MoeConfig(),
+            {"output_router_logits": True},
+            "router load-balancing",
+        ),
+        (lambda: transformers.Gemma3Config(), {}, "vision-language model"),
+    ],
+    ids=["hybrid", "router-loss", "vlm"],
+)
+def test_train_hf_dynamic_refuses_models_it_cannot_make_exact(tmp_path, config, settings,
+                                                              message):  # fmt: skip
+    model = _config_dir(tmp_path / "model", config(), **settings)
+    options = _options(model, tmp_path, cp=4, dynamic_cp=True, out_dir=str(tmp_path / "out"))
+    options.pop("optimizer")
+    cfg = TrainConfig(**options)
+    with pytest.raises(ValueError, match=message):
+        validate(cfg, 4, HF.check)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"compile": True}, "--dynamic-cp is not supported with --compile"),
+        ({"activation_checkpointing": True}, "not supported with --activation-checkpointing"),
+        ({"ep": 4}, "not supported with --ep"),
+        ({"strategy": "hybrid", "ulysses": 2}, "--strategy hybrid"),
+        ({"data": "docs:16,1.2,1,64"}, "copy-task documents are the decoder's"),
+    ],
+)
+def test_train_hf_dynamic_refuses_flags(tmp_path, overrides, message):
+    model, _ = _model_dir(tmp_path, "llama")
+    options = _options(model, tmp_path, cp=4, dynamic_cp=True, out_dir=str(tmp_path / "o"))
+    options.pop("optimizer")
+    with pytest.raises(ValueError, match=message):
+        validate(TrainConfig(**{**options, **overrides}), 4, HF.check)
+
+
+def test_trainer_dynamic_refusals(tmp_path):
+    """One process: cp not a power of two, gradient checkpointing, a hybrid model."""
+    import ringattn.hf
+    from workers_hf_trainer import run
+
+    with pytest.raises(ValueError, match=r"cp=3, dynamic=True.*use cp=2 or 4"):
+        ringattn.hf.ContextParallelConfig(cp=3, dynamic=True)
+    case = {"kind": "trainer", "cp": 1, "dynamic": True, "steps": 1}
+    with pytest.raises(ValueError, match="dynamic=True\\) is not supported with gradient_check"):
+        run(0, 1, {**case, "args": {"gradient_checkpointing": True}}, str(tmp_path / "a"))
+    with pytest.raises(ValueError, match="sequence mixers other than attention"):
+        run(0, 1, {**case, "arch": "nemotron_h"}, str(tmp_path / "b"))

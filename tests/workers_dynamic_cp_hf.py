@@ -12,6 +12,7 @@ import torch
 
 from ringattn.train.hf.dynamic import DynamicLoader, Windows
 from ringattn.train.loop import train as train_run
+from workers_dynamic_cp import AllOnRankZero
 from workers_train import build, full_parameters
 
 
@@ -35,13 +36,19 @@ class FixedTexts:
         return ids, positions, labels
 
 
-def train_hf(rank: int, world_size: int, options: dict, windows: tuple, vocab: int) -> dict:
-    """Train `options` (workers_train.build: optimizer="sgd" for SGD) on FixedTexts; rank 0's
-    losses, step records and weights, and every rank's supervised rows at step 0."""
+def train_hf(rank: int, world_size: int, options: dict, windows: tuple, vocab: int,
+             all_on_rank_zero: bool = False) -> dict:  # fmt: skip
+    """Train `options` (workers_train.build: optimizer="sgd" for SGD) on FixedTexts, with
+    --dynamic-cp optionally every document on rank 0 (the others get none); rank 0's losses,
+    step records and weights, and every rank's supervised rows at step 0."""
     run = build(options)
     fixed = FixedTexts(tuple(map(tuple, windows)), options["seq_len"], vocab)
     if isinstance(run.data, DynamicLoader):
-        run.data = DynamicLoader(dataclasses.replace(run.data.documents, dataset=Windows(fixed)))
+        documents = dataclasses.replace(run.data.documents, dataset=Windows(fixed))
+        if all_on_rank_zero:
+            fields = dataclasses.fields(documents)
+            documents = AllOnRankZero(**{f.name: getattr(documents, f.name) for f in fields})
+        run.data = DynamicLoader(documents)
     else:
         run.data = dataclasses.replace(run.data, dataset=fixed)
     batch = run.data.batch(run.start_step)
@@ -54,4 +61,5 @@ def train_hf(rank: int, world_size: int, options: dict, windows: tuple, vocab: i
         "params": params if rank == 0 else None,
         "init": init if rank == 0 else None,
         "real": int((batch.labels >= 0).sum()),
+        "rows": batch.labels.shape[1],
     }

@@ -174,7 +174,10 @@ def _trainer(case: dict, out_dir: str):
         cls = ringattn.hf.with_context_parallel(cls)
         layout, strategy = case.get("layout", "zigzag"), case.get("strategy", "ring")
         kwargs["context_parallel"] = ringattn.hf.ContextParallelConfig(
-            cp=case["cp"], layout=layout, strategy=strategy, loss_chunk=case.get("loss_chunk", -1),
+            cp=case["cp"],
+            layout=layout,
+            strategy=strategy,
+            loss_chunk=case.get("loss_chunk", -1),
             dynamic=case.get("dynamic", False),
         )
     torch.manual_seed(0)  # LoRA's initial A, the same in every process
