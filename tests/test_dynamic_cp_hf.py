@@ -205,3 +205,49 @@ def test_trainer_dynamic_refusals(tmp_path):
         run(0, 1, {**case, "args": {"gradient_checkpointing": True}}, str(tmp_path / "a"))
     with pytest.raises(ValueError, match="sequence mixers other than attention"):
         run(0, 1, {**case, "arch": "nemotron_h"}, str(tmp_path / "b"))
+
+
+# ---- the attention seam, one process ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text", "gpt_oss"])
+def test_attention_by_segments_equals_each_document_alone(arch):
+    """`ringattn_segments` in the forward kwargs: pieces of packed documents (W = 1, contiguous)
+    give each document's logits and gradients as the plain (eager) model on that document alone,
+    float32, with Gemma 3's sliding window and soft-capping and gpt-oss's sinks."""
+    import copy
+
+    import ringattn.hf
+    from ringattn.integrations.hf.attention import SEGMENTS_KWARG
+    from ringattn.models.segments import Segment
+    from ringattn.testing.tiny_hf import build
+
+    config = tiny_config(transformers.AutoConfig.for_model(arch))
+    if hasattr(config, "output_router_logits"):
+        config.output_router_logits = False
+    plain = build(config, seed=0)  # float32: gpt-oss's experts run grouped_mm
+    model = ringattn.hf.parallelize(copy.deepcopy(plain), layout="contiguous")
+    docs = [5, 11, 1, 14, 9]  # pieces: [5, 11] and [1, 14, 9]; windows of 8 tokens inside
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(config.vocab_size - 16, (1, sum(docs)), generator=gen, device="cpu")
+    positions = torch.cat([torch.arange(n, device="cpu") for n in docs])[None]
+    segments = [Segment(0, 16, None, (0, 5, 16)), Segment(16, 40, None, (0, 1, 15, 24))]
+    out = model(input_ids=ids, position_ids=positions, use_cache=False,
+                **{SEGMENTS_KWARG: segments}).logits  # fmt: skip
+    want, at = [], 0
+    for n in docs:
+        want.append(plain(input_ids=ids[:, at : at + n], use_cache=False).logits)
+        at += n
+    want = torch.cat(want, 1)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=2e-5)  # the fp32 gates (DESIGN §5)
+    dout = torch.randn(out.shape, generator=gen, dtype=out.dtype, device="cpu")
+    (out * dout).sum().backward()
+    (want * dout).sum().backward()
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-4, msg=name)
+    # teeth: the pieces without their document bounds (documents attending to each other) differ
+    merged = [Segment(0, 16, None, (0, 16)), Segment(16, 40, None, (0, 24))]
+    with torch.no_grad():
+        wrong = model(input_ids=ids, position_ids=positions, use_cache=False,
+                      **{SEGMENTS_KWARG: merged}).logits  # fmt: skip
+    assert (wrong - want).abs().max() > 1e-3
