@@ -102,6 +102,22 @@ def test_train_hf_ranks_without_any_document(pools, tmp_path):
     _assert_same(got[0], one[0], "all on rank 0")
 
 
+def test_train_hf_dynamic_resumes_exactly(pools, tmp_path):
+    """AdamW, stopped after step 2 and resumed: the losses and weights are bitwise those of the
+    uninterrupted run (checkpoints hold no schedule; each step's is a function of the step)."""
+    model, vocab = _model_dir(tmp_path, "llama")
+    run = "workers_dynamic_cp_hf:train_hf"
+    base = {**_options(model, tmp_path, cp=2, steps=4, lr=1e-2, dynamic_cp=True)}
+    base.pop("optimizer")  # AdamW: what a checkpoint holds
+    whole = pools(2).run(run, {**base, "out_dir": str(tmp_path / "a")}, WINDOWS, vocab)[0]
+    parts = {**base, "out_dir": str(tmp_path / "b"), "checkpoint_every": 2}
+    first = pools(2).run(run, {**parts, "stop_at": 2}, WINDOWS, vocab)[0]
+    second = pools(2).run(run, parts, WINDOWS, vocab)[0]
+    assert len(first["losses"]) == 2 and len(second["losses"]) == 2
+    assert first["losses"] + second["losses"] == whole["losses"]
+    assert all(torch.equal(second["params"][k], v) for k, v in whole["params"].items())
+
+
 # ---- ringattn.hf.Trainer: ContextParallelConfig(dynamic=True) --------------------------------
 
 SGD = {"optim": "sgd", "max_grad_norm": 0.0, "learning_rate": 0.05}
