@@ -53,17 +53,21 @@ def _assert_same(got: dict, want: dict, what: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "dp, cp, layout, strategy, arch",
+    "dp, cp, layout, strategy, arch, checkpointing",
     [
-        (1, 4, "zigzag", "ring", "llama"),
-        (2, 2, "contiguous", "allgather", "mistral"),
-        (2, 4, "striped", "ulysses", "llama"),
+        (1, 4, "zigzag", "ring", "llama", False),
+        (2, 2, "contiguous", "allgather", "mistral", False),
+        (2, 4, "striped", "ulysses", "llama", True),
     ],
 )
-def test_train_hf_dynamic_cp_equals_static_and_one_process(pools, tmp_path, dp, cp, layout,
-                                                           strategy, arch):  # fmt: skip
+def test_train_hf_dynamic_cp_equals_static_and_one_process(
+    pools, tmp_path, dp, cp, layout, strategy, arch, checkpointing
+):
+    """(2 x 4 with --activation-checkpointing: each piece recomputed in backward, its ring
+    exchanges over its sub-group too.)"""
     model, vocab = _model_dir(tmp_path, arch)
-    options = _options(model, tmp_path, dp=dp, cp=cp, layout=layout, strategy=strategy)
+    options = _options(model, tmp_path, dp=dp, cp=cp, layout=layout, strategy=strategy,
+                       activation_checkpointing=checkpointing)  # fmt: skip
     run = "workers_dynamic_cp_hf:train_hf"
     dynamic = pools(dp * cp).run(run, {**options, "dynamic_cp": True,
                                        "out_dir": str(tmp_path / "d")}, WINDOWS, vocab)  # fmt: skip
@@ -134,12 +138,16 @@ def _trainer_same(got: dict, want: dict, what: str) -> None:
                                    msg=lambda m, name=name: f"{what} {name}: {m}")  # fmt: skip
 
 
-@pytest.mark.parametrize("dp, cp, layout", [(1, 4, "zigzag"), (2, 2, "striped")])
-def test_trainer_dynamic_equals_static_and_plain(pools, tmp_path, dp, cp, layout):
+@pytest.mark.parametrize(
+    "dp, cp, layout, checkpointing", [(1, 4, "zigzag", True), (2, 2, "striped", False)]
+)
+def test_trainer_dynamic_equals_static_and_plain(pools, tmp_path, dp, cp, layout, checkpointing):
     """transformers.Trainer + DataCollatorWithFlattening, 4 chats of mixed lengths per dp row,
-    5 SGD steps without clipping: dynamic CP's losses and weights equal static CP's on the same
-    ranks and the plain Trainer's (one process at dp 1, DDP on 2 at dp 2)."""
-    case = {"kind": "trainer", "cp": cp, "batch": 4, "layout": layout, "args": SGD}
+    5 SGD steps without clipping (at 1 x 4 with gradient checkpointing: each piece's attention
+    recomputed in backward over its sub-group): dynamic CP's losses and weights equal static
+    CP's on the same ranks and the plain Trainer's (one process at dp 1, DDP on 2 at dp 2)."""
+    case = {"kind": "trainer", "cp": cp, "batch": 4, "layout": layout,
+            "args": {**SGD, "gradient_checkpointing": checkpointing}}  # fmt: skip
     run = "workers_hf_trainer:run"
     dynamic = pools(dp * cp).run(run, {**case, "dynamic": True}, str(tmp_path / "d"), timeout=600)
     static = pools(dp * cp).run(run, case, str(tmp_path / "s"), timeout=600)
@@ -152,6 +160,8 @@ def test_trainer_dynamic_equals_static_and_plain(pools, tmp_path, dp, cp, layout
     groups = dynamic[0]["cp_groups"]
     assert len(groups) == 5 and all(sum(h.values()) == 4 * dp for h in groups), groups
     assert any(set(h) - {str(cp)} for h in groups), groups  # pieces below the whole group ran
+    # 1 x 4: pieces over sub-groups too (2 x 2's short chats all run alone, on either dp row)
+    assert cp == 2 or any(int(g) > 1 for h in groups for g in h), groups
     assert not static[0]["cp_groups"]
 
 
@@ -195,7 +205,6 @@ def test_train_hf_dynamic_refuses_models_it_cannot_make_exact(tmp_path, config, 
     "overrides, message",
     [
         ({"compile": True}, "--dynamic-cp is not supported with --compile"),
-        ({"activation_checkpointing": True}, "not supported with --activation-checkpointing"),
         ({"ep": 4}, "not supported with --ep"),
         ({"strategy": "hybrid", "ulysses": 2}, "--strategy hybrid"),
         ({"data": "docs:16,1.2,1,64"}, "copy-task documents are the decoder's"),
@@ -210,15 +219,15 @@ def test_train_hf_dynamic_refuses_flags(tmp_path, overrides, message):
 
 
 def test_trainer_dynamic_refusals(tmp_path):
-    """One process: cp not a power of two, gradient checkpointing, a hybrid model."""
+    """One process: cp not a power of two, torch_compile, a hybrid model."""
     import ringattn.hf
     from workers_hf_trainer import run
 
     with pytest.raises(ValueError, match=r"cp=3, dynamic=True.*use cp=2 or 4"):
         ringattn.hf.ContextParallelConfig(cp=3, dynamic=True)
     case = {"kind": "trainer", "cp": 1, "dynamic": True, "steps": 1}
-    with pytest.raises(ValueError, match="dynamic=True\\) is not supported with gradient_check"):
-        run(0, 1, {**case, "args": {"gradient_checkpointing": True}}, str(tmp_path / "a"))
+    with pytest.raises(ValueError, match="dynamic=True\\) is not supported with torch_compile"):
+        run(0, 1, {**case, "args": {"torch_compile": True}}, str(tmp_path / "a"))
     with pytest.raises(ValueError, match="sequence mixers other than attention"):
         run(0, 1, {**case, "arch": "nemotron_h"}, str(tmp_path / "b"))
 

@@ -233,8 +233,8 @@ DOCUMENT_STRATEGIES = ("ring", "allgather", "ulysses")
 def check_documents(cfg: TrainConfig, cp: int) -> None:
     """--dynamic-cp and --data docs: on the allow-list only: the decoder with --data docs:, or
     --hf with its packed text:/chat: documents; ring, allgather or ulysses, no --tp, --pp, --ep,
-    --compile or activation checkpointing, cp a power of two; each refusal names the flag and
-    the fix (the --hf model's own refusals: train/hf/dynamic.check_model)."""
+    --compile, nor activation checkpointing but with --hf, cp a power of two; each refusal names
+    the flag and the fix (the --hf model's own refusals: train/hf/dynamic.check_model)."""
     docs = cfg.data.startswith("docs:")
     if docs and cfg.hf:
         raise ValueError(
@@ -251,7 +251,8 @@ def check_documents(cfg: TrainConfig, cp: int) -> None:
         return
     what = "--dynamic-cp" if cfg.dynamic_cp else f"--data {cfg.data}"
     refused = {"--tp": cfg.tp != 1, "--pp": cfg.pp != 1, "--compile": cfg.compile,
-               "--activation-checkpointing": cfg.activation_checkpointing,
+               # --hf recomputes through transformers' checkpointing, segments in the kwargs
+               "--activation-checkpointing": cfg.activation_checkpointing and not cfg.hf,
                "--ep": cfg.ep != 1}  # fmt: skip
     for flag, on in refused.items():
         if on:

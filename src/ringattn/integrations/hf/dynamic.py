@@ -14,8 +14,10 @@ attention knows about pieces, so only models whose every token mixer is attentio
                                     a one-token placeholder that is in no batch
     experts split over ranks        expert parallelism's all-to-all assumes one token layout
 
-MoE models without the router loss run (experts work token by token). The checks read the
-model's structure only (the same on every rank), before any process group is touched.
+MoE models without the router loss run (experts work token by token), and so does activation
+checkpointing (transformers recomputes a layer with the same kwargs, segments included: the same
+pieces over the same groups, in the same order on every rank). The checks read the model's
+structure only (the same on every rank), before any process group is touched.
 """
 
 from __future__ import annotations
