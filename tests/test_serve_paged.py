@@ -55,6 +55,27 @@ def test_regions_start_blocks_and_a_kept_chunk_is_shared_not_copied():
     assert store.used == 0 and sorted(store.free) == list(range(16))
 
 
+def test_a_table_reads_its_rows_in_place_as_runs_of_consecutive_slots():
+    """Blocks are taken right after a table's last one when free, so a sequence's rows are a
+    few runs of slots (decode reads each in place: paged.runs); the runs equal the rows."""
+    from ringattn.inference.paged import PagedView, runs
+
+    store = PagedStore(16, 4, 8, CPU)
+    _filled(store, 0, list(range(6)))
+    _filled(store, 1, list(range(5)))  # blocks 2, 3
+    _filled(store, 0, list(range(6, 14)))  # 6, 7 in block 1; chunk 1: blocks 4 and 5
+    table = store.tables[0]
+    assert table.blocks == [0, 1, 4, 5] and table.slices(0, 14) == [(0, 8), (16, 6)]
+    assert table.slices(3, 10) == [(3, 5), (16, 2)]
+    view = PagedView(store, 0, 0, None, 0)
+    view.length = table.rows
+    parts = runs(store, 0, view)
+    k = torch.cat([part[0] for part in parts], dim=2)
+    assert (
+        k.flatten().tolist() == list(range(14)) and parts[0][0].data_ptr() == store.k[0].data_ptr()
+    )
+
+
 def test_a_store_out_of_blocks_says_so():
     store = PagedStore(2, 4, 8, CPU)
     _filled(store, 0, list(range(8)))
@@ -82,10 +103,10 @@ def test_the_pool_counts_a_shared_prefix_once_and_never_evicts_what_is_used():
     assert pool.grow(2, 28) and entry not in pool.cached and pool.evicted == [entry]
 
 
-def _loop(prompts: list[list[int]], new: int, blocks: int):
-    """Rank 0's scheduler and a Runner over the tiny chat model in this process (W = 1):
-    `prompts` queued at once, greedy; (the jobs, the most blocks the pool counted as used, the
-    most the store used, the most it shared)."""
+def _loop(prompts: list[list[int]], new: int, blocks: int, model=None):
+    """Rank 0's scheduler and a Runner over `model` (the tiny chat model) in this process
+    (W = 1): `prompts` queued at once, greedy; (the jobs, the most blocks the pool counted as
+    used, the most the store used, the most it shared)."""
     import serve_sim
     import workers_serve
     from ringattn.inference.hf.engine import KVEngine
@@ -93,7 +114,8 @@ def _loop(prompts: list[list[int]], new: int, blocks: int):
     from ringattn.serve.runner import Runner
     from ringattn.serve.scheduler import Scheduler
 
-    tok, model = workers_serve.tiny_model()
+    tok, tiny = workers_serve.tiny_model()
+    model = tiny if model is None else model
     pool = BlockPool(blocks, 4)
     scheduler = Scheduler(queue.Queue(), threading.current_thread(), tok, [tok.eos_token_id], pool,
                           Shares("zigzag", 1), 16, 64, prefix_cache=True,
@@ -137,3 +159,32 @@ def test_a_burst_sharing_a_system_prompt_holds_it_once_and_answers_as_alone():
     for job, prompt in zip(jobs, prompts):
         text = "".join(e[1] for e in job.events if e[0] == "text")
         assert job.events[-1][0] == "done" and text == greedy(model, tok, prompt, 3), job.events
+
+
+def test_a_sliding_window_model_reuses_prefixes_on_pages_and_answers_as_alone():
+    """Mistral with a 6-token window: pages free nothing (each layer's view moves its start), so
+    a shared prefix's rows are all there and prefix reuse is exact. 6 chats sharing a 40-token
+    prompt answer as transformers' `generate` does alone."""
+    pytest.importorskip("tokenizers")
+    import transformers
+
+    import workers_serve
+    from ringattn.serve.worker import prefix_cacheable
+    from test_serve_robust import greedy
+
+    tok, _ = workers_serve.tiny_model()
+    config = transformers.MistralConfig(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=192,
+        sliding_window=6,
+    )  # fmt: skip
+    torch.manual_seed(7)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    assert prefix_cacheable(model)
+    system = list(range(10, 50))
+    prompts = [system + [100 + i, 120 + i, 140 + i] for i in range(6)]
+    jobs, (_, _, shared, _) = _loop(prompts, new=4, blocks=64, model=model)
+    assert shared > 0
+    for job, prompt in zip(jobs, prompts):
+        text = "".join(e[1] for e in job.events if e[0] == "text")
+        assert job.events[-1][0] == "done" and text == greedy(model, tok, prompt, 4), job.events

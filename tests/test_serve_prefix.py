@@ -45,11 +45,18 @@ def test_piece_rows_count_the_fullest_ranks_rows_below_a_cut():
 
 
 def _entry(pool, ids, chunk, c, block=4, upto=None):
-    """Keep chunk `c` of `ids` as computed in one piece (W = 1 rows)."""
+    """Keep chunk `c` of `ids` as computed in one piece (W = 1 rows) by a sequence that held
+    its blocks from the free ones (none: None) and has ended since."""
     points = prefix_hashes(ids, chunk, block)[c]
     n = min(chunk, len(ids) - c * chunk) if upto is None else upto
     points = [p for p in points if p[0] <= n]
-    return pool.keep(c, points, [(0, n, n)], n)
+    seq = 10_000 + pool.next_entry
+    if pool.blocks(n) > pool.free:
+        return None
+    pool.held[seq] = pool.blocks(n)
+    entry = pool.keep(c, points, [(0, n, n)], n, seq, pool.blocks(n))
+    pool.release(seq)
+    return entry
 
 
 def test_lookup_takes_whole_chunks_then_the_longest_run_of_blocks():
@@ -97,7 +104,7 @@ def test_eviction_keeps_the_index_and_spares_pinned_entries():
         assert _entry(pool, ids, 8, c) == c  # 2 blocks each: the pool is full
     assert not pool.grow(9, 4) and pool.evicted == []  # kept this step: pinned, not evictable
     pool.pinned = set()  # the next step
-    assert _entry(pool, list(range(100, 110)), 8, 0) is None  # a prefix never evicts another
+    assert _entry(pool, list(range(100, 110)), 8, 0) is None  # no free blocks to compute it
     pool.lookup(prefix_hashes(ids, 8, 4), 23)  # all used now; chunk 2 is the chain's last
     assert pool.grow(0, 3 * 4) and pool.evicted == [2, 1] and pool.free == 1
     assert set(pool.index) == {h for _, h in pool.cached[0].points}
@@ -156,8 +163,8 @@ def test_a_step_runs_in_one_forward_unless_a_piece_needs_another_pieces_rows(poo
 def test_the_scheduler_plans_a_cut_entry_and_counts_its_pieces_at_two_ranks():
     """Rank 0's plans without a model (W = 2, zigzag, chunks of 8, blocks of 4): a request
     sharing 13 tokens with an earlier one opens from its chunk 0 and 4 tokens of its chunk 1,
-    holds the blocks of those pieces, and keeps its own chunk 1 as two pieces; in a pool too
-    small for copies beside their originals, the same request computes everything."""
+    shares their blocks (but a copied cut block), and keeps its own chunk 1 as two pieces on
+    top of entry 1; a pool of just what it needs alone still lets it share the prefix."""
     import queue
     import threading
 
@@ -182,12 +189,16 @@ def test_the_scheduler_plans_a_cut_entry_and_counts_its_pieces_at_two_ranks():
     plan = s.plan()
     assert plan["open"] == [[1, [0, 1], 12]]  # chunk 0 whole, then one block of chunk 1
     assert plan["chunks"] == [[1, second[12:16], [2, 8]]]  # the rest of chunk 1, kept
-    # rows: 4 (chunk 0) + 2 (the first 4 of an 8-token placement) + 2 (4 placed alone)
-    assert pool.held[1] == 2 and pool.cached[2].pieces == [(0, 8, 4), (4, 4, 4)]
-    assert pool.cached[2].blocks == 1 and pool.hit_tokens == 12
-    # the same cache in a pool of 3 blocks: the copies (2 blocks) do not fit beside their
-    # originals (2 blocks, pinned); the request computes its prompt instead
-    small = BlockPool(3, 4)
+    # chunk 0's blocks are entry 0's, the first 4 tokens of chunk 1 (2 rows a rank) entry 1's
+    # but for the copy of the cut block; the copy and the 4 tokens placed alone (2 rows) are
+    # seq 1's until it keeps them: then entry 2's, whose first rows are entry 1's (its base)
+    assert pool.held[1] == 0 and pool.cached[2].pieces == [(0, 8, 4), (4, 4, 4)]
+    assert pool.cached[2].blocks == 2 and pool.cached[2].base == 1 and pool.hit_tokens == 12
+    assert pool.users == {0: {1}, 1: {1}, 2: {1}}
+    # the same cache in a pool of 4 blocks, what the request needs alone (each chunk and the
+    # decoded tokens start blocks): sharing needs no room for copies beside the originals, so
+    # it still starts from the cached prefix (a copying pool computed it all here)
+    small = BlockPool(4, 4)
     small.cached, small.index = {0: pool.cached[0], 1: pool.cached[1]}, {}
     for entry, kept in small.cached.items():
         for _, h in kept.points:
@@ -195,5 +206,4 @@ def test_the_scheduler_plans_a_cut_entry_and_counts_its_pieces_at_two_ranks():
     s = scheduler(small)
     s.jobs.put(serve_model.PlannedJob(second))
     plan = s.plan()
-    assert plan["open"] == [[0, [], 0]] and plan["chunks"] == [[0, second[:8], None]]
-    assert small.held == {0: 1} and small.hits == 0 and small.pinned == set()
+    assert plan["open"] == [[0, [0, 1], 12]] and small.hits == 1

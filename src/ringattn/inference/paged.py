@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import array
 import bisect
+import heapq
 
 import torch
 
@@ -55,6 +56,7 @@ class Table:
         self.region = None  # region of the last row
         self.fill = 0  # rows in the last block
         self.adopted = 0  # rows every layer already holds (adopt copies or shares all layers)
+        self.runs: list[list[int]] = []  # [first row, first slot, rows]: slots in a row
         self.device = device
         self._index = torch.empty(0, dtype=torch.int64, device=device)  # slots, on the device
         self._synced = 0  # rows of `_index` that are current
@@ -62,6 +64,25 @@ class Table:
     @property
     def rows(self) -> int:
         return len(self.slots)
+
+    def add(self, slot: int, position: int) -> None:
+        """One more row, in `slot`, at `position` (after every row)."""
+        run = self.runs[-1] if self.runs else None
+        if run is not None and run[1] + run[2] == slot:
+            run[2] += 1
+        else:
+            self.runs.append([self.rows, slot, 1])
+        self.slots.append(slot)
+        self.host.append(position)
+
+    def slices(self, start: int, stop: int) -> list[tuple[int, int]]:
+        """Rows [start, stop) as (first slot, rows) runs of consecutive slots."""
+        out = []
+        for row, slot, n in self.runs:
+            lo, hi = max(row, start), min(row + n, stop)
+            if lo < hi:
+                out.append((slot + lo - row, hi - lo))
+        return out
 
     def index(self, start: int, stop: int) -> torch.Tensor:
         """The slots of rows [start, stop) as a device tensor (grown by doubling)."""
@@ -93,19 +114,26 @@ class PagedStore:
         self.v: dict[int, torch.Tensor] = {}
         self.positions = torch.empty(n_blocks * block, dtype=torch.int64, device=device)
         self.refs = [0] * n_blocks
-        self.free = list(range(n_blocks - 1, -1, -1))  # a stack: block 0 is taken first
+        self.free = set(range(n_blocks))
+        self._lowest = list(range(n_blocks))  # a heap of free blocks (lazily: some taken)
         self.tables: dict[int, Table] = {}
         self.entries: dict[int, tuple[list[int], array.array, array.array]] = {}
 
     # ---- blocks ----
 
-    def take(self) -> int:
+    def take(self, after: int | None = None) -> int:
+        """A free block: the one right after `after` when free (a table's rows then stay in
+        one run of slots, read in place: `Table.slices`), else the lowest."""
         if not self.free:
             raise RuntimeError(
                 f"the paged KV store is out of blocks ({self.n_blocks} of {self.block} rows): "
                 f"the pool's accounting let a step need more than this rank holds (a bug)"
             )
-        b = self.free.pop()
+        b = after + 1 if after is not None and after + 1 in self.free else None
+        while b is None:
+            lowest = heapq.heappop(self._lowest)
+            b = lowest if lowest in self.free else None
+        self.free.remove(b)
         self.refs[b] = 1
         return b
 
@@ -113,7 +141,8 @@ class PagedStore:
         for b in blocks:
             self.refs[b] -= 1
             if self.refs[b] == 0:
-                self.free.append(b)
+                self.free.add(b)
+                heapq.heappush(self._lowest, b)
 
     @property
     def used(self) -> int:
@@ -143,12 +172,11 @@ class PagedStore:
             region = DECODED if decoded else position // self.chunk
             if (not table.blocks or region != table.region or table.blocks[-1] not in table.owned
                     or table.fill >= self.block):  # fmt: skip
-                b = self.take()
+                b = self.take(table.blocks[-1] if table.blocks else None)
                 table.blocks.append(b)
                 table.owned.add(b)
                 table.fill = 0
-            table.slots.append(table.blocks[-1] * self.block + table.fill)
-            table.host.append(position)
+            table.add(table.blocks[-1] * self.block + table.fill, position)
             table.fill += 1
             table.region = region
         if host:
@@ -203,8 +231,8 @@ class PagedStore:
             for b in blocks[:full]:
                 self.refs[b] += 1
                 table.blocks.append(b)
-            table.slots.extend(slots[: full * self.block])
-            table.host.extend(host[: full * self.block])
+            for slot, position in zip(slots[: full * self.block], host[: full * self.block]):
+                table.add(slot, position)
             table.region = host[0] // self.chunk if full else None
             if m % self.block:  # copy on write: the rest into a block of ours
                 rest = list(host[full * self.block : m])
@@ -283,16 +311,11 @@ class PagedView:
     capacity_bytes = nbytes  # the pages are the store's
 
 
-def gather(store: PagedStore, layer: int, views: list[PagedView], device: torch.device) -> tuple:
-    """Every view's visible rows of `layer` in one gather: k, v (L, N, Hkv, D) padded to the
-    longest and `valid` (L, N); None when no view has a row here (or the layer none yet)."""
-    counts = [view.tokens for view in views]
-    longest = max(counts, default=0)
-    if layer not in store.k or longest == 0:
-        return None
-    index = torch.zeros(len(views), longest, dtype=torch.int64, device=store.device)
-    for j, view in enumerate(views):
-        index[j, : counts[j]] = view.table.index(view.start, view.length)
-    counted = torch.tensor(counts, device=device)[:, None]
-    valid = torch.arange(longest, device=device)[None] < counted
-    return store.k[layer][index], store.v[layer][index], valid
+def runs(store: PagedStore, layer: int, view: PagedView) -> list[tuple[torch.Tensor, ...]]:
+    """The view's visible rows of `layer` as (k, v) (1, Hkv, n, D) views of the pages, one per
+    run of consecutive slots: read in place, no copy (none when the layer has no rows yet)."""
+    if layer not in store.k:
+        return []
+    k, v = store.k[layer], store.v[layer]
+    return [(k[s : s + n].transpose(0, 1)[None], v[s : s + n].transpose(0, 1)[None])
+            for s, n in view.table.slices(view.start, view.length)]  # fmt: skip

@@ -203,14 +203,10 @@ def pool_blocks(model, cfg: ServeConfig, info: GroupInfo, device: torch.device) 
 
 
 def prefix_cacheable(model) -> bool:
-    """Prefix reuse copies whole chunks; a sliding window evicts inside them, so not with one,
-    and a hybrid's recurrent and convolution states cannot be rebuilt from copied rows."""
-    if has_mixers(model):
-        return False
-    text = model.config.get_text_config()
-    windowed = "sliding_attention" in (getattr(text, "layer_types", None) or ())
-    return not windowed and not (getattr(text, "sliding_window", None)
-                                 and getattr(text, "use_sliding_window", True))  # fmt: skip
+    """Prefix reuse shares cached rows' blocks (inference/paged.py): a sliding window frees
+    none of them (each layer's view moves its start), so it is exact with one; a hybrid's
+    recurrent and convolution states cannot be rebuilt from the rows."""
+    return not has_mixers(model)
 
 
 def rank_loop(model, tokenizer, info: GroupInfo, layout: str, jobs: queue.Queue, http,

@@ -34,12 +34,12 @@ import torch
 import ringattn
 from ringattn.comm import GroupInfo, all_gather_async, wait
 from ringattn.inference.cache import ShardedKVCache
-from ringattn.inference.paged import PagedStore, PagedView, gather
+from ringattn.inference.paged import PagedStore, PagedView, runs
 from ringattn.inference.partials import (
     attention_options,
     local_partial,
     merge_across_ranks,
-    padded_partial,
+    merge_stacked,
 )
 from ringattn.inference.turns import Turn, pass_kv, pass_q
 from ringattn.integrations.hf import vision
@@ -172,20 +172,8 @@ def _prefill(state: KVState, fresh: Fresh, layer: int, left, query, key, value, 
 
 
 def _decode(state: KVState, step: Decode, layer: int, left, query, key, value, scale):
-    if state.paged is not None:  # every sequence's rows gathered from the pages: one call
-        views = [state.cache(layer, seq, left) for seq in step.live]
-        for j, view in enumerate(views):
-            view.append_decoded(0, key[j : j + 1], value[j : j + 1], step.positions[j],
-                                step.owners[j])  # fmt: skip
-            view.evict(0, step.positions[j])
-        rows = gather(state.paged, layer, views, query.device)
-        if rows is None:  # no row of any of them on this rank: weight 0 in the merge
-            out = torch.zeros_like(query, dtype=torch.float32)
-            lse = torch.full(query.shape[:3], float("-inf"), device=query.device)
-        else:
-            cap = getattr(state.kernel, "cap", None)
-            out, lse = padded_partial(query, *rows, scale, cap)
-        return merge_across_ranks(out, lse, state.info, return_lse=True)
+    if state.paged is not None:
+        return _decode_paged(state, step, layer, left, query, key, value, scale)
     outs, lses = [], []
     for j, seq in enumerate(step.live):  # query (L, Hq, 1, D): one row per live sequence
         cache = state.cache(layer, seq, left)
@@ -194,6 +182,29 @@ def _decode(state: KVState, step: Decode, layer: int, left, query, key, value, s
         cache.evict(0, position)
         kept_k, kept_v, _ = _kept(state, layer, seq, cache, key[j : j + 1])
         out, lse = local_partial(state.kernel, query[j : j + 1], kept_k, kept_v, scale)
+        outs.append(out)
+        lses.append(lse)
+    return merge_across_ranks(torch.cat(outs), torch.cat(lses), state.info, return_lse=True)
+
+
+def _decode_paged(state: KVState, step: Decode, layer: int, left, query, key, value, scale):
+    """`_decode` over the pages: each sequence's visible rows are read in place, one kernel
+    call per run of consecutive slots (a shared prefix's blocks, then its own: a few runs),
+    merged by lse; a gather into one padded call copies every row and was 4x slower on a CPU
+    (docs/paged-kv.md)."""
+    outs, lses = [], []
+    for j, seq in enumerate(step.live):  # query (L, Hq, 1, D): one row per live sequence
+        view = state.cache(layer, seq, left)
+        view.append_decoded(0, key[j : j + 1], value[j : j + 1], step.positions[j],
+                            step.owners[j])  # fmt: skip
+        view.evict(0, step.positions[j])
+        parts = [local_partial(state.kernel, query[j : j + 1], k, v, scale)
+                 for k, v in runs(state.paged, layer, view)]  # fmt: skip
+        if not parts:  # no row here: weight 0 in the merge
+            parts = [local_partial(state.kernel, query[j : j + 1], key[j : j + 1, :, :0],
+                                   value[j : j + 1, :, :0], scale)]  # fmt: skip
+        out, lse = parts[0] if len(parts) == 1 else merge_stacked(
+            torch.stack([o for o, _ in parts]), torch.stack([x for _, x in parts]))  # fmt: skip
         outs.append(out)
         lses.append(lse)
     return merge_across_ranks(torch.cat(outs), torch.cat(lses), state.info, return_lse=True)
