@@ -48,15 +48,15 @@ def test_window_decoding_equals_windowed_prefill(pools):
     """A sliding window of 6 earlier tokens: decoding over the evicting cache at W = 2 equals a
     windowed prefill of the whole sequence on one process (ringattn.attention with window), and
     the ranks together keep window + 1 tokens instead of the whole sequence."""
-    from ringattn.inference import CachedDecoder
+    from ringattn.inference.hf.engine import KVEngine
 
     model, prompt, window = build_model(), _prompt(29, seed=3), 6
     case = {"prompt": prompt, "new": 6, "layout": "zigzag", "window": window}
     results = pools(2).run("workers_inference:greedy", [case])
     want = list(prompt)
     for _ in range(case["new"]):
-        decoder = CachedDecoder(model, layout="contiguous", window=window)
-        want.append(int(decoder.prefill(torch.tensor(want)).argmax()))
+        engine = KVEngine(model, layout="contiguous", window=window)
+        want.append(int(engine.prefill([torch.tensor(want)])[0].argmax()))
     for rank_results in results:
         assert rank_results[0]["tokens"] == want[len(prompt) :]
     # the last step's query saw itself and the 6 before it: that is all the ranks still keep

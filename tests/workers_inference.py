@@ -65,7 +65,7 @@ def follow_up_logits(rank: int, world_size: int, prompt: list[int], more: list[i
     for mode in ("pass-kv", "pass-q"):
         session = Session(build_model(), layout="striped")
         session.generate(prompt, 0)
-        out[mode] = session.decoder.extend(torch.tensor(more), mode)
+        out[mode] = session.engine.extend(0, torch.tensor(more), mode)
     return out
 
 
@@ -129,7 +129,8 @@ def hf_generate(rank: int, world_size: int, cases: list[dict]) -> list[torch.Ten
 
 def count_collectives(rank: int, world_size: int, prompt: list[int], new: int) -> dict:
     """Collectives issued by the inference modules per phase, counted at the names they call."""
-    import ringattn.inference.decoder as decoder_module
+    import ringattn.inference.hf.engine as engine_module
+    import ringattn.inference.hf.kv_attention as kv_attention_module
     import ringattn.inference.partials as partials_module
 
     counts = {"n": 0}
@@ -142,7 +143,7 @@ def count_collectives(rank: int, world_size: int, prompt: list[int], new: int) -
         return wrapper
 
     saved = {}
-    for module in (partials_module, decoder_module):
+    for module in (partials_module, engine_module, kv_attention_module):
         for name in ("all_gather_async", "all_reduce", "all_gather_ints"):
             if hasattr(module, name):
                 saved[module, name] = getattr(module, name)
@@ -154,7 +155,7 @@ def count_collectives(rank: int, world_size: int, prompt: list[int], new: int) -
             session.generate(prompt, 1)  # prefill and the first token: no decode step yet
             counts["n"] = 0
             for token in range(new):
-                session.decoder.step(token)
+                session.engine.decode([0], [token])
             out[merge] = counts["n"]
         return out
     finally:
