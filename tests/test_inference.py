@@ -63,6 +63,23 @@ def test_window_decoding_equals_windowed_prefill(pools):
     assert sum(r[0]["cache_tokens"] for r in results) == window + 1
 
 
+@pytest.mark.parametrize("merge", ["allgather", "allreduce"])
+def test_engine_decodes_several_of_our_sequences_at_once(pools, merge):
+    """KVEngine drives our decoder like a transformers model: three prompts of different lengths
+    packed in one prefill, then each step one batched decode (three positions, three RoPE
+    angles, three caches) at W = 2; each sequence equals the decoder without cache."""
+    model = build_model()
+    prompts = [_prompt(length, seed=length) for length in (13, 30, 4)]
+    wants = [generate_without_cache(model, prompt, 6) for prompt in prompts]
+    for got in pools(2).run("workers_inference:engine_batch", prompts, 6, merge):
+        assert got == wants
+
+
+def test_the_removed_decoder_is_refused_by_name():
+    with pytest.raises(ImportError, match="CachedDecoder was removed: KVEngine"):
+        from ringattn.inference import CachedDecoder  # noqa: F401
+
+
 def test_generation_stops_after_eos(pools):
     model, prompt = build_model(), _prompt(26, seed=6)
     want = generate_without_cache(model, prompt, 8)

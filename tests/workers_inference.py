@@ -161,3 +161,20 @@ def count_collectives(rank: int, world_size: int, prompt: list[int], new: int) -
     finally:
         for (module, name), fn in saved.items():
             setattr(module, name, fn)
+
+
+def engine_batch(rank: int, world_size: int, prompts: list[list[int]], new: int, merge: str):
+    """KVEngine over our decoder: the prompts packed in one prefill, then one batched decode step
+    per token for all of them (each sequence at its own position); each sequence's tokens."""
+    from ringattn.inference.hf.engine import KVEngine
+
+    engine = KVEngine(build_model(), layout="zigzag", merge=merge)
+    logits = engine.prefill([torch.tensor(p) for p in prompts])  # (n, vocab)
+    seqs, outs = list(range(len(prompts))), [[] for _ in prompts]
+    for step in range(new):
+        tokens = logits.argmax(-1).tolist()
+        for out, token in zip(outs, tokens):
+            out.append(token)
+        if step + 1 < new:
+            logits = engine.decode(seqs, tokens)  # (n, vocab)
+    return outs

@@ -17,7 +17,8 @@ output); only the attend step is the engine's, the same function a transformers 
 so both model kinds share the cache, the partial merges, the turns and the sampling. Positions
 may differ per batch row (a decode batch: one token of each of L sequences, each at its own
 position), so the RoPE angles are taken per row. `window` (earlier tokens a query sees, the
-model's sliding window; None: all) is the same for every layer.
+model's sliding window; None: all) is the same for every layer. `describe` tells the engine
+which kind a model is, and our decoder's sizes.
 """
 
 from __future__ import annotations
@@ -30,19 +31,28 @@ from ringattn.inference.hf.kv_attention import KVState, attend
 from ringattn.models.decoder import Transformer
 from ringattn.models.rope import rope_angles
 
-__all__ = ["check_window", "forward", "is_native"]
+__all__ = ["describe", "forward"]
 
 
-def is_native(model: torch.nn.Module) -> bool:
-    """True for ringattn's decoder, False for a transformers model."""
-    return isinstance(model, Transformer)
-
-
-def check_window(window: object) -> None:
+def describe(model: torch.nn.Module, window: object) -> tuple | None:
+    """For ringattn's decoder: (layers, query heads, K/V heads, vocabulary size, choose_mode's
+    head_dim and elem_bytes); None for a transformers model. `window` (earlier tokens each
+    query sees, None: all; it also bounds the cache) is checked: an int >= 0, and only for
+    ours (a transformers model's sliding windows are its config's)."""
+    if not isinstance(model, Transformer):
+        if window is not None:
+            raise ValueError(
+                f"window={window!r} applies to ringattn's decoder; a transformers model's "
+                f"sliding windows come from its config: drop the argument"
+            )
+        return None
     if window is not None and not (isinstance(window, int) and window >= 0):
         raise ValueError(
             f"window must be None or an int >= 0 (earlier tokens seen), got {window!r}"
         )
+    cfg = model.cfg
+    sizes = {"head_dim": cfg.head_dim, "elem_bytes": model.tok_embeddings.weight.element_size()}
+    return cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.vocab_size, sizes
 
 
 @torch.no_grad()

@@ -1,8 +1,6 @@
-"""One model over a sharded KV cache: prefill, batched decode steps, follow-up turns.
-
-The one decoding engine of both model kinds: a transformers model (`generate --hf`, the HF
-Session, `serve`) and ringattn's decoder (`generate`, `ringattn.inference.Session`, through
-inference/native.py).
+"""One model over a sharded KV cache: prefill, batched decode steps, follow-up turns. The one
+engine of both model kinds: transformers models (`generate --hf`, ringattn.hf.Session, `serve`)
+and ringattn's decoder (`generate`, ringattn.inference.Session; run by inference/native.py).
 
     engine = KVEngine(model, group=cp_group, layout="zigzag")
     logits = engine.prefill([p0, p1, p2])        # (3, vocab): the prompts packed as documents
@@ -53,32 +51,19 @@ from ringattn.packing import place
 
 class KVEngine:
     """`model` over the ranks of `group` with one sharded cache per sequence (module docstring).
-
-    `model`: a transformers model or ringattn's decoder (models/decoder.py, run by
-    inference/native.py). `merge`: the decode merge, "allgather" or "allreduce"
-    (inference/partials.py); `backend`: the attention kernel (kernels.select_kernel);
-    `window`: ringattn's decoder only, the earlier tokens each query sees (a sliding window,
-    which also bounds the cache; None: all); a transformers model's windows are its config's."""
+    `merge`: the decode merge, "allgather" or "allreduce" (../partials.py); `backend`: the
+    kernel (kernels.select_kernel); `window`: ringattn's decoder only (native.describe)."""
 
     def __init__(self, model: torch.nn.Module, *, group: object = None, layout: str = "zigzag",
                  offload: bool = False, window: int | None = None, merge: str = "allgather",
                  backend: str = "auto"):  # fmt: skip
         get_layout(layout)
-        self.native = native.is_native(model)
-        self.window = window
-        self.mode_sizes: dict = {}  # choose_mode's head_dim and elem_bytes (default: 128, 2)
+        self.window, shape = window, native.describe(model, window)
+        self.native = shape is not None
         if self.native:  # ours: no family to check, no attention implementation to switch
-            native.check_window(window)
-            cfg = model.cfg
-            self.n_layers, self.vocab_size = cfg.n_layers, cfg.vocab_size
-            self.n_heads, self.n_kv_heads = cfg.n_heads, cfg.n_kv_heads
-            elem = model.tok_embeddings.weight.element_size()
-            self.mode_sizes = {"head_dim": cfg.head_dim, "elem_bytes": elem}
+            self.n_layers, self.n_heads, self.n_kv_heads, self.vocab_size, self.mode_sizes = shape
         else:
-            if window is not None:
-                raise ValueError(f"window={window!r} applies to ringattn's decoder; a "
-                                 f"transformers model's sliding windows come from its config, "
-                                 f"drop the argument")  # fmt: skip
+            self.mode_sizes = {}  # choose_mode's defaults (head_dim 128, 2-byte elements)
             if vision.is_multimodal(model):
                 vision.check_family(model)
             else:
