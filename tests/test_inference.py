@@ -75,6 +75,26 @@ def test_engine_decodes_several_of_our_sequences_at_once(pools, merge):
         assert got == wants
 
 
+def test_session_options_reach_the_engine():
+    """`backend` picks the kernel every partial runs; `window` is our decoder's option only: a
+    transformers model's windows are its config's, so the engine refuses one by name."""
+    from ringattn.inference import Session
+    from ringattn.inference.hf.engine import KVEngine
+
+    model, prompt = build_model(), _prompt(11, seed=1)
+    for backend in ("reference", "cpu_flash"):
+        session = Session(model, layout="zigzag", backend=backend)
+        assert session.generate(prompt, 5)[0] == generate_without_cache(model, prompt, 5)
+        assert session.engine.state.kernel.name == backend
+    with pytest.raises(ValueError, match="window must be None or an int >= 0"):
+        Session(model, window=-1)
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=1, num_attention_heads=4)  # fmt: skip
+    with pytest.raises(ValueError, match="window=4 applies to ringattn's decoder"):
+        KVEngine(transformers.AutoModelForCausalLM.from_config(config), window=4)
+
+
 def test_the_removed_decoder_is_refused_by_name():
     with pytest.raises(ImportError, match="CachedDecoder was removed: KVEngine"):
         from ringattn.inference import CachedDecoder  # noqa: F401
