@@ -9,7 +9,10 @@ position. `simulate` runs a seeded scenario (arrivals, prompts sharing prefixes,
 cancellations, failed steps, NaN rows) through the real `Scheduler` and `BlockPool` and checks,
 after every step, that no rank holds more rows of a sequence or an entry than the pool counts,
 and at the end that every request got one last event, that no block is held, and that every
-rank's prefix store holds what the pool's index says.
+rank's prefix store holds what the pool's index says. Each rank also runs a real paged store
+(inference/paged.py) without tensors' contents: its tables, shared blocks and copies on
+write, so the check is on every rank's real blocks: a sequence's own (those no entry holds),
+each entry's, and the rank's total, against what the pool counts.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ringattn.inference.paged import PagedStore
 from ringattn.layout import get_layout
 from ringattn.packing import place
 from ringattn.serve.pool import BlockPool, Shares
@@ -56,12 +60,22 @@ class Alive:
 class Ranks:
     """Every rank's K/V positions per sequence and per stored entry (module docstring)."""
 
-    def __init__(self, layout: str, world_size: int):
+    def __init__(self, layout: str, world_size: int, blocks: int, block: int, chunk: int):
         self.layout, self.world_size = get_layout(layout), world_size
         self.seqs: dict[int, list[list[int]]] = {}  # seq -> per rank, positions held
         self.decoded: dict[int, int] = {}
+        self.decoded_at: dict[int, set[int]] = {}  # seq -> positions it decoded
         self.store: dict[int, list[list[int]]] = {}  # entry -> per rank, positions kept
         self.opened = 0
+        cpu = torch.device("cpu")
+        self.paged = [PagedStore(blocks, block, chunk, cpu) for _ in range(world_size)]
+
+    def _sync(self, seq: int) -> None:
+        """Every rank's table of `seq` takes the rows the bookkeeping added (in order)."""
+        for rank, store in enumerate(self.paged):
+            table = store.table(seq)
+            for p in sorted(self.seqs[seq][rank])[table.rows :]:
+                store.assign(table, [p], decoded=p in self.decoded_at[seq])
 
     def length(self, seq: int) -> int:
         return sum(len(r) for r in self.seqs[seq])
@@ -70,26 +84,35 @@ class Ranks:
         """What a rank does before its forward: evict, free, open (also when the step fails)."""
         for entry in plan["evict"]:
             self.store.pop(entry, None)
+            for store in self.paged:
+                store.evict(entry)
         for seq in plan["free"]:
             self.seqs.pop(seq, None)
+            for store in self.paged:
+                store.release(seq)
         for seq, _, _ in plan["open"]:
             assert seq == self.opened, f"opened {self.opened}, the plan says {seq}"
             self.opened += 1
             self.seqs[seq], self.decoded[seq] = [[] for _ in range(self.world_size)], 0
+            self.decoded_at[seq] = set()
 
     def forward(self, plan: dict) -> None:
         """The step's decodes and pieces, in the runner's order (adopt at a first piece)."""
         adopt = {seq: (reuse, tokens) for seq, reuse, tokens in plan["open"] if reuse}
         for seq, _ in plan["decode"]:
             rank = (self.decoded[seq] + seq) % self.world_size
+            self.decoded_at[seq].add(self.length(seq))
             self.seqs[seq][rank].append(self.length(seq))
             self.decoded[seq] += 1
+            self._sync(seq)
         fresh = [(seq, len(ids)) for seq, ids, _ in plan["chunks"] if seq not in adopt
                  and self.length(seq) == 0]  # fmt: skip
         self._packed(fresh)
         for seq, ids, keep in plan["chunks"]:
             if seq in adopt:
                 reuse, tokens = adopt.pop(seq)
+                for store in self.paged:
+                    store.adopt(seq, reuse, tokens)
                 for entry in reuse:
                     for rank, kept in enumerate(self.store[entry]):
                         self.seqs[seq][rank] += [p for p in kept if p < tokens]
@@ -99,9 +122,12 @@ class Ranks:
                 for rank in range(self.world_size):
                     got = [g for g in alone.global_indices(rank).tolist() if g >= 0]
                     self.seqs[seq][rank] += [cached + g for g in got]
+            self._sync(seq)
             if keep is not None:
                 entry, start = keep
                 self.store[entry] = [[p for p in r if p >= start] for r in self.seqs[seq]]
+                for store in self.paged:
+                    store.keep(entry, seq, start, self.length(seq))
         for rows in self.seqs.values():
             for r in rows:
                 r.sort()
@@ -121,27 +147,26 @@ class Ranks:
                 self.seqs[fresh[d][0]][rank].append(g - bounds[d])
 
     def check(self, pool: BlockPool, freed: list[int]) -> None:
-        """No rank holds more rows of a sequence or an entry than the pool counts for it (one
-        the pool has freed since its last plan, `freed`, goes with the next plan's frees)."""
-        block = pool.block_size
-        for seq, rows in self.seqs.items():
-            if seq in freed:
-                continue
-            most = max(len(r) for r in rows)
-            assert most <= pool.held.get(seq, 0) * block, (
-                f"sequence {seq}: per-rank rows {[len(r) for r in rows]}, the pool counts "
-                f"{pool.held.get(seq, 0)} blocks of {block}"
-            )
-        for entry, rows in self.store.items():
-            if entry in pool.evicted:
-                continue
-            counted = pool.cached[entry].blocks if entry in pool.cached else 0
-            assert max(len(r) for r in rows) <= counted * block, (entry, rows, counted)
-        for rank in range(self.world_size):
-            held = [r for seq, r in self.seqs.items() if seq not in freed]
-            held += [r for e, r in self.store.items() if e not in pool.evicted]
-            total = sum(len(r[rank]) for r in held)
-            assert total <= pool.n_blocks * block, (rank, total, pool.n_blocks)
+        """No rank holds more blocks than the pool counts: a sequence's own (blocks no entry
+        references), an entry's, and the rank's total (a sequence the pool has freed since its
+        last plan, `freed`, and an entry it evicted go with the next plan)."""
+        live_entries = [e for e in self.store if e not in pool.evicted]
+        for rank, store in enumerate(self.paged):
+            in_entries = {b for e in live_entries for b in store.entries[e][0]}
+            for e in live_entries:
+                counted = pool.cached[e].blocks if e in pool.cached else 0
+                assert len(store.entries[e][0]) <= counted, (rank, e, counted)
+            held = set(in_entries)
+            for seq, table in store.tables.items():
+                if seq in freed:
+                    continue
+                own = set(table.blocks) - in_entries
+                assert len(own) <= pool.held.get(seq, 0), (
+                    f"rank {rank}, sequence {seq}: {len(own)} blocks of its own, the pool "
+                    f"counts {pool.held.get(seq, 0)}"
+                )
+                held |= set(table.blocks)
+            assert len(held) <= pool.n_blocks - pool.free, (rank, len(held), pool.free)
 
 
 @dataclass
@@ -183,8 +208,8 @@ def scenario(seed: int, layouts: tuple[str, ...]) -> Scenario:
         if rng.random() < 0.15:
             s.cancel[len(s.jobs) - 1] = step + rng.randint(0, 6)
     shares = Shares(s.layout, world_size)
-    need = max(shares.tokens(len(r.ids), chunk, r.max_new_tokens) for _, r in s.jobs)
-    s.blocks = -(-need // block) + rng.choice([-1, 0, 0, 1, 2, 4, 8])  # -1: one is refused
+    need = max(shares.blocks(len(r.ids), chunk, r.max_new_tokens, block) for _, r in s.jobs)
+    s.blocks = need + rng.choice([-1, 0, 0, 1, 2, 4, 8])  # -1: one is refused
     return s
 
 
@@ -197,7 +222,7 @@ def simulate(s: Scenario, tokenizer, seed: int = 0, most_steps: int = 5000) -> l
     sched = Scheduler(jobs_q, Alive(), tokenizer, [EOS], pool, Shares(s.layout, s.world_size),
                       s.chunk, s.max_running, s.prefix_cache,
                       make_sink=lambda job: job.sink)  # fmt: skip
-    ranks = Ranks(s.layout, s.world_size)
+    ranks = Ranks(s.layout, s.world_size, max(1, s.blocks), s.block, s.chunk)
     jobs = [SimJob(r) for _, r in s.jobs]
     arrived = 0
     for step in range(most_steps):

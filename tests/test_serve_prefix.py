@@ -123,20 +123,23 @@ def test_truncated_adoption_equals_a_plain_prefill_on_two_ranks(pools):
     """Two ranks, zigzag: a sequence prefilled in chunks of 8 is kept, a second sequence adopts
     its rows cut at 4, 11 and 13 tokens (whole blocks or not) and computes the rest; its logits
     equal a plain prefill's and a cut taking one more row would not (workers_serve.adopted).
-    What each rank's buffers hold stays within the pool's count of the pieces (blocks of 4)."""
+    On the paged store, the blocks wholly below the cut are shared, not copied, and what each
+    rank's table holds alone stays within the pool's count (blocks of 4, by region)."""
     pytest.importorskip("transformers")
     shares, total = Shares("zigzag", 2), 2 * 8 + 3
     results = pools(2).run("workers_serve:adopted", 8, [4, 11, 13])
     for rank in results:
-        for cut, error, wrong, rows, capacity in rank:
+        for cut, error, wrong, own, shared in rank:
             assert error < 1e-4, (cut, error)
             assert wrong > 100 * max(error, 1e-6), (cut, wrong)  # the test can tell a wrong row
-            # the scheduler's count: whole chunks, the cut one, the rest of its chunk, the others
+            # the scheduler's count (scheduler.rows): whole chunks are the entries', the cut
+            # one's copied block and the rest of its chunk, the later chunks
             c, k = divmod(cut, 8)
             first = min(8 - k, total - cut)
-            counted = c * shares.chunk_rows(8) + shares.piece_rows(8, k) + shares.chunk_rows(first)
-            counted += shares.tokens(total - cut - first, 8, 0)
-            assert rows <= counted and capacity <= -(-counted // 4) * 4, (cut, rows, capacity)
+            counted = -(-shares.chunk_rows(first) // 4) + shares.cut([(0, 8, k)], 4)
+            counted += shares.blocks(total - cut - first, 8, 0, 4)
+            assert own <= counted, (cut, own, counted)
+            assert shared >= c * shares.chunk_rows(8) // 4, (cut, shared)  # whole chunks: shared
 
 
 @pytest.mark.parametrize("world_size", [1, 2])

@@ -90,26 +90,27 @@ def stepped(rank: int, world_size: int, prompts: list[str], max_new: int, cfg: d
 
 
 def adopted(rank: int, world_size: int, chunk: int, cuts: list[int]) -> list:
-    """KVEngine over the tiny model: a sequence of 3 chunks prefilled chunk by chunk and its
-    chunks' rows kept (`rows`), then per cut a sequence sharing its first `cut` tokens (then
-    others, 2 chunks + 3 tokens in all) that adopts the rows below `cut` and extends the rest
-    in the server's pieces (caches growing by blocks of 4 rows); [cut, max |logits - a plain
+    """KVEngine over the tiny model on a paged store (blocks of 4): a sequence of 3 chunks
+    prefilled chunk by chunk, each chunk kept as an entry, then per cut a sequence sharing its
+    first `cut` tokens (then others, 2 chunks + 3 tokens in all) that adopts the rows below
+    `cut` and extends the rest in the server's pieces; [cut, max |logits - a plain
     prefill's|, the same with the row at position `cut` (the first sequence's token there)
-    adopted too, the rows and the buffer rows this rank holds of the right one] per cut."""
+    adopted too, the blocks of the right one's table it holds alone, those it shares] per
+    cut."""
     from ringattn.inference.hf.engine import KVEngine
 
     _, model = tiny_model()
     engine = KVEngine(model, layout="zigzag")
-    engine.state.granule = 4  # as under the server's pool (Runner)
+    paged = engine.page(256, 4, chunk)
     g = torch.Generator(device="cpu").manual_seed(3)
     vocab = model.config.vocab_size
     first = torch.randint(vocab, (3 * chunk,), generator=g, device="cpu")
     out = []
     with torch.no_grad():
         a = engine.open()
-        for start in range(0, first.numel(), chunk):
+        for c, start in enumerate(range(0, first.numel(), chunk)):
             engine.extend(a, first[start : start + chunk])
-        store = [engine.rows(a, s, s + chunk) for s in range(0, first.numel(), chunk)]
+            engine.keep(c, a, start)
         for cut in cuts:
             rest = (first[cut : 2 * chunk + 3] + 1) % vocab  # differs from `first` at every one
             second = torch.cat([first[:cut], rest])
@@ -117,7 +118,7 @@ def adopted(rank: int, world_size: int, chunk: int, cuts: list[int]) -> list:
             results = []
             for bound in (cut, cut + 1):
                 seq = engine.open()
-                engine.adopt(seq, store[: bound // chunk + 1], bound)
+                engine.adopt(seq, list(range(bound // chunk + 1)), bound)
                 at = bound
                 while at < second.numel():  # the rest of the cut chunk, then whole chunks
                     stop = min(second.numel(), (at // chunk + 1) * chunk)
@@ -125,8 +126,9 @@ def adopted(rank: int, world_size: int, chunk: int, cuts: list[int]) -> list:
                     at = stop
                 results.append(float((logits - plain).abs().max()))
                 if bound == cut:
-                    caches = [engine.state.caches[layer, seq].layers[0] for layer in range(2)]
-                    held = [max(c.tokens for c in caches), max(c.k.shape[2] for c in caches)]
+                    blocks = paged.tables[seq].blocks
+                    shared = sum(1 for b in blocks if paged.refs[b] > 1)
+                    held = [len(blocks) - shared, shared]
             out.append([cut, *results, *held])
     return out
 
@@ -143,7 +145,7 @@ def waves(rank: int, world_size: int) -> list:
     g = torch.Generator(device="cpu").manual_seed(4)
     a = torch.randint(model.config.vocab_size, (12,), generator=g, device="cpu")
     b = torch.cat([a[:8], (a[8:11] + 1) % model.config.vocab_size])
-    runner = Runner(KVEngine(model, layout="zigzag"), block_size=4)
+    runner = Runner(KVEngine(model, layout="zigzag"), 4, 8)
     forwards, step = [], runner.engine.step
 
     def counted(*args):

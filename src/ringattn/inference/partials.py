@@ -115,3 +115,29 @@ def self_score(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
     groups = q.shape[1] // k.shape[1]
     k_rep = k.float().repeat_interleave(groups, dim=1)  # (B, Hq, 1, D)
     return (q.float() * k_rep).sum(-1) * scale  # (B, Hq, 1)
+
+
+def padded_partial(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    valid: torch.Tensor,
+    scale: float,
+    cap: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out (L, Hq, 1, D), lse (L, Hq, 1)) float32 of one query per sequence, q (L, Hq, 1, D),
+    over its own keys k, v (L, N, Hkv, D) padded to N, `valid` (L, N): all L in one batched
+    call (a paged cache's decode step). A sequence with no valid key gives (0, -inf), weight 0
+    in the merge across ranks. `cap`: Gemma 2's c * tanh(s / c) on the scores. Grouped-query
+    heads: query head h * g + i reads kv head h (transformers' repeat_kv order)."""
+    n_seq, hq, _, d = q.shape
+    hkv = k.shape[2]
+    qg = q.float().reshape(n_seq, hkv, hq // hkv, d)  # (L, Hkv, g, D)
+    scores = torch.einsum("lhgd,lnhd->lhgn", qg, k.float()) * scale
+    if cap is not None:
+        scores = cap * torch.tanh(scores / cap)
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # (L, Hkv, g)
+    safe = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
+    out = torch.einsum("lhgn,lnhd->lhgd", torch.exp(scores - safe[..., None]), v.float())
+    return out.reshape(n_seq, hq, 1, -1), lse.reshape(n_seq, hq, 1)

@@ -36,8 +36,8 @@ class Allocation:
     def preempt(self, seq) -> None:
         """Free seq's blocks; it comes back first in line and recomputes its cache."""
         self._drop(seq)
-        seq.done = seq.target = seq.rows = 0
-        seq.pieces = []
+        seq.restart()
+        seq.target = 0
         self.waiting.appendleft(seq)
         if self.metrics is not None:
             self.metrics.preemptions += 1
@@ -95,7 +95,8 @@ class Allocation:
     def never_fits(self, seq) -> str | None:
         """Why `seq` could never fit the pool alone (its prompt and max_tokens), or None."""
         r = self.request_rows(len(seq.request.ids), seq.request.max_new_tokens)
-        blocks = self.pool.blocks(r)
+        blocks = self.shares.blocks(len(seq.request.ids), self.chunk,
+                                    seq.request.max_new_tokens, self.pool.block_size)  # fmt: skip
         if blocks <= self.pool.n_blocks:
             return None
         most = self.pool.n_blocks * self.pool.block_size
@@ -124,19 +125,24 @@ class Allocation:
         found = self.pool.lookup(self.hashes(seq), seq.target - 1)
         if not found:
             return []
-        rows, pieces = 0, []
+        rows, pieces, copies = 0, [], 0
         for entry, k in found:
             pieces = truncate(self.pool.cached[entry].pieces, k)
             rows += self.shares.rows(pieces)
+            copies += int(self.shares.cut(pieces, self.pool.block_size))
         seq.done = (len(found) - 1) * self.chunk + found[-1][1]
         seq.rows, seq.pieces = rows, pieces if found[-1][1] < self.chunk else []
+        seq.adopted = list(seq.pieces)  # shared but for a cut block, copied (paged.py)
+        seq.cow = int(self.shares.cut(seq.adopted, self.pool.block_size))
+        seq.private = copies - seq.cow  # whole chunks' copied last blocks are seq's own
         # the pieces may need more rows than an all-fresh prefill: still within the pool?
         first = min(self.chunk - seq.done % self.chunk, seq.target - seq.done)
         new = seq.request.max_new_tokens - len(seq.out)
-        most = rows + self.shares.chunk_rows(first)
-        most += self.shares.tokens(seq.target - seq.done - first, self.chunk, new)
-        if self.pool.blocks(most) > self.pool.n_blocks:
-            seq.done, seq.rows, seq.pieces = 0, 0, []
+        most = self.pool.blocks(self.shares.chunk_rows(first)) + copies
+        most += self.shares.blocks(seq.target - seq.done - first, self.chunk, new,
+                                   self.pool.block_size)  # fmt: skip
+        if most > self.pool.n_blocks:
+            seq.restart()
             return []
         self.pool.pinned |= {entry for entry, _ in found}
         return found

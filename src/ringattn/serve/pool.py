@@ -2,14 +2,15 @@
 
     --kv-cache-gb G per rank  ->  blocks = G / (block_size x bytes of one token's K/V on a rank)
 
-An accounting pool (rank 0 keeps it for all ranks): a sequence holds the blocks that its
-largest shard needs (the most rows any rank keeps of it), taken piece by piece as its prompt
-prefills and as it decodes. A sequence that grows takes up to an eighth more than it needs
-(`HEADROOM`), from free blocks only, and the plan tells every rank its new holding (`room`);
-each rank's tensors grow to that holding (inference/cache.py's `granule` and `room`), so what
-a rank holds never exceeds what the pool counts, and a long sequence's contiguous buffers are
-copied O(log n) times as it grows, not once per block (a 100k-token context decoding 2k tokens
-would otherwise copy its whole cache 125 times per layer).
+Rank 0 keeps this accounting for every rank; each rank's blocks live in its paged store
+(inference/paged.py), where a sequence's table starts a new block at each prompt chunk and at
+its first decoded token. So what a sequence holds alone is counted per region, each an upper
+bound over the ranks: whole blocks of the most rows any rank keeps of the chunk being filled
+(`Shares.rows` of its pieces), of every earlier chunk no entry holds, and of its decoded
+tokens. A chunk kept as an entry, or adopted whole from one, is counted once, by the entry.
+An entry referenced by a running sequence (its `users`: the one that kept it, those that
+adopted it) is *used*, not evictable; without users it is *cached*, evicted least recently used.
+Then 32 chats sharing a system prompt hold its blocks once, plus each its own.
 
 Prefix cache, block-granular (vLLM's and nano-vllm's chained block hashes, over the chunks of
 DESIGN.md §12). A prompt goes in chunks of C tokens; every chunk with at least one full block
@@ -38,8 +39,7 @@ another), are evicted least recently used (a chain's last chunk first; before al
 every point a newer entry holds, e.g. a turn's last chunk that the next turn completed), and
 `pinned` ones (read or written by the step being planned) are not evicted. Rank 0 decides what
 is kept and evicted and says so in the step's plan, so every rank's store holds the same
-entries. (An accounting pool: an entry holds a copy of its chunk, and a hit copies it into the
-new sequence's cache, rather than sharing one paged tensor.)
+entries. A hit shares the entries' blocks on every rank; a cut block is copied (paged.py).
 """
 
 from __future__ import annotations
@@ -53,9 +53,7 @@ from dataclasses import dataclass
 from ringattn.layout import get_layout
 from ringattn.packing import place
 
-__all__ = ["HEADROOM", "BlockPool", "Entry", "Shares", "prefix_hashes", "truncate"]
-
-HEADROOM = 8  # a growing sequence takes up to 1/HEADROOM more blocks than it needs, when free
+__all__ = ["BlockPool", "Entry", "Shares", "prefix_hashes", "truncate"]
 
 Point = tuple[int, str]  # (tokens into the chunk, hash of the prefix that ends there)
 Piece = tuple[int, int, int]  # (offset in the chunk, tokens placed, tokens kept)
@@ -120,6 +118,21 @@ class Shares:
         rows = full * self.chunk_rows(chunk) + (self.chunk_rows(rest) if rest else 0)
         return rows + -(-decoded // self.world_size)
 
+    def cut(self, pieces: list[Piece], block: int) -> bool:
+        """Whether some rank's rows of `pieces` end inside a block of `block` rows."""
+        return any(sum(bisect.bisect_left(_alone(self.name, self.world_size, n)[r], kept)
+                       for _, n, kept in pieces) % block
+                   for r in range(self.world_size))  # fmt: skip
+
+    def blocks(self, prefilled: int, chunk: int, decoded: int, block: int) -> int:
+        """Blocks of `block` rows a sequence holds alone on its fullest rank, by region (module
+        docstring): each prompt chunk's rows, then its decoded ones, each from a new block."""
+        full, rest = divmod(prefilled, chunk)
+        blocks = full * -(-self.chunk_rows(chunk) // block)
+        blocks += -(-self.chunk_rows(rest) // block) if rest else 0
+        rows = -(-decoded // self.world_size)  # round-robin: the fullest rank's share
+        return blocks + -(-rows // block)
+
 
 @dataclass
 class Entry:
@@ -137,9 +150,9 @@ class BlockPool:
 
     def __init__(self, n_blocks: int, block_size: int):
         self.n_blocks, self.block_size = n_blocks, block_size
-        self.held: dict[int, int] = {}  # sequence -> blocks
-        self.grown: dict[int, int] = {}  # sequence -> blocks, changed since the last plan
+        self.held: dict[int, int] = {}  # sequence -> blocks it holds alone
         self.cached: dict[int, Entry] = {}  # entry id -> the kept chunk
+        self.users: dict[int, set[int]] = {}  # entry id -> running sequences referencing it
         self.index: dict[str, dict[int, None]] = {}  # point hash -> entries (an ordered set)
         self.pinned: set[int] = set()  # entries the step being planned reads or writes
         self.planned: set[int] = set()  # entries the step being planned stores
@@ -153,25 +166,38 @@ class BlockPool:
 
     @property
     def used(self) -> int:
-        return sum(self.held.values())
+        """Blocks of running sequences: their own, and the entries they reference."""
+        return sum(self.held.values()) + sum(e.blocks for i, e in self.cached.items()
+                                             if self.users.get(i))  # fmt: skip
 
     @property
     def cached_blocks(self) -> int:
-        return sum(e.blocks for e in self.cached.values())
+        """Blocks of entries no running sequence references (evictable)."""
+        return sum(e.blocks for i, e in self.cached.items() if not self.users.get(i))
+
+    @property
+    def shared_blocks(self) -> int:
+        """Blocks of entries referenced by more than one running sequence."""
+        return sum(e.blocks for i, e in self.cached.items() if len(self.users.get(i, ())) > 1)
 
     @property
     def free(self) -> int:
         return self.n_blocks - self.used - self.cached_blocks
 
+    def use(self, seq: int, entries) -> None:
+        """Running `seq` references `entries` (kept or adopted): they are not evicted."""
+        for entry in entries:
+            self.users.setdefault(entry, set()).add(seq)
+
     def _room(self, blocks: int) -> bool:
         """Evict entries (oldest use first, not pinned ones) until `blocks` are free; False when
         even that is not enough (then nothing is evicted)."""
-        spare = sum(e.blocks for i, e in self.cached.items() if i not in self.pinned)
-        if blocks > self.free + spare:
+        idle = [i for i in self.cached if i not in self.pinned and not self.users.get(i)]
+        if blocks > self.free + sum(self.cached[i].blocks for i in idle):
             return False
         # least recently used first; within a chain the last chunk first (the earlier ones
         # still serve every prefix that shares them)
-        order = sorted((i for i in self.cached if i not in self.pinned),
+        order = sorted(idle,
                        key=lambda i: (self.cached[i].last, -self.cached[i].chunk))  # fmt: skip
         for i in order:
             if self.free >= blocks:
@@ -180,28 +206,21 @@ class BlockPool:
         return True
 
     def grow(self, seq: int, tokens: int) -> bool:
-        """Let `seq` hold `tokens` tokens per rank; False (nothing changes) if the pool is full.
-        Growing, it takes up to held / HEADROOM blocks more from the free ones (module doc)."""
-        held = self.held.get(seq, 0)
-        need = self.blocks(tokens) - held
-        if need <= 0:
-            return True
-        if not self._room(need):
+        """Let `seq` hold `tokens` tokens per rank alone (a whole number of blocks: the
+        scheduler counts by region); False (nothing changes) if the pool is full. A count that
+        fell (a chunk now held by an entry) is lowered."""
+        need = self.blocks(tokens) - self.held.get(seq, 0)
+        if need > 0 and not self._room(need):
             return False
-        spare = max(0, min(held // HEADROOM, self.free - need))
-        self.held[seq] = self.grown[seq] = held + need + spare
+        self.held[seq] = self.blocks(tokens)
         return True
 
     def release(self, seq: int) -> None:
         self.held.pop(seq, None)
-        self.grown.pop(seq, None)
-
-    def room(self) -> list[list[int]]:
-        """[sequence, rows per rank] of every holding changed since the last call (the plan's
-        `room`: each rank's buffers of that sequence may grow to it)."""
-        out = [[seq, blocks * self.block_size] for seq, blocks in self.grown.items()]
-        self.grown = {}
-        return out
+        for entry in [e for e, users in self.users.items() if seq in users]:
+            self.users[entry].discard(seq)
+            if not self.users[entry]:
+                del self.users[entry]
 
     def lookup(self, hashes: list[list[Point]], limit: int) -> list[tuple[int, int]]:
         """The longest prefix of a request (`prefix_hashes` of it) of at most `limit` tokens
@@ -229,12 +248,14 @@ class BlockPool:
             chunk_start += best[1]
         return found
 
-    def forget(self, entry: int) -> None:
+    def forget(self, entry: int) -> set[int]:
         """Drop `entry` from the cache now (evicted, or a failed step never stored it on every
-        rank); every rank drops it with the next plan."""
+        rank); every rank drops it with the next plan. Its users, which the caller must send
+        back to recompute: they counted its blocks as the entry's."""
         gone = self.cached.pop(entry, None)
+        users = self.users.pop(entry, set())
         if gone is None:
-            return
+            return users
         for _, h in gone.points:
             holders = self.index[h]
             del holders[entry]
@@ -243,13 +264,21 @@ class BlockPool:
         self.pinned.discard(entry)
         self.planned.discard(entry)
         self.evicted.append(entry)
+        return users
 
-    def keep(self, chunk: int, points: list[Point], pieces: list[Piece], rows: int) -> int | None:
-        """Keep chunk number `chunk` (its hash `points` and `pieces`, `rows` on the fullest rank)
-        if it adds a prefix the cache lacks and the free blocks hold it (a prefix never evicts
-        another); its entry id (pinned for this step), else None."""
-        if not points or points[-1][1] in self.index or self.blocks(rows) > self.free:
+    def keep(self, chunk: int, points: list[Point], pieces: list[Piece], rows: int,
+             seq: int, moved: int) -> int | None:  # fmt: skip
+        """Keep chunk number `chunk` of sequence `seq` (its hash `points` and `pieces`, `rows` on
+        the fullest rank) if it adds a prefix the cache lacks; its entry id (pinned for this
+        step, used by `seq`), else None. `moved` of its blocks were seq's count of the chunk
+        (grown for it): they move to the entry's; the rest (blocks seq shares with the entry
+        it adopted the chunk's start from) must be free: the entry counts them again, so that
+        it stays whole when the other is evicted."""
+        extra = self.blocks(rows) - moved
+        if not points or points[-1][1] in self.index or extra > self.free:
             return None
+        assert self.held.get(seq, 0) >= moved, "keep follows grow for the chunk"
+        self.held[seq] -= moved
         self.clock += 1
         entry, self.next_entry = self.next_entry, self.next_entry + 1
         self.cached[entry] = Entry(chunk, list(points), list(pieces), self.blocks(rows), self.clock)
@@ -260,6 +289,7 @@ class BlockPool:
             self.index.setdefault(h, {})[entry] = None
         self.pinned.add(entry)
         self.planned.add(entry)
+        self.use(seq, [entry])
         return entry
 
     def start_step(self) -> None:

@@ -3,17 +3,17 @@
     plan = {"op": "step",
             "evict":  [entry, ...]                     prefix entries to drop from the store
             "free":   [seq, ...]                       sequences that ended (or were preempted)
-            "open":   [[seq, [entry, ...], tokens]]    new sequences, each starting from copies
-                                                       of the rows of those entries (chunks, in
-                                                       order) with position < tokens
+            "open":   [[seq, [entry, ...], tokens]]    new sequences, each starting from the
+                                                       rows of those entries (chunks, in order)
+                                                       with position < tokens: their blocks
+                                                       shared, a cut block copied (paged.py)
             "decode": [[seq, token], ...]              one token fed to each running sequence
             "chunks": [[seq, [ids], keep], ...]       a prefill piece of a sequence; keep =
                                                        [entry, chunk start]: then store its
                                                        chunk's rows so far under `entry`; a
                                                        4th item k: score the piece's prompt
                                                        tokens, k alternatives each (`scores`)
-            "room":   [[seq, rows], ...]}              rows per layer the pool now counts for
-                                                       the sequence: its buffers grow to that
+           }
 
 The ranks never decide anything: rank 0's scheduler (scheduler.py) made the plan, so every
 rank frees, opens, decodes and prefills the same sequences in the same order, and the
@@ -41,12 +41,12 @@ __all__ = ["Runner"]
 
 
 class Runner:
-    """One rank's engine and prefix store, stepping through plans."""
+    """One rank's engine over its paged cache (prefix entries included), stepping through
+    plans."""
 
-    def __init__(self, engine: KVEngine, block_size: int | None = None):
+    def __init__(self, engine: KVEngine, block_size: int, chunk: int, n_blocks: int = 4096):
         self.engine = engine
-        engine.state.granule = block_size
-        self.store: dict[int, list[tuple[torch.Tensor, ...]]] = {}  # prefix entry -> its rows
+        engine.page(n_blocks, block_size, chunk)  # this rank's paged cache (inference/paged.py)
         self.scores: dict[int, PromptScores] = {}  # the last step's, by index in plan["chunks"]
 
     def step(self, plan: dict) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
@@ -55,7 +55,7 @@ class Runner:
         for them (a 4th item) in `self.scores`."""
         engine, self.scores = self.engine, {}
         for entry in plan["evict"]:
-            self.store.pop(entry, None)
+            engine.state.paged.evict(entry)
         for seq in plan["free"]:
             engine.release(seq)
         adopt = {}
@@ -64,8 +64,6 @@ class Runner:
             assert opened == seq, f"rank out of step: opened {opened}, the plan says {seq}"
             if reuse:
                 adopt[seq] = (reuse, tokens)
-        for seq, rows in plan.get("room", []):
-            engine.room(seq, rows)
         decode = [tuple(d) for d in plan["decode"]]
         decoded, chunks = None, [None] * len(plan["chunks"])
         todo = list(range(len(plan["chunks"])))
@@ -75,7 +73,7 @@ class Runner:
                 seq = plan["chunks"][j][0]
                 if seq in adopt:
                     reuse, tokens = adopt.pop(seq)
-                    engine.adopt(seq, [self.store[entry] for entry in reuse], tokens)
+                    engine.adopt(seq, reuse, tokens)
             pieces = [(plan["chunks"][j][0], self._ids(plan["chunks"][j][1])) for j in wave]
             score = {i: plan["chunks"][j][3] for i, j in enumerate(wave)
                      if len(plan["chunks"][j]) > 3}  # fmt: skip
@@ -109,7 +107,7 @@ class Runner:
         seq, keep = piece[0], piece[2]
         if keep is not None:
             entry, start = keep
-            self.store[entry] = self.engine.rows(seq, start, self.engine.lengths[seq])
+            self.engine.keep(entry, seq, start)
 
     def _ids(self, ids: list[int]) -> torch.Tensor:
         return torch.tensor(ids, dtype=torch.int64, device=self.engine.device)

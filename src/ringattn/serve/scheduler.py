@@ -79,11 +79,22 @@ class Scheduler(Allocation):
         return len(self.waiting)
 
     def rows(self, seq: Seq, piece: int = 0, decode: int = 0) -> int:
-        """Tokens on the fullest rank once a prompt piece of `piece` tokens (one extend) and
-        `decode` more decoded tokens are in seq's cache."""
-        decoded = max(0, seq.done - seq.target) + decode
-        extra = self.shares.chunk_rows(piece) if piece else 0
-        return seq.rows + extra + -(-decoded // self.shares.world_size)
+        """Rows (whole blocks) seq holds alone on the fullest rank once a prompt piece of
+        `piece` tokens and `decode` more decoded tokens are in, by region (pool.py): the
+        earlier chunks no entry holds (`Seq.private`), the chunk being filled, the decoded."""
+        block = self.pool.block_size
+        blocks = seq.private + self.pool.blocks(self._own(seq, piece))
+        decoded = -(-(max(0, seq.done - seq.target) + decode) // self.shares.world_size)
+        return block * (blocks + self.pool.blocks(decoded))
+
+    def _own(self, seq: Seq, piece: int = 0) -> int:
+        """Rows (whole blocks) of the chunk being filled that seq holds alone once a piece of
+        `piece` tokens is in: its computed pieces' (an upper bound over the ranks), and one
+        block when an adopted prefix ends inside a block (copied on write: paged.py); the
+        adopted whole blocks are the entry's."""
+        computed = self.shares.rows(seq.pieces[len(seq.adopted) :])
+        computed += self.shares.chunk_rows(piece) if piece else 0
+        return (self.pool.blocks(computed) + seq.cow) * self.pool.block_size
 
     # ---- ending sequences ----
 
@@ -158,7 +169,6 @@ class Scheduler(Allocation):
             plan["op"] = "step"
         if plan["op"] == "step":
             plan["free"], plan["evict"] = self.freed, self.pool.evicted
-            plan["room"] = self.pool.room()  # changed holdings: buffers may grow to them
             self.freed, self.pool.evicted = [], []
         return plan
 
@@ -189,10 +199,12 @@ class Scheduler(Allocation):
         if self.prefix_cache and (end == self.chunk or seq.done + n == seq.target):
             points = [p for p in seq.hashes[c] if p[0] <= end] if c < len(seq.hashes) else []
             pieces = [*seq.pieces, (at, n, n)]
-            entry = self.pool.keep(c, points, pieces, self.shares.rows(pieces))
+            moved = self.pool.blocks(self._own(seq, n))  # seq's count of the chunk: the entry's
+            entry = self.pool.keep(c, points, pieces, self.shares.rows(pieces), seq.id, moved)
             if entry is not None:
                 keep = [entry, c * self.chunk]
                 self.step_kept.append(entry)
+        seq.keeping = keep is not None
         plan["chunks"].append([seq.id, seq.tokens[seq.done : seq.done + n], keep])
         if seq.logprobs.scoring:  # echo: this piece's prompt logprobs (scoring.py)
             plan["chunks"][-1].append(seq.logprobs.prompt_k)
@@ -250,12 +262,14 @@ class Scheduler(Allocation):
             seq.id, pinned = self.next_id, set(self.pool.pinned)
             reuse = self.reuse(seq)
             if whole and seq.target - seq.done > budget:  # it waits at the head of the line
-                self.pool.pinned, seq.id, seq.done, seq.rows, seq.pieces = pinned, -1, 0, 0, []
+                self.pool.pinned, seq.id = pinned, -1
+                seq.restart()
                 return
             if reuse and not self._chunk(plan, seq, budget):
                 # the copies do not fit beside their originals: compute it all instead
                 self.pool.pinned = pinned  # (an entry pinned by another stays pinned)
-                reuse, seq.done, seq.rows, seq.pieces = [], 0, 0, []
+                reuse = []
+                seq.restart()
             if not reuse and not self._chunk(plan, seq, budget):
                 self.pool.release(seq.id)
                 seq.id, seq.done = -1, 0
@@ -265,6 +279,7 @@ class Scheduler(Allocation):
             self.waiting.popleft()
             self.running.append(seq)
             plan["open"].append([seq.id, [entry for entry, _ in reuse], seq.done])
+            self.pool.use(seq.id, [entry for entry, _ in reuse])  # their blocks: shared
             plan["new"] += not seq.started
             seq.started = True
             if reuse:
@@ -287,8 +302,12 @@ class Scheduler(Allocation):
             seq.logprobs.piece(seq.done, n, (scores or {}).get(j), logits)
             seq.rows += self.shares.chunk_rows(n)
             at = seq.done % self.chunk
-            seq.pieces = [] if at + n == self.chunk else [*seq.pieces, (at, n, n)]
+            seq.pieces = [*seq.pieces, (at, n, n)]
             seq.done += n
+            if at + n == self.chunk or seq.done == seq.target:  # its region is complete:
+                if not seq.keeping:  # held by an entry, or by seq alone from now on
+                    seq.private += self.pool.blocks(self._own(seq))
+                seq.pieces, seq.adopted, seq.cow = [], [], 0
             rows.append((seq, logits))  # every piece's last row: a NaN anywhere is seen
         if rows:
             self._sample(rows)
@@ -299,15 +318,19 @@ class Scheduler(Allocation):
         checks = torch.stack([logits.argmax(-1), torch.isfinite(logits).all(-1).long()])
         greedy, finite = checks.tolist()  # one host sync for the step
         shared = len(self.step_decode) + len(self.step_chunks) > 1
+        users = set()  # of the entries forgotten: they counted on them (pool.forget)
         if not all(finite):  # the chunks this step kept may hold the NaN's rows: forgotten
             for entry in self.step_kept:
-                self.pool.forget(entry)
+                users |= self.pool.forget(entry)
             self.step_kept = []
         for j, (seq, row) in enumerate(rows):
             if not finite[j] and shared:  # (after() reset failures: this step went through)
                 # a NaN of one packed prompt reaches the others' rows (0 x NaN in a masked
                 # kernel); recomputed alone, a sequence whose own input is sane comes out clean
                 seq.failures = 1
+                self.preempt(seq)
+                continue
+            if finite[j] and seq.id in users:  # sane, but its kept chunk went: recompute
                 self.preempt(seq)
                 continue
             if not finite[j]:
@@ -349,8 +372,12 @@ class Scheduler(Allocation):
         """The step raised (on every rank alike): its sequences recompute, each alone until a step
         of it succeeds; one failing alone fails (400 for a ValueError, else 500), the others go
         on. The chunks it was to keep are forgotten on every rank (it may have stopped midway)."""
+        users = set()
         for h in self.step_kept:
-            self.pool.forget(h)
+            users |= self.pool.forget(h)
+        stepped = self.step_decode + [s for s, _ in self.step_chunks]
+        for seq in [s for s in self.running if s.id in users and s not in stepped]:
+            self.preempt(seq)  # (a user outside the step: none today, but it counted on them)
         for seq in {id(s): s for s in self.step_decode + [s for s, _ in self.step_chunks]}.values():
             seq.failures += 1
             if seq.failures < 2 and len(self.step_decode) + len(self.step_chunks) > 1:

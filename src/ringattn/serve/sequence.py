@@ -32,8 +32,17 @@ class Seq:
         self.hashed = -1  # of how many tokens `hashes` are
         self.rows = 0  # prompt rows on the fullest rank so far: sum over pieces (pool.py)
         self.pieces: list[Piece] = []  # the pieces of the chunk being prefilled, so far
+        self.adopted: list[Piece] = []  # of those, the ones adopted from an entry (cut)
+        self.cow = 0  # 1 when the adopted rows end inside a block on some rank (a copy)
+        self.private = 0  # blocks of its earlier chunks that no entry holds (scheduler.rows)
+        self.keeping = False  # its piece this step completes a chunk kept as an entry
         self.started = False  # admitted once (a preempted one comes back started)
         self.logprobs = Logprobs(r.ids, r.logprobs, r.prompt_logprobs)  # what it reports
+
+    def restart(self) -> None:
+        """Nothing computed or adopted (before an admission, or preempted)."""
+        self.done = self.rows = self.private = self.cow = 0
+        self.pieces, self.adopted = [], []
 
     @property
     def prefilling(self) -> bool:

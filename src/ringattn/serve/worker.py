@@ -100,7 +100,8 @@ def check_pool(blocks: int, block: int, shares: Shares, chunk: int, context: int
     rows). Then every request the API admits fits the pool alone, and one without max_tokens
     (the rest of the context) needs no reservation: it grows as it goes."""
     rows = max(shares.tokens(p, chunk, context - p) for p in range(1, context + 1))
-    need = -(-rows // block)
+    # by region: each chunk and the decoded tokens start blocks (pool.py)
+    need = max(shares.blocks(p, chunk, context - p, block) for p in range(1, context + 1))
     if need > blocks:
         raise ValueError(
             f"the KV pool holds {blocks} blocks of {block} tokens per rank, but one sequence of "
@@ -228,8 +229,9 @@ def rank_loop(model, tokenizer, info: GroupInfo, layout: str, jobs: queue.Queue,
     device = next(model.parameters()).device
     cp_group = groups[0]
     cp = resolve_group(cp_group).world_size
-    runner = Runner(KVEngine(model, group=cp_group, layout=layout), cfg.kv_block_size)
     blocks = pool_blocks(model, cfg, info, device)
+    engine = KVEngine(model, group=cp_group, layout=layout)
+    runner = Runner(engine, cfg.kv_block_size, cfg.max_batch_tokens, blocks)
     shares = Shares(layout, cp)
     # the same numbers on every rank (pool_blocks agreed on them): every rank raises alike
     check_pool(blocks, cfg.kv_block_size, shares, cfg.max_batch_tokens,

@@ -43,6 +43,7 @@ from ringattn.inference import native
 from ringattn.inference.hf import mixer_states
 from ringattn.inference.hf.kv_attention import Decode, Extend, Fresh, KVState, attach, restore
 from ringattn.inference.hf.scoring import score_rows
+from ringattn.inference.paged import PagedStore
 from ringattn.inference.turns import Turn, choose_mode
 from ringattn.integrations.hf import families, mixers, vision
 from ringattn.layout import get_layout
@@ -194,37 +195,29 @@ class KVEngine:
         self.lengths[seq] = self.decoded[seq] = self.shifts[seq] = 0
         return seq
 
-    def rows(self, seq: int, start: int, stop: int) -> list[tuple[torch.Tensor, ...]]:
-        """Copies of this rank's K/V of positions [start, stop) of `seq`, per layer: (k, v,
-        positions, host positions) (a prefix chunk kept for reuse; no window: nothing evicted)."""
-        out = []
-        for layer in range(self.n_layers):
-            cache = self.state.caches[(layer, seq)].layers[0]
-            host = cache.host[cache.start : cache.length]
-            lo, hi = (int(torch.searchsorted(host, torch.tensor(x, device="cpu"))) for x in
-                      (start, stop))  # fmt: skip
-            k, v, positions = cache.kept()
-            out.append((k[:, :, lo:hi].clone(), v[:, :, lo:hi].clone(),
-                        positions[lo:hi].clone(), host[lo:hi].clone()))  # fmt: skip
-        return out
+    def page(self, n_blocks: int, block: int, chunk: int) -> PagedStore:
+        """Keep every sequence's K/V from now on in a paged store of `n_blocks` blocks of
+        `block` rows per rank (paged.py; a prompt's chunks of `chunk` tokens start blocks), so
+        that prefix entries share blocks rather than copy rows (the server's cache)."""
+        if self.state.caches or self.state.offload:
+            raise ValueError("page() must come before any sequence, and not with offload")
+        self.state.paged = PagedStore(n_blocks, block, chunk, self.device)
+        return self.state.paged
 
-    def adopt(self, seq: int, chunks: list[list[tuple[torch.Tensor, ...]]], tokens: int) -> None:
-        """Start the empty sequence `seq` with reused chunks (`rows` of other sequences whose
-        first `tokens` tokens are seq's), in order: their rows with position < `tokens` become
-        this sequence's K/V. Exact at any cut: each rank's rows are in increasing position and
-        position p's K/V depend on tokens <= p only, whatever placement computed them."""
+    def keep(self, entry: int, seq: int, start: int) -> None:
+        """Prefix entry `entry` references seq's rows from position `start` to its end (one
+        chunk so far), on this rank: its blocks, no copy (paged.py)."""
+        self.state.paged.keep(entry, seq, start, self.lengths[seq])
+
+    def adopt(self, seq: int, entries: list[int], tokens: int) -> None:
+        """Start the empty sequence `seq` with the rows of `entries` (chunks of other
+        sequences, in order) below position `tokens`: whole blocks shared, a cut one copied.
+        Exact at any cut: each rank's rows are in increasing position and position p's K/V
+        depend on tokens <= p only, whatever placement computed them."""
         assert self.lengths[seq] == 0, "adopt starts an empty sequence"
-        bound = torch.tensor(tokens, device="cpu")
-        for layer in range(self.n_layers):
-            parts = []
-            for chunk in chunks:
-                k, v, positions, host = chunk[layer]
-                n = int(torch.searchsorted(host, bound))  # host positions increase
-                parts.append((k[:, :, :n], v[:, :, :n], positions[:n], host[:n]))
-            if sum(part[3].numel() for part in parts):  # one store: one buffer, no regrowth
-                k, v, positions, host = (torch.cat(x, dim=d) for x, d in
-                                         zip(zip(*parts), (2, 2, 0, 0)))  # fmt: skip
-                self.state.cache(layer, seq, None).store(0, k, v, positions, host)
+        self.state.paged.adopt(seq, entries, tokens)
+        for layer in self.state.paged.k:  # its attention layers' views hold the rows now
+            self.state.cache(layer, seq, None)  # (no window: prefix reuse is off with one)
         self.lengths[seq] = tokens
 
     def reserve(self, seqs: list[int], extra: list[int]) -> None:

@@ -38,11 +38,13 @@ import torch
 import ringattn
 from ringattn.comm import GroupInfo, all_gather_async, wait
 from ringattn.inference.cache import ShardedKVCache
+from ringattn.inference.paged import PagedStore, PagedView, gather
 from ringattn.inference.partials import (
     attention_options,
     check_merge,
     local_partial,
     merge_across_ranks,
+    padded_partial,
     self_score,
 )
 from ringattn.inference.turns import Turn, pass_kv, pass_q
@@ -99,6 +101,7 @@ class KVState:
         self.caches: dict[tuple[int, int], ShardedKVCache] = {}  # by (layer, sequence)
         self.kernel = None
         self.granule: int | None = None  # a KV pool's block: caches grow by whole blocks
+        self.paged: PagedStore | None = None  # the server's paged cache (paged.py), else None
         self.room: dict[int, int] = {}  # by sequence: rows its buffers may grow to (the pool's)
         self.on_layer = None  # progress: on_layer(layer index) after each prefill layer
         self.segments: list[tuple[int, int, Fresh | Decode | Extend]] = []  # [start, stop) rows
@@ -113,9 +116,11 @@ class KVState:
         self.positions: torch.Tensor | None = None
         self.next_position: int | None = None
 
-    def cache(self, layer: int, seq: int, left: int | None) -> ShardedKVCache:
+    def cache(self, layer: int, seq: int, left: int | None) -> ShardedKVCache | PagedView:
         key = (layer, seq)
-        if key not in self.caches:
+        if key not in self.caches and self.paged is not None:
+            self.caches[key] = PagedView(self.paged, layer, seq, left, self.info.rank)
+        elif key not in self.caches:
             cache = ShardedKVCache(1, self.info.rank, self.info.world_size, left, self.granule,
                                    self.room.get(seq, 0))  # fmt: skip
             if self.offload:
@@ -133,6 +138,8 @@ class KVState:
         for key in [key for key in self.mixer_states if key[1] == seq]:
             del self.mixer_states[key]
         self.room.pop(seq, None)
+        if self.paged is not None:
+            self.paged.release(seq)
 
     @property
     def nbytes(self) -> int:
@@ -172,7 +179,28 @@ def _prefill(state: KVState, fresh: Fresh, layer: int, left, query, key, value, 
     return out, lse
 
 
+def _merge(state: KVState, out, lse, query, key, scale):
+    """The decode partials merged across ranks by `state.merge`; allreduce's reference is each
+    query's score against its own key, which it always sees (partials.py)."""
+    ref = self_score(query, key, scale) if state.merge == "allreduce" else None
+    return merge_across_ranks(out, lse, state.info, state.merge, ref, return_lse=True)
+
+
 def _decode(state: KVState, step: Decode, layer: int, left, query, key, value, scale):
+    if state.paged is not None:  # every sequence's rows gathered from the pages: one call
+        views = [state.cache(layer, seq, left) for seq in step.live]
+        for j, view in enumerate(views):
+            view.append_decoded(0, key[j : j + 1], value[j : j + 1], step.positions[j],
+                                step.owners[j])  # fmt: skip
+            view.evict(0, step.positions[j])
+        rows = gather(state.paged, layer, views, query.device)
+        if rows is None:  # no row of any of them on this rank: weight 0 in the merge
+            out = torch.zeros_like(query, dtype=torch.float32)
+            lse = torch.full(query.shape[:3], float("-inf"), device=query.device)
+        else:
+            cap = getattr(state.kernel, "cap", None)
+            out, lse = padded_partial(query, *rows, scale, cap)
+        return _merge(state, out, lse, query, key, scale)
     outs, lses = [], []
     for j, seq in enumerate(step.live):  # query (L, Hq, 1, D): one row per live sequence
         cache = state.cache(layer, seq, left)
@@ -183,10 +211,7 @@ def _decode(state: KVState, step: Decode, layer: int, left, query, key, value, s
         out, lse = local_partial(state.kernel, query[j : j + 1], kept_k, kept_v, scale)
         outs.append(out)
         lses.append(lse)
-    # allreduce's reference: each query's score against its own key, which it always sees
-    ref = self_score(query, key, scale) if state.merge == "allreduce" else None
-    return merge_across_ranks(torch.cat(outs), torch.cat(lses), state.info, state.merge, ref,
-                              return_lse=True)  # fmt: skip
+    return _merge(state, torch.cat(outs), torch.cat(lses), query, key, scale)
 
 
 def _extend(state: KVState, piece: Extend, layer: int, left, query, key, value, scale):

@@ -1,0 +1,298 @@
+"""A paged KV cache for one rank: fixed-size blocks shared by sequences and prefix entries.
+
+    slots of layer l:  k[l], v[l]  (n_blocks * B, Hkv, D)       one preallocated tensor a layer
+    block b:           slots [bB, (b + 1)B)                      the unit of sharing
+    a sequence:        Table: blocks [7, 2, 9 | 4 | 12]          rows in increasing position
+                                   chunk 0   chunk 1   decoded
+    a prefix entry:    references to a table's blocks of one chunk (vLLM's and nano-vllm's
+                       reference-counted blocks; the hashes live on rank 0: serve/pool.py)
+
+Each rank holds its own share of a sequence's tokens (the layout places each prefill chunk,
+decoded tokens go round-robin), so each rank's table differs; the same attention layers store
+the same rows, so one table serves every layer. A table's rows are in *regions*: the prompt's
+chunk c = positions [cC, (c + 1)C) is one region, decoded rows another, and every region starts
+a new block. So a chunk's rows on a rank are whole blocks plus one partial, and an entry that
+keeps chunk c references exactly its region's blocks.
+
+Adopting a prefix of `tokens` tokens from entries (a request whose prompt starts like an
+earlier one): the rows of an entry below `tokens` are its first m rows (a rank keeps its rows
+in increasing position, and the K/V at position p depend on tokens <= p only, so those rows
+are that prefix's cache whatever placement computed them). The adopter shares the first m // B
+blocks (reference counts go up: no copy) and copies the m % B rows of the next into a block
+of its own (copy on write: that block may hold rows past the cut, and the adopter may write
+after them). So every shared block is full and a region fills its blocks B rows at a time:
+with chunks of a multiple of B x W tokens no whole chunk needs a copy. A table only
+ever writes into the last block of a region that it took itself; shared blocks are full.
+
+A block returns to the free list when no table and no entry references it. Rank 0's pool
+(serve/pool.py) counts every rank's blocks with an upper bound per region, so a rank never runs
+out; if it did (a bug), `take` raises a clear error and the step fails, not the server.
+
+A sliding window does not free rows here (a region's blocks may be shared): each layer's view
+moves a logical start past the keys no later query can see.
+"""
+
+from __future__ import annotations
+
+import array
+import bisect
+
+import torch
+
+__all__ = ["DECODED", "PagedStore", "PagedView", "Table"]
+
+DECODED = -1  # the region of decoded rows (prompt chunks are regions 0, 1, ...)
+
+
+class Table:
+    """One sequence's rows on this rank: their slots and positions, by region (module doc)."""
+
+    def __init__(self, device: torch.device):
+        self.blocks: list[int] = []
+        self.owned: set[int] = set()  # blocks this table took itself (it may write into them)
+        self.slots = array.array("q")  # slot of each row
+        self.host = array.array("q")  # position of each row
+        self.region = None  # region of the last row
+        self.fill = 0  # rows in the last block
+        self.adopted = 0  # rows every layer already holds (adopt copies or shares all layers)
+        self.device = device
+        self._index = torch.empty(0, dtype=torch.int64, device=device)  # slots, on the device
+        self._synced = 0  # rows of `_index` that are current
+
+    @property
+    def rows(self) -> int:
+        return len(self.slots)
+
+    def index(self, start: int, stop: int) -> torch.Tensor:
+        """The slots of rows [start, stop) as a device tensor (grown by doubling)."""
+        if self._synced < self.rows:
+            if self._index.numel() < self.rows:
+                grown = torch.empty(max(2 * self._index.numel(), self.rows, 16),
+                                    dtype=torch.int64, device=self.device)  # fmt: skip
+                grown[: self._synced] = self._index[: self._synced]
+                self._index = grown
+            new = torch.tensor(self.slots[self._synced :], dtype=torch.int64)
+            self._index[self._synced : self.rows] = new.to(self.device)
+            self._synced = self.rows
+        return self._index[start:stop]
+
+    def first_at(self, position: int) -> int:
+        """The first row whose position is >= `position` (rows are in increasing position)."""
+        return bisect.bisect_left(self.host, position)
+
+
+class PagedStore:
+    """This rank's blocks, the sequences' tables and the prefix entries (module docstring)."""
+
+    def __init__(self, n_blocks: int, block: int, chunk: int, device: torch.device):
+        if n_blocks < 1 or block < 1 or chunk < 1:
+            raise ValueError(f"a paged store needs n_blocks, block, chunk >= 1, got "
+                             f"{n_blocks}, {block}, {chunk}")  # fmt: skip
+        self.n_blocks, self.block, self.chunk, self.device = n_blocks, block, chunk, device
+        self.k: dict[int, torch.Tensor] = {}  # layer -> (n_blocks * block, Hkv, D)
+        self.v: dict[int, torch.Tensor] = {}
+        self.positions = torch.empty(n_blocks * block, dtype=torch.int64, device=device)
+        self.refs = [0] * n_blocks
+        self.free = list(range(n_blocks - 1, -1, -1))  # a stack: block 0 is taken first
+        self.tables: dict[int, Table] = {}
+        self.entries: dict[int, tuple[list[int], array.array, array.array]] = {}
+
+    # ---- blocks ----
+
+    def take(self) -> int:
+        if not self.free:
+            raise RuntimeError(
+                f"the paged KV store is out of blocks ({self.n_blocks} of {self.block} rows): "
+                f"the pool's accounting let a step need more than this rank holds (a bug)"
+            )
+        b = self.free.pop()
+        self.refs[b] = 1
+        return b
+
+    def _unref(self, blocks) -> None:
+        for b in blocks:
+            self.refs[b] -= 1
+            if self.refs[b] == 0:
+                self.free.append(b)
+
+    @property
+    def used(self) -> int:
+        return self.n_blocks - len(self.free)
+
+    @property
+    def shared(self) -> int:
+        """Blocks referenced more than once (by two tables, or a table and an entry)."""
+        return sum(1 for r in self.refs if r > 1)
+
+    # ---- sequences ----
+
+    def table(self, seq: int) -> Table:
+        if seq not in self.tables:
+            self.tables[seq] = Table(self.device)
+        return self.tables[seq]
+
+    def release(self, seq: int) -> None:
+        table = self.tables.pop(seq, None)
+        if table is not None:
+            self._unref(table.blocks)
+
+    def assign(self, table: Table, host: list[int], decoded: bool) -> None:
+        """Give slots to new rows at positions `host` (increasing), after every row of `table`:
+        into the last block while it is the table's own, of the same region, and not full."""
+        for position in host:
+            region = DECODED if decoded else position // self.chunk
+            if (not table.blocks or region != table.region or table.blocks[-1] not in table.owned
+                    or table.fill >= self.block):  # fmt: skip
+                b = self.take()
+                table.blocks.append(b)
+                table.owned.add(b)
+                table.fill = 0
+            table.slots.append(table.blocks[-1] * self.block + table.fill)
+            table.host.append(position)
+            table.fill += 1
+            table.region = region
+        if host:
+            rows = torch.tensor(host, dtype=torch.int64)
+            self.positions[table.index(table.rows - len(host), table.rows)] = rows.to(self.device)
+
+    def write(self, layer: int, table: Table, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Layer `layer`'s k, v (1, Hkv, n, D) into the slots of rows [start, start + n)."""
+        if layer not in self.k:  # the first store of this layer: its whole slot tensor
+            shape = (self.n_blocks * self.block, k.shape[1], k.shape[3])
+            self.k[layer] = torch.empty(shape, dtype=k.dtype, device=self.device)
+            self.v[layer] = torch.empty(shape, dtype=v.dtype, device=self.device)
+        index = table.index(start, start + k.shape[2])
+        self.k[layer].index_copy_(0, index, k[0].transpose(0, 1))  # (n, Hkv, D)
+        self.v[layer].index_copy_(0, index, v[0].transpose(0, 1))
+
+    def read(self, layer: int, table: Table, start: int, stop: int) -> tuple[torch.Tensor, ...]:
+        """k, v (1, Hkv, n, D) and positions (n,) of rows [start, stop) (gathered copies)."""
+        index = table.index(start, stop)
+        k = self.k[layer].index_select(0, index).transpose(0, 1)[None]
+        v = self.v[layer].index_select(0, index).transpose(0, 1)[None]
+        return k, v, self.positions.index_select(0, index)
+
+    # ---- prefix entries ----
+
+    def keep(self, entry: int, seq: int, start: int, stop: int) -> None:
+        """Entry `entry` references seq's rows with positions in [start, stop): one chunk's
+        region, whole blocks from its start (module docstring)."""
+        table = self.table(seq)
+        lo, hi = table.first_at(start), table.first_at(stop)
+        # a region fills its blocks in order from a block's start: row lo + jB opens block j
+        assert lo == hi or table.slots[lo] % self.block == 0, "a chunk's region starts a block"
+        blocks = [table.slots[i] // self.block for i in range(lo, hi, self.block)]
+        for b in blocks:
+            self.refs[b] += 1
+        self.entries[entry] = (blocks, table.slots[lo:hi], table.host[lo:hi])
+
+    def evict(self, entry: int) -> None:
+        gone = self.entries.pop(entry, None)
+        if gone is not None:
+            self._unref(gone[0])
+
+    def adopt(self, seq: int, entries: list[int], tokens: int) -> None:
+        """Start the empty sequence `seq` with the rows of `entries` (chunks, in order) whose
+        position is below `tokens`: whole blocks shared, the rest of a cut block copied."""
+        table = self.table(seq)
+        assert table.rows == 0, "adopt starts an empty sequence"
+        for entry in entries:
+            blocks, slots, host = self.entries[entry]
+            m = bisect.bisect_left(host, tokens)
+            full = m // self.block  # blocks wholly below the cut: shared
+            for b in blocks[:full]:
+                self.refs[b] += 1
+                table.blocks.append(b)
+            table.slots.extend(slots[: full * self.block])
+            table.host.extend(host[: full * self.block])
+            table.region = host[0] // self.chunk if full else None
+            if m % self.block:  # copy on write: the rest into a block of ours
+                rest = list(host[full * self.block : m])
+                source = torch.tensor(slots[full * self.block : m], dtype=torch.int64)
+                at = table.rows
+                table.region = None  # a new block for these rows
+                self.assign(table, rest, decoded=False)
+                source, target = source.to(self.device), table.index(at, table.rows)
+                for layer in self.k:
+                    self.k[layer][target] = self.k[layer][source]
+                    self.v[layer][target] = self.v[layer][source]
+        table.adopted = table.rows
+
+
+class PagedView:
+    """One layer's view of one sequence's table on this rank: the interface of a one-layer
+    ShardedKVCache (`store`, `append_decoded`, `evict`, `kept`, `tokens`) over the pages."""
+
+    def __init__(self, store: PagedStore, layer: int, seq: int, window: int | None, rank: int):
+        self.pages, self.layer, self.table = store, layer, store.table(seq)
+        self.window, self.rank = window, rank
+        self.start = 0  # rows before it are out of the window for every later query
+        self.length = self.table.adopted  # rows this layer holds
+
+    def _rows(self, k: torch.Tensor, v: torch.Tensor, positions, decoded: bool) -> None:
+        n = k.shape[2]
+        if n == 0:
+            return
+        if self.length + n > self.table.rows:  # the first layer to reach these rows
+            host = positions if isinstance(positions, list) else positions.tolist()
+            self.pages.assign(self.table, host[self.table.rows - self.length :], decoded)
+        self.pages.write(self.layer, self.table, self.length, k, v)
+        self.length += n
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+              host: torch.Tensor | None = None) -> None:  # fmt: skip
+        """A prompt piece's real rows k, v (1, Hkv, n, D) at `positions` (n,)."""
+        self._rows(k, v, positions if host is None else host, decoded=False)
+
+    def append_decoded(self, layer: int, k: torch.Tensor, v: torch.Tensor, position: int,
+                       owner: int) -> None:  # fmt: skip
+        if owner == self.rank:
+            self._rows(k, v, [position], decoded=True)
+
+    def evict(self, layer: int, next_query: int) -> None:
+        """Keys a query at `next_query` or later cannot see leave the view (not the pages)."""
+        if self.window is not None:
+            start = self.table.first_at(next_query - self.window)
+            self.start = min(max(self.start, start), self.length)
+
+    def kept(self, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        if self.layer not in self.pages.k:
+            return None
+        return self.pages.read(self.layer, self.table, self.start, self.length)
+
+    def prefetch(self, layer: int) -> None:
+        """Nothing to fetch: the pages stay where they are."""
+
+    def reserve(self, extra: int) -> None:
+        """Nothing to size: the pool's blocks are preallocated."""
+
+    def grow_to(self, rows: int) -> None:
+        """Nothing to grow: see `reserve`."""
+
+    @property
+    def tokens(self) -> int:
+        return self.length - self.start
+
+    @property
+    def nbytes(self) -> int:
+        if self.layer not in self.pages.k:
+            return 0
+        k = self.pages.k[self.layer]
+        return 2 * self.tokens * k[0].numel() * k.element_size()
+
+    capacity_bytes = nbytes  # the pages are the store's
+
+
+def gather(store: PagedStore, layer: int, views: list[PagedView], device: torch.device) -> tuple:
+    """Every view's visible rows of `layer` in one gather: k, v (L, N, Hkv, D) padded to the
+    longest and `valid` (L, N); None when no view has a row here (or the layer none yet)."""
+    counts = [view.tokens for view in views]
+    longest = max(counts, default=0)
+    if layer not in store.k or longest == 0:
+        return None
+    index = torch.zeros(len(views), longest, dtype=torch.int64, device=store.device)
+    for j, view in enumerate(views):
+        index[j, : counts[j]] = view.table.index(view.start, view.length)
+    counted = torch.tensor(counts, device=device)[:, None]
+    valid = torch.arange(longest, device=device)[None] < counted
+    return store.k[layer][index], store.v[layer][index], valid
