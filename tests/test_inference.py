@@ -63,15 +63,17 @@ def test_window_decoding_equals_windowed_prefill(pools):
     assert sum(r[0]["cache_tokens"] for r in results) == window + 1
 
 
+@pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("merge", ["allgather", "allreduce"])
-def test_engine_decodes_several_of_our_sequences_at_once(pools, merge):
+def test_engine_decodes_several_of_our_sequences_at_once(pools, merge, paged):
     """KVEngine drives our decoder like a transformers model: three prompts of different lengths
     packed in one prefill, then each step one batched decode (three positions, three RoPE
-    angles, three caches) at W = 2; each sequence equals the decoder without cache."""
+    angles, three caches; or the server's paged cache) at W = 2; each sequence equals the
+    decoder without cache."""
     model = build_model()
     prompts = [_prompt(length, seed=length) for length in (13, 30, 4)]
     wants = [generate_without_cache(model, prompt, 6) for prompt in prompts]
-    for got in pools(2).run("workers_inference:engine_batch", prompts, 6, merge):
+    for got in pools(2).run("workers_inference:engine_batch", prompts, 6, merge, paged):
         assert got == wants
 
 

@@ -163,12 +163,16 @@ def count_collectives(rank: int, world_size: int, prompt: list[int], new: int) -
             setattr(module, name, fn)
 
 
-def engine_batch(rank: int, world_size: int, prompts: list[list[int]], new: int, merge: str):
+def engine_batch(rank: int, world_size: int, prompts: list[list[int]], new: int, merge: str,
+                 paged: bool = False):  # fmt: skip
     """KVEngine over our decoder: the prompts packed in one prefill, then one batched decode step
-    per token for all of them (each sequence at its own position); each sequence's tokens."""
+    per token for all of them (each sequence at its own position; `paged`: the server's paged
+    cache, blocks of 4 rows); each sequence's tokens."""
     from ringattn.inference.hf.engine import KVEngine
 
     engine = KVEngine(build_model(), layout="zigzag", merge=merge)
+    if paged:
+        engine.page(64, 4, 16)
     logits = engine.prefill([torch.tensor(p) for p in prompts])  # (n, vocab)
     seqs, outs = list(range(len(prompts))), [[] for _ in prompts]
     for step in range(new):
