@@ -13,12 +13,12 @@ from itertools import pairwise
 import pytest
 import torch
 
+from ringattn.planner.dynamic_cp.cost import DocumentCost
+from ringattn.planner.dynamic_cp.schedule import min_size, plan_step
 from ringattn.planner.models import ModelSpec
 from ringattn.runtime import checkpoint as ckpt
 from ringattn.train.config import TrainConfig, validate
 from ringattn.train.decoder import build_decoder
-from ringattn.train.dynamic.cost import DocumentCost
-from ringattn.train.dynamic.schedule import min_size, plan_step
 from ringattn.train.step import learning_rate
 from workers_dynamic_cp import documents_of
 
@@ -113,7 +113,7 @@ def test_schedule_refuses_bad_input():
         ({"tp": 2, "cp": 2}, "not supported with --tp"),
         ({"compile": True}, "not supported with --compile"),
         ({"activation_checkpointing": True}, "--activation-checkpointing"),
-        ({"hf": "some/dir"}, "--dynamic-cp with --hf"),
+        ({"hf": "some/dir"}, "with --hf: the copy-task documents are the decoder.s"),
     ],
 )
 def test_dynamic_cp_refuses_what_it_cannot_make_exact(tmp_path, overrides, message):

@@ -174,7 +174,11 @@ def _trainer(case: dict, out_dir: str):
         cls = ringattn.hf.with_context_parallel(cls)
         layout, strategy = case.get("layout", "zigzag"), case.get("strategy", "ring")
         kwargs["context_parallel"] = ringattn.hf.ContextParallelConfig(
-            cp=case["cp"], layout=layout, strategy=strategy, loss_chunk=case.get("loss_chunk", -1)
+            cp=case["cp"],
+            layout=layout,
+            strategy=strategy,
+            loss_chunk=case.get("loss_chunk", -1),
+            dynamic=case.get("dynamic", False),
         )
     torch.manual_seed(0)  # LoRA's initial A, the same in every process
     return cls(model=net, args=args, **kwargs)
@@ -184,6 +188,7 @@ def _history(trainer) -> dict:
     logs = trainer.state.log_history
     return {"losses": [r["loss"] for r in logs if "loss" in r],
             "grad_norms": [r["grad_norm"] for r in logs if "grad_norm" in r],
+            "cp_groups": [r["cp_groups"] for r in logs if "cp_groups" in r],
             "eval": [r["eval_loss"] for r in logs if "eval_loss" in r]}  # fmt: skip
 
 

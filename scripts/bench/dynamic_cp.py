@@ -8,7 +8,7 @@ run a fresh `ringattn train` of --steps steps whose first --warmup-steps are not
 
 Reported per pair: tokens/s of both (the trainer's own `tokens_per_s`, median of the timed
 steps) and their ratio; overall the median ratio, and the scheduler's prediction beside it:
-the sum over steps of the busiest rank's planned cost (train/dynamic/cost.py), static over
+the sum over steps of the busiest rank's planned cost (planner/dynamic_cp/cost.py), static over
 dynamic, on the same windows. On CPU absolute times are noise; the ratio is the figure.
 
     .venv/bin/python scripts/bench/dynamic_cp.py      # writes results/dynamic_cp_cpu.json
@@ -25,11 +25,11 @@ import sys
 import tempfile
 
 from ringattn.bench import record
+from ringattn.planner.dynamic_cp.cost import DocumentCost
+from ringattn.planner.dynamic_cp.schedule import plan_step, static_schedule
 from ringattn.planner.models import ModelSpec
 from ringattn.train.config import TrainConfig
-from ringattn.train.dynamic.cost import DocumentCost
 from ringattn.train.dynamic.documents import parse_documents
-from ringattn.train.dynamic.schedule import plan_step, static_schedule
 
 
 def _run(args: argparse.Namespace, dynamic: bool, out: str) -> dict:

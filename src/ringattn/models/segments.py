@@ -18,18 +18,26 @@ group all hold its segment, of the same length (padding included), or all skip i
 placed no document there. Backward runs the segments' attention in reverse creation order on
 every rank (autograd executes the ready node with the highest sequence number first), again one
 global order.
+
+`rank_pieces` builds one rank's rows and Segments from a step's schedule; the decoder's loader
+(train/dynamic/loader.py), `train --hf` and the Trainer integration all use it.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Sequence
+from itertools import accumulate
+from typing import NamedTuple, Protocol
 
 import torch
 from torch import nn
 
 from ringattn import attention
+from ringattn.layout import get_layout
+from ringattn.packing import place
+from ringattn.runtime.subgroups import SubGroups, sizes_of
 
-__all__ = ["Segment", "attend_segments", "set_segments"]
+__all__ = ["Placement", "Segment", "attend_segments", "rank_pieces", "set_segments"]
 
 
 class Segment(NamedTuple):
@@ -73,3 +81,51 @@ def set_segments(model: nn.Module, segments: list[Segment] | None) -> None:
     for module in model.modules():
         if hasattr(module, "segments"):
             module.segments = segments
+
+
+class Placement(Protocol):
+    """What `rank_pieces` reads of a schedule (planner/dynamic_cp/schedule.Schedule)."""
+
+    cp: int
+
+    def documents(self, row: int, size: int, block: int) -> list[int]: ...
+
+
+def rank_pieces(
+    columns: Sequence[list[torch.Tensor]],
+    fills: Sequence[int],
+    plan: Placement,
+    dp_rank: int,
+    groups: SubGroups,
+    layout: str,
+) -> tuple[list[torch.Tensor], list[Segment]]:
+    """This rank's rows of a step's documents under `plan`, and their Segments.
+
+    `columns[c][i]` is document i's column c (tokens, labels, positions: 1-D, one length per
+    document), `fills[c]` what a padding row holds there. For g = cp, cp/2, ..., 1 the documents
+    on this rank's group of size g are packed (cu_seqlens), placed with `layout` over the g ranks
+    (packing.place) and this rank keeps its rows (-1 in the placement: padding, filled): one
+    piece; the pieces end to end, one (local_len,) tensor per column. A rank given no document
+    gets a one-token document of `fills`, alone: it still runs the step's forward and backward
+    through every parameter (train/dynamic/loader.py says why that matters)."""
+    pieces = [(g, plan.documents(dp_rank, g, groups.block(g))) for g in sizes_of(plan.cp)]
+    pieces = [(g, docs) for g, docs in pieces if docs]  # a group's members all skip it
+    columns = [list(col) for col in columns]
+    if not pieces:
+        for col, fill in zip(columns, fills):
+            like = col[0] if col else torch.empty(0, dtype=torch.int64, device="cpu")
+            col.append(torch.full((1,), fill, dtype=like.dtype, device=like.device))
+        pieces = [(1, [len(columns[0]) - 1])]
+    parts: list[list[torch.Tensor]] = [[] for _ in columns]
+    segments, at = [], 0
+    for g, docs in pieces:
+        bounds = (0, *accumulate(len(columns[0][i]) for i in docs))
+        index = place(get_layout(layout), g, bounds).global_indices(groups.rank_in(g))
+        real, take = index >= 0, index.clamp(min=0)  # (local_len,): -1 on padding rows
+        for part, col, fill in zip(parts, columns, fills):
+            whole = torch.cat([col[i] for i in docs])
+            real_, take_ = real.to(whole.device), take.to(whole.device)
+            part.append(torch.where(real_, whole[take_], fill))  # on the documents' device
+        segments.append(Segment(at, at + len(index), groups.group(g), bounds))
+        at += len(index)
+    return [torch.cat(part) for part in parts], segments

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from ringattn.models import MODEL_SIZES
 from ringattn.planner.work import HEAD_PARALLEL_FAMILIES, MIXER_KINDS, MixerShape
 
-__all__ = ["MIXER_KINDS", "MODELS", "MixerShape", "ModelSpec", "get_model", "model_names"]
+__all__ = ["MIXER_KINDS", "MODELS", "MixerShape", "ModelSpec", "from_hf_dict", "get_model",
+           "model_names"]  # fmt: skip
 
 LAYER_KINDS = ("attention", *MIXER_KINDS)
 
@@ -274,7 +275,14 @@ def from_hf_config(path: str) -> ModelSpec:
         path = os.path.join(path, "config.json")
     with open(path) as f:
         cfg = json.load(f)
-    cfg = cfg.get("text_config", cfg)  # multimodal configs nest the decoder
+    name = os.path.basename(os.path.dirname(os.path.abspath(path))) or path
+    return from_hf_dict(cfg, name, path)
+
+
+def from_hf_dict(cfg: dict, name: str, path: str = "") -> ModelSpec:
+    """A ModelSpec from a Hugging Face config as a dict (`config.to_dict()`); `path` names it in
+    errors and in `source`."""
+    cfg = cfg.get("text_config") or cfg  # multimodal configs nest the decoder
     try:
         dim, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
         experts = cfg.get("num_local_experts") or cfg.get("num_experts") or 0
@@ -283,7 +291,7 @@ def from_hf_config(path: str) -> ModelSpec:
             layers = layers or len(cfg.get(key) or ()) or None  # Nemotron-H may leave it out
         layers, kinds, mixer = _hybrid(cfg, dim, int(layers or cfg["num_hidden_layers"]))
         return ModelSpec(
-            name=os.path.basename(os.path.dirname(os.path.abspath(path))) or path,
+            name=name,
             dim=dim,
             n_layers=layers,
             n_heads=heads,

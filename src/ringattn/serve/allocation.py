@@ -133,6 +133,7 @@ class Allocation:
         seq.done = (len(found) - 1) * self.chunk + found[-1][1]
         seq.rows, seq.pieces = rows, pieces if found[-1][1] < self.chunk else []
         seq.adopted = list(seq.pieces)  # shared but for a cut block, copied (paged.py)
+        seq.base = found[-1][0] if seq.adopted else None
         seq.cow = int(self.shares.cut(seq.adopted, self.pool.block_size))
         seq.private = copies - seq.cow  # whole chunks' copied last blocks are seq's own
         # the pieces may need more rows than an all-fresh prefill: still within the pool?

@@ -10,8 +10,10 @@
     ringattn_request_latency_seconds          histogram, from admission to the end
     ringattn_running_sequences                sequences running (prefilling or decoding)
     ringattn_waiting_requests                 admitted requests waiting for the ranks
-    ringattn_kv_blocks{state}                 each rank's KV pool: used (by running sequences),
-                                              cached (prefix chunks, evictable), free
+    ringattn_kv_blocks{state}                 each rank's KV pool: used (by running sequences,
+                                              and the prefix chunks they share), cached (prefix
+                                              chunks no one uses, evictable), free
+    ringattn_kv_blocks_shared                 blocks referenced by more than one sequence
     ringattn_prefix_cache_hits_total          requests that started from cached prefix chunks
     ringattn_prefix_cache_hit_tokens_total    prompt tokens they did not compute
     ringattn_preemptions_total                sequences sent back to recompute (no free block)
@@ -67,12 +69,14 @@ class Metrics:
         self.itl = Histogram(ITL_BUCKETS)
         self.latency = Histogram(LATENCY_BUCKETS)
         self.blocks = {"used": 0, "cached": 0, "free": 0}
+        self.shared_blocks = 0
         self.prefix_hits = self.prefix_hit_tokens = self.preemptions = 0
 
     def pool(self, pool) -> None:
         """The KV pool's state now (serve/pool.py's BlockPool)."""
         with self.lock:
             self.blocks = {"used": pool.used, "cached": pool.cached_blocks, "free": pool.free}
+            self.shared_blocks = pool.shared_blocks
             self.prefix_hits, self.prefix_hit_tokens = pool.hits, pool.hit_tokens
 
     def ended(self, outcome: str, prompt_tokens: int = 0, new_tokens: int = 0,
@@ -122,6 +126,9 @@ class Metrics:
             out += ["# HELP ringattn_kv_blocks KV blocks of each rank's pool, by state.",
                     "# TYPE ringattn_kv_blocks gauge"]  # fmt: skip
             out += [f'ringattn_kv_blocks{{state="{k}"}} {n}' for k, n in self.blocks.items()]
+            out += ["# HELP ringattn_kv_blocks_shared KV blocks used by more than one sequence.",
+                    "# TYPE ringattn_kv_blocks_shared gauge",
+                    f"ringattn_kv_blocks_shared {self.shared_blocks}"]  # fmt: skip
             for name, hist, text in (
                 ("time_to_first_token_seconds", self.ttft, "Admission to the first token."),
                 ("inter_token_latency_seconds", self.itl, "Time between a sequence's tokens."),

@@ -119,10 +119,11 @@ class Shares:
         return rows + -(-decoded // self.world_size)
 
     def cut(self, pieces: list[Piece], block: int) -> bool:
-        """Whether some rank's rows of `pieces` end inside a block of `block` rows."""
-        return any(sum(bisect.bisect_left(_alone(self.name, self.world_size, n)[r], kept)
-                       for _, n, kept in pieces) % block
-                   for r in range(self.world_size))  # fmt: skip
+        """Whether some rank's rows of `pieces` may end inside a block of `block` rows: unless
+        every piece gives every rank a multiple of `block` rows (a step's packed first pieces
+        may land on other ranks than alone: only the counts are known, not whose)."""
+        return any(bisect.bisect_left(g, kept) % block for _, n, kept in pieces
+                   for g in _alone(self.name, self.world_size, n))  # fmt: skip
 
     def blocks(self, prefilled: int, chunk: int, decoded: int, block: int) -> int:
         """Blocks of `block` rows a sequence holds alone on its fullest rank, by region (module
@@ -136,13 +137,16 @@ class Shares:
 
 @dataclass
 class Entry:
-    """One kept chunk: chunk number, hash points, pieces, blocks and last use."""
+    """One kept chunk: chunk number, hash points, pieces, blocks and last use; `base`: the
+    entry whose first blocks it shares (its sequence adopted that one cut inside the chunk),
+    kept while this one is."""
 
     chunk: int
     points: list[Point]
     pieces: list[Piece]
     blocks: int
     last: int
+    base: int | None = None
 
 
 class BlockPool:
@@ -153,6 +157,7 @@ class BlockPool:
         self.held: dict[int, int] = {}  # sequence -> blocks it holds alone
         self.cached: dict[int, Entry] = {}  # entry id -> the kept chunk
         self.users: dict[int, set[int]] = {}  # entry id -> running sequences referencing it
+        self.dependents: dict[int, set[int]] = {}  # entry id -> entries sharing its blocks
         self.index: dict[str, dict[int, None]] = {}  # point hash -> entries (an ordered set)
         self.pinned: set[int] = set()  # entries the step being planned reads or writes
         self.planned: set[int] = set()  # entries the step being planned stores
@@ -164,21 +169,31 @@ class BlockPool:
     def blocks(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
 
+    def _users(self, entry: int) -> set[int]:
+        """The running sequences that reference `entry`'s blocks: its own users and its
+        dependents' (which share its first blocks)."""
+        out = set(self.users.get(entry, ()))
+        for other in self.dependents.get(entry, ()):
+            out |= self._users(other)
+        return out
+
+    def _by_users(self) -> list[tuple[Entry, int]]:
+        return [(e, len(self._users(i))) for i, e in self.cached.items()]
+
     @property
     def used(self) -> int:
         """Blocks of running sequences: their own, and the entries they reference."""
-        return sum(self.held.values()) + sum(e.blocks for i, e in self.cached.items()
-                                             if self.users.get(i))  # fmt: skip
+        return sum(self.held.values()) + sum(e.blocks for e, n in self._by_users() if n)
 
     @property
     def cached_blocks(self) -> int:
         """Blocks of entries no running sequence references (evictable)."""
-        return sum(e.blocks for i, e in self.cached.items() if not self.users.get(i))
+        return sum(e.blocks for e, n in self._by_users() if not n)
 
     @property
     def shared_blocks(self) -> int:
         """Blocks of entries referenced by more than one running sequence."""
-        return sum(e.blocks for i, e in self.cached.items() if len(self.users.get(i, ())) > 1)
+        return sum(e.blocks for e, n in self._by_users() if n > 1)
 
     @property
     def free(self) -> int:
@@ -192,18 +207,25 @@ class BlockPool:
     def _room(self, blocks: int) -> bool:
         """Evict entries (oldest use first, not pinned ones) until `blocks` are free; False when
         even that is not enough (then nothing is evicted)."""
-        idle = [i for i in self.cached if i not in self.pinned and not self.users.get(i)]
+        idle = [i for i in self.cached if self._idle(i)]
         if blocks > self.free + sum(self.cached[i].blocks for i in idle):
             return False
         # least recently used first; within a chain the last chunk first (the earlier ones
-        # still serve every prefix that shares them)
+        # still serve every prefix that shares them); an entry goes with its dependents
         order = sorted(idle,
                        key=lambda i: (self.cached[i].last, -self.cached[i].chunk))  # fmt: skip
         for i in order:
             if self.free >= blocks:
                 break
-            self.forget(i)
+            self.forget(i)  # (a dependent already gone with its base: nothing happens)
         return True
+
+    def _idle(self, entry: int) -> bool:
+        """Evictable: no running sequence references it, and neither it nor an entry that
+        shares its blocks is pinned (its dependents go with it: `forget`)."""
+        if entry in self.pinned or self.users.get(entry):
+            return False
+        return all(self._idle(other) for other in self.dependents.get(entry, ()))
 
     def grow(self, seq: int, tokens: int) -> bool:
         """Let `seq` hold `tokens` tokens per rank alone (a whole number of blocks: the
@@ -256,6 +278,10 @@ class BlockPool:
         users = self.users.pop(entry, set())
         if gone is None:
             return users
+        for other in self.dependents.pop(entry, set()):  # they share its blocks: gone too
+            users |= self.forget(other)
+        if gone.base in self.dependents:
+            self.dependents[gone.base].discard(entry)
         for _, h in gone.points:
             holders = self.index[h]
             del holders[entry]
@@ -267,21 +293,26 @@ class BlockPool:
         return users
 
     def keep(self, chunk: int, points: list[Point], pieces: list[Piece], rows: int,
-             seq: int, moved: int) -> int | None:  # fmt: skip
+             seq: int, moved: int, base: int | None = None) -> int | None:  # fmt: skip
         """Keep chunk number `chunk` of sequence `seq` (its hash `points` and `pieces`, `rows` on
         the fullest rank) if it adds a prefix the cache lacks; its entry id (pinned for this
         step, used by `seq`), else None. `moved` of its blocks were seq's count of the chunk
-        (grown for it): they move to the entry's; the rest (blocks seq shares with the entry
-        it adopted the chunk's start from) must be free: the entry counts them again, so that
-        it stays whole when the other is evicted."""
-        extra = self.blocks(rows) - moved
+        (grown for it): they move to the entry's. The rest are blocks seq shares with `base`,
+        the entry it adopted the chunk's start from: counted by that one, which is then kept as
+        long as this one (its `dependents`); without a base the entry counts them again."""
+        if base is not None and base not in self.cached:
+            base = None  # (forgotten meanwhile: its blocks are counted here instead)
+        extra = 0 if base is not None else self.blocks(rows) - moved
         if not points or points[-1][1] in self.index or extra > self.free:
             return None
         assert self.held.get(seq, 0) >= moved, "keep follows grow for the chunk"
         self.held[seq] -= moved
         self.clock += 1
         entry, self.next_entry = self.next_entry, self.next_entry + 1
-        self.cached[entry] = Entry(chunk, list(points), list(pieces), self.blocks(rows), self.clock)
+        self.cached[entry] = Entry(chunk, list(points), list(pieces), moved + extra, self.clock,
+                                   base)  # fmt: skip
+        if base is not None:
+            self.dependents.setdefault(base, set()).add(entry)
         for _, h in points:
             for other in self.index.get(h, ()):
                 if self.cached[other].points[-1][1] == h:  # all it holds, this one holds too:

@@ -200,7 +200,9 @@ class Scheduler(Allocation):
             points = [p for p in seq.hashes[c] if p[0] <= end] if c < len(seq.hashes) else []
             pieces = [*seq.pieces, (at, n, n)]
             moved = self.pool.blocks(self._own(seq, n))  # seq's count of the chunk: the entry's
-            entry = self.pool.keep(c, points, pieces, self.shares.rows(pieces), seq.id, moved)
+            base = seq.base if seq.adopted else None  # the entry seq shares blocks of
+            entry = self.pool.keep(c, points, pieces, self.shares.rows(pieces), seq.id, moved,
+                                   base)  # fmt: skip
             if entry is not None:
                 keep = [entry, c * self.chunk]
                 self.step_kept.append(entry)
@@ -307,7 +309,7 @@ class Scheduler(Allocation):
             if at + n == self.chunk or seq.done == seq.target:  # its region is complete:
                 if not seq.keeping:  # held by an entry, or by seq alone from now on
                     seq.private += self.pool.blocks(self._own(seq))
-                seq.pieces, seq.adopted, seq.cow = [], [], 0
+                seq.pieces, seq.adopted, seq.cow, seq.base = [], [], 0, None
             rows.append((seq, logits))  # every piece's last row: a NaN anywhere is seen
         if rows:
             self._sample(rows)

@@ -34,6 +34,7 @@ class Seq:
         self.pieces: list[Piece] = []  # the pieces of the chunk being prefilled, so far
         self.adopted: list[Piece] = []  # of those, the ones adopted from an entry (cut)
         self.cow = 0  # 1 when the adopted rows end inside a block on some rank (a copy)
+        self.base: int | None = None  # the entry those adopted pieces are from
         self.private = 0  # blocks of its earlier chunks that no entry holds (scheduler.rows)
         self.keeping = False  # its piece this step completes a chunk kept as an entry
         self.started = False  # admitted once (a preempted one comes back started)
@@ -42,7 +43,7 @@ class Seq:
     def restart(self) -> None:
         """Nothing computed or adopted (before an admission, or preempted)."""
         self.done = self.rows = self.private = self.cow = 0
-        self.pieces, self.adopted = [], []
+        self.pieces, self.adopted, self.base = [], [], None
 
     @property
     def prefilling(self) -> bool:

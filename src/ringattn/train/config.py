@@ -231,26 +231,29 @@ DOCUMENT_STRATEGIES = ("ring", "allgather", "ulysses")
 
 
 def check_documents(cfg: TrainConfig, cp: int) -> None:
-    """--dynamic-cp and --data docs: on the allow-list only: the decoder (no --hf), ring,
-    allgather or ulysses, no --tp, --pp, --compile or activation checkpointing, cp a power of
-    two; each refusal names the flag and the fix."""
+    """--dynamic-cp and --data docs: on the allow-list only: the decoder with --data docs:, or
+    --hf with its packed text:/chat: documents; ring, allgather or ulysses, no --tp, --pp, --ep,
+    --compile, nor activation checkpointing but with --hf, cp a power of two; each refusal names
+    the flag and the fix (the --hf model's own refusals: train/hf/dynamic.check_model)."""
     docs = cfg.data.startswith("docs:")
-    if cfg.dynamic_cp and cfg.hf:
+    if docs and cfg.hf:
         raise ValueError(
-            "--dynamic-cp with --hf: dynamic context parallelism runs on the decoder's packed "
-            "documents only (ringattn.hf is not wired to it yet); drop --dynamic-cp or --hf"
+            f"--data {cfg.data} with --hf: the copy-task documents are the decoder's; --hf "
+            f"packs the documents of --data text:PATH or chat:PATH (--dynamic-cp too)"
         )
-    if cfg.dynamic_cp and not docs:
+    if cfg.dynamic_cp and not (docs or cfg.hf):
         raise ValueError(
             f"--dynamic-cp places packed documents, and --data {cfg.data} has one document per "
-            f"window; use --data docs:MEAN,SIGMA,MIN,MAX (e.g. docs:1024,1.5,128,8192)"
+            f"window; use --data docs:MEAN,SIGMA,MIN,MAX (e.g. docs:1024,1.5,128,8192), or --hf "
+            f"DIR with --data text:PATH or chat:PATH"
         )
-    if not docs:
+    if not (docs or cfg.dynamic_cp):
         return
     what = "--dynamic-cp" if cfg.dynamic_cp else f"--data {cfg.data}"
     refused = {"--tp": cfg.tp != 1, "--pp": cfg.pp != 1, "--compile": cfg.compile,
-               "--activation-checkpointing": cfg.activation_checkpointing,
-               "--hf": bool(cfg.hf), "--ep": cfg.ep != 1}  # fmt: skip
+               # --hf recomputes through transformers' checkpointing, segments in the kwargs
+               "--activation-checkpointing": cfg.activation_checkpointing and not cfg.hf,
+               "--ep": cfg.ep != 1}  # fmt: skip
     for flag, on in refused.items():
         if on:
             raise ValueError(f"{what} is not supported with {flag}; drop {flag}")

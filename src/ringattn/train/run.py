@@ -33,18 +33,18 @@ from torch import nn
 
 from ringattn.comm.world import gather_over_world
 from ringattn.models.config import ModelConfig
+from ringattn.planner.dynamic_cp.cost import DocumentCost
 from ringattn.planner.models import ModelSpec
 from ringattn.runtime import checkpoint as ckpt
 from ringattn.runtime.mesh import Mesh, build_mesh
 from ringattn.runtime.meter import Meter
 from ringattn.runtime.outcome import Stopped
+from ringattn.runtime.subgroups import build_sub_groups
 from ringattn.train.compile import compile_model
 from ringattn.train.config import IDENTITY, TrainConfig, validate
 from ringattn.train.data import Loader, get_dataset, shard_batch
 from ringattn.train.decoder import DECODER, decoder_of, parallelize_decoder
-from ringattn.train.dynamic.cost import DocumentCost
 from ringattn.train.dynamic.documents import DocumentTask
-from ringattn.train.dynamic.groups import build_sub_groups
 from ringattn.train.dynamic.loader import DocumentLoader
 from ringattn.train.hf.recipe import HF
 from ringattn.train.recipe import ModelRecipe
@@ -158,9 +158,10 @@ def _document_loader(
     spec = ModelSpec(cfg.model, c.dim, c.n_layers, c.n_heads, c.n_kv_heads, c.hidden_dim,
                      c.vocab_size)  # fmt: skip
     elem = 4 if cfg.dtype == "float32" else 2
-    return DocumentLoader(dataset, cfg.batch_size, mesh.dp_rank, mesh.dp, mesh.cp,
-                          build_sub_groups(mesh), cfg.layout, device,
-                          DocumentCost(spec, elem_bytes=elem), cfg.dynamic_cp)  # fmt: skip
+    groups = build_sub_groups(mesh.dp, mesh.cp, mesh.cp_group, mesh.cp_rank)
+    return DocumentLoader(dataset, cfg.batch_size, mesh.dp_rank, mesh.dp, mesh.cp, groups,
+                          cfg.layout, device, DocumentCost(spec, elem_bytes=elem),
+                          cfg.dynamic_cp)  # fmt: skip
 
 
 def _warm_up(cfg: TrainConfig, mesh: Mesh, device: torch.device) -> None:

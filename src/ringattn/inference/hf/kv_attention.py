@@ -120,6 +120,8 @@ class KVState:
         key = (layer, seq)
         if key not in self.caches and self.paged is not None:
             self.caches[key] = PagedView(self.paged, layer, seq, left, self.info.rank)
+        elif self.paged is not None:  # a view made before its layer ran (engine.adopt)
+            self.caches[key].window = left
         elif key not in self.caches:
             cache = ShardedKVCache(1, self.info.rank, self.info.world_size, left, self.granule,
                                    self.room.get(seq, 0))  # fmt: skip

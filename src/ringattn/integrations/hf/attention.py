@@ -8,7 +8,14 @@ A transformers decoder layer computes q, k, v for its local tokens and calls
 with query (B, Hq, S_local, D) and key, value (B, Hkv, S_local, D), K/V not repeated for GQA. Here
 that call is `ringattn.attention` over the whole sequence: the group, layout, strategy and backend
 come from the `CPContext` that `parallelize` put on the module; the global document boundaries
-come from the forward kwargs (`cu_seq_lens_q`, set by `shard_batch`); the rest maps one to one:
+come from the forward kwargs (`cu_seq_lens_q`, set by `shard_batch`); the rest maps one to one.
+Dynamic CP (train --hf --dynamic-cp, ContextParallelConfig(dynamic=True)) passes instead the
+kwarg `ringattn_segments`: the local rows are pieces end to end, each its own packed documents
+sharded over its own sub-group (models/segments.py's Segment), and each piece is one
+`ringattn.attention` call over its rows with its group and cu_seqlens (the context's group is
+not used). The kwarg travels as `cu_seq_lens_q` does: transformers hands its forward kwargs to
+every decoder layer and on to this function.
+
 
     transformers                      ringattn.attention
     scaling                           scale
@@ -44,6 +51,8 @@ CONTEXT_ATTR = "ringattn_context"
 # whole_attention.py: DeepSeek-V4's compressed layers): its family's own attention function,
 # which this module's calls go to instead of attending across the ranks
 LOCAL_ATTR = "ringattn_local_attention"
+SEGMENTS_KWARG = "ringattn_segments"
+"""The forward kwarg of dynamic CP: a list of models/segments.Segment covering the local rows."""
 
 
 @dataclass(frozen=True)
@@ -92,7 +101,7 @@ def _check_call(module, query, key, attention_mask, dropout, kwargs) -> None:
             f"{where}: {query.shape[2]} queries against {key.shape[2]} keys (a KV cache?); "
             f"ringattn.hf trains and scores whole sequences: call the model with use_cache=False"
         )
-    if kwargs.get("cu_seq_lens_q") is None:
+    if kwargs.get("cu_seq_lens_q") is None and kwargs.get(SEGMENTS_KWARG) is None:
         raise ValueError(
             f"{where}: the model was parallelized with ringattn.hf.parallelize but the batch has "
             f"no cu_seq_lens_q; build it with ringattn.hf.shard_batch (the same group and layout)"
@@ -179,28 +188,56 @@ def ringattn_attention(
         dtype = torch.get_autocast_dtype(device_type)
         query, key, value = (t.to(dtype) for t in (query, key, value))
 
-    def attend(q, k, v, return_lse):
+    def attend_over(q, k, v, return_lse, group, cu_seqlens):
         return ringattn.attention(
             q,
             k,
             v,
             causal=causal,
             scale=scaling,
-            group=context.group,
+            group=group,
             layout=context.layout,
             strategy=context.strategy,
             backend=context.backend,
-            cu_seqlens=kwargs["cu_seq_lens_q"],
+            cu_seqlens=cu_seqlens,
             window=window,
             return_lse=return_lse,
             softcap=kwargs.get("softcap"),
         )
+
+    segments = kwargs.get(SEGMENTS_KWARG)
+
+    def attend(q, k, v, return_lse):
+        if segments is None:
+            return attend_over(q, k, v, return_lse, context.group, kwargs["cu_seq_lens_q"])
+        return _by_segments(attend_over, q, k, v, return_lse, segments)
 
     if sinks is None:
         out = attend(query, key, value, False)
     else:
         out = _with_sinks(attend, query, key, value, sinks, scaling)
     return out.transpose(1, 2).contiguous(), None  # (B, S_local, Hq, D)
+
+
+def _by_segments(attend_over, q, k, v, return_lse, segments):
+    """Attention piece by piece (dynamic CP): each segment's rows [start, stop) over its group
+    and documents; the outputs (and lse) end to end again. The segments must cover the local rows
+    in order: every rank's come from the same schedule, so a gap is a bug, raised on every rank
+    of the step alike (the check reads only the segments and the shape, before any exchange)."""
+    at = 0
+    for seg in segments:
+        if seg.start != at or seg.stop < seg.start:
+            raise ValueError(f"{SEGMENTS_KWARG}: segments must cover the local rows in order, "
+                             f"got {[(s.start, s.stop) for s in segments]}")  # fmt: skip
+        at = seg.stop
+    if at != q.shape[2]:
+        raise ValueError(f"{SEGMENTS_KWARG}: segments cover {at} rows, the batch has {q.shape[2]}")
+    outs = [attend_over(q[:, :, s.start : s.stop], k[:, :, s.start : s.stop],
+                        v[:, :, s.start : s.stop], return_lse, s.group, list(s.cu_seqlens))
+            for s in segments]  # fmt: skip  # each (B, H, stop - start, D), lse (B, H, rows)
+    if not return_lse:
+        return torch.cat(outs, dim=2)  # (B, Hq, S_local, D)
+    return torch.cat([o for o, _ in outs], dim=2), torch.cat([lse for _, lse in outs], dim=2)
 
 
 def _with_sinks(attend, query, key, value, sinks, scaling) -> torch.Tensor:

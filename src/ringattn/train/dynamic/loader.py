@@ -23,19 +23,17 @@ whatever the schedule.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import accumulate, pairwise
+from itertools import pairwise
 
 import torch
 
-from ringattn.layout import get_layout
 from ringattn.models.loss import IGNORE
-from ringattn.models.segments import Segment
-from ringattn.packing import place
+from ringattn.models.segments import Segment, rank_pieces
+from ringattn.planner.dynamic_cp.cost import DocumentCost
+from ringattn.planner.dynamic_cp.schedule import Schedule, plan_step, static_schedule
+from ringattn.runtime.subgroups import SubGroups
 from ringattn.train.data import Batch
-from ringattn.train.dynamic.cost import DocumentCost
 from ringattn.train.dynamic.documents import DocumentTask
-from ringattn.train.dynamic.groups import SubGroups, sizes_of
-from ringattn.train.dynamic.schedule import Schedule, plan_step, static_schedule
 
 __all__ = ["DocumentBatch", "DocumentLoader"]
 
@@ -86,36 +84,9 @@ class DocumentLoader:
     def batch(self, step: int) -> DocumentBatch:
         inputs, labels, rows = self.documents(step)
         plan = self.schedule([len(x) for x in inputs], rows)
-        pieces = [(g, plan.documents(self.dp_rank, g, self.groups.block(g)))
-                  for g in sizes_of(self.cp)]  # fmt: skip
-        pieces = [(g, docs) for g, docs in pieces if docs]  # a group's members all skip it
-        if not pieces:  # no document here: an unsupervised one-token document, alone
-            inputs.append(torch.zeros(1, dtype=torch.int64, device="cpu"))
-            labels.append(torch.full((1,), IGNORE, dtype=torch.int64, device="cpu"))
-            pieces = [(1, [len(inputs) - 1])]
-        parts, segments, at = [], [], 0
-        for g, docs in pieces:
-            x, y, pos, bounds = self._piece([inputs[i] for i in docs], [labels[i] for i in docs],
-                                            g)  # fmt: skip
-            parts.append((x, y, pos))
-            segments.append(Segment(at, at + len(x), self.groups.group(g), bounds))
-            at += len(x)
-        x, y, pos = (torch.cat([p[k] for p in parts]) for k in range(3))
+        positions = [torch.arange(len(x), device="cpu") for x in inputs]  # restart per document
+        (x, y, pos), segments = rank_pieces((inputs, labels, positions), (0, IGNORE, 0), plan,
+                                            self.dp_rank, self.groups, self.layout)  # fmt: skip
         return DocumentBatch(x[None].to(self.device), y[None].to(self.device),
                              pos.to(self.device), segments, plan.histogram,
                              plan.imbalance)  # fmt: skip
-
-    def _piece(
-        self, inputs: list[torch.Tensor], labels: list[torch.Tensor], size: int
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[int, ...]]:
-        """This rank's rows of documents packed and placed over its group of `size` ranks:
-        inputs, labels, RoPE positions (each (local_len,)) and the piece's cu_seqlens."""
-        bounds = (0, *accumulate(len(x) for x in inputs))
-        index = place(get_layout(self.layout), size, bounds).global_indices(
-            self.groups.rank_in(size)
-        )  # (local_len,) -1 on padding rows
-        real, take = index >= 0, index.clamp(min=0)
-        x, y = torch.cat(inputs), torch.cat(labels)
-        pos = torch.cat([torch.arange(len(d), device="cpu") for d in inputs])
-        return (torch.where(real, x[take], 0), torch.where(real, y[take], IGNORE),
-                torch.where(real, pos[take], 0), bounds)  # fmt: skip

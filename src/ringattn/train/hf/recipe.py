@@ -9,7 +9,8 @@
                        AttentionInterface), then models/parallelize.py's FSDP2 over all dp x cp
                        ranks, one unit per decoder layer (the model's _no_split_modules), divide
                        factor 1
-    loader             hf/data.DocumentLoader: packed documents through ringattn.hf.shard_batch
+    loader             hf/data.DocumentLoader: packed documents through ringattn.hf.shard_batch;
+                       --dynamic-cp: hf/dynamic.DynamicLoader (per-step cp groups, exact)
 
 The trainer's contract is `model(inputs, positions, labels)` -> (loss SUM, supervised count,
 right predictions), divided by the global count in step.py. `CausalLMLoss` computes these with
@@ -51,6 +52,7 @@ from ringattn.train.hf.data import (
     PackedDocuments,
     load_corpus,
 )
+from ringattn.train.hf.dynamic import DynamicLoader, check_model, dynamic_loader
 from ringattn.train.hf.experts import expert_parallel
 from ringattn.train.hf.probe import check_probe, probe
 from ringattn.train.hf.sources import split_data
@@ -85,6 +87,8 @@ def check(cfg: TrainConfig, cp: int) -> None:
         raise ValueError(f"--export {cfg.export} is a file; give a directory to write the model to")
     dataset(cfg)  # tokenized once (corpus.py), enough tokens for one window
     check_probe(cfg)  # --eval-niah-every: a needle prompt fits --seq-len
+    if cfg.dynamic_cp:  # hybrid, vision-language, MoE router loss: refused by name (dynamic.py)
+        check_model(cfg)
 
 
 def dataset(cfg: TrainConfig) -> PackedDocuments | PackedConversations:
@@ -162,8 +166,11 @@ def parallelize_hf(model: nn.Module, mesh: Mesh, cfg: TrainConfig) -> nn.Module:
                        param_dtype=param_dtype)  # fmt: skip
 
 
-def loader(cfg: TrainConfig, mesh: Mesh, device: torch.device) -> DocumentLoader:
-    """recipe.loader: packed documents of --data, tokenized for the model of --hf."""
+def loader(cfg: TrainConfig, mesh: Mesh, device: torch.device) -> DocumentLoader | DynamicLoader:
+    """recipe.loader: packed documents of --data, tokenized for the model of --hf; with
+    --dynamic-cp, each step's documents scheduled over sub-groups (dynamic.py)."""
+    if cfg.dynamic_cp:
+        return dynamic_loader(cfg, mesh, device, dataset(cfg))
     return DocumentLoader(dataset(cfg), cfg.batch_size, mesh.dp_rank, mesh.dp, mesh.cp_group,
                           cfg.layout, device)  # fmt: skip
 

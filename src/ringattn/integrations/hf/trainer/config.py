@@ -40,6 +40,10 @@ class ContextParallelConfig:
     """Rows of logits at a time in the training loss of transformers.Trainer (chunked.py): -1
     picks them from the vocabulary (256 MiB of float32 logits), 0 keeps the model's own whole
     logits."""
+    dynamic: bool = False
+    """Dynamic CP (dynamic.py): each training step, the documents of every dp row's batch get a
+    group of 1, 2, ... cp ranks and are placed over dp x cp by planned cost (short ones alone,
+    no communication); the same loss and gradients as static CP. cp must be a power of two."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.cp, int) or isinstance(self.cp, bool) or self.cp < 1:
@@ -54,6 +58,12 @@ class ContextParallelConfig:
                 "integration does not build; use 'ring', 'allgather' or 'ulysses'"
             )
         check_names(self.strategy, STRATEGIES, self.backend)
+        if self.dynamic and self.cp & (self.cp - 1):
+            low = 1 << (self.cp.bit_length() - 1)
+            raise ValueError(
+                f"ContextParallelConfig(cp={self.cp}, dynamic=True): dynamic CP's groups are 1, "
+                f"2, 4, ... ranks, so cp must be a power of two; use cp={low} or {2 * low}"
+            )
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,9 @@ What a hand-wired Trainer gets wrong, and the documented hook that puts it right
                                               mean), gathered once per dp group
     SFTTrainer's MoE router loss is one       router.py: its router logits gathered over the cp
     rank's                                    group
+    dynamic CP (ContextParallelConfig(        dynamic.py: each training batch's documents of
+    dynamic=True))                            every dp row placed over all ranks; `log` adds the
+                                              step's cp_groups and imbalance
 
 The logged training loss is the Trainer's own mean over ranks of W x (sum / global count): the
 global token mean. Checkpoints and `save_model` are the Trainer's: DDP keeps the whole model on
@@ -40,11 +43,13 @@ import torch
 import torch.distributed as dist
 
 from ringattn.integrations.hf.batch import shard_batch
+from ringattn.integrations.hf.dynamic import refuse_dynamic
 from ringattn.integrations.hf.experts import EXPERTS_ATTR
 from ringattn.integrations.hf.model import parallelize
 from ringattn.integrations.hf.trainer.batch import one_row
 from ringattn.integrations.hf.trainer.chunked import install_chunked_loss
 from ringattn.integrations.hf.trainer.config import ContextParallelConfig, split_world
+from ringattn.integrations.hf.trainer.dynamic import DynamicSharder
 from ringattn.integrations.hf.trainer.router import gather_router_logits
 
 __all__ = ["with_context_parallel"]
@@ -85,6 +90,17 @@ def _refuse(trainer: object, extra_settings: dict) -> None:
     for failed, setting, fix in checks:
         if failed:
             raise ValueError(f"ringattn.hf Trainer: {setting} is not supported: {fix}")
+
+
+def _refuse_for_dynamic(trainer: object, model: torch.nn.Module) -> None:
+    """ValueError for what ContextParallelConfig(dynamic=True) cannot run exactly: the model's
+    (integrations/hf/dynamic.py) and the Trainer's settings that were not made exact with it."""
+    what = "ContextParallelConfig(dynamic=True)"
+    args = trainer.args
+    if args.torch_compile:  # the segments' groups and bounds change every step: not traced
+        raise ValueError(f"ringattn.hf Trainer: {what} is not supported with torch_compile=True; "
+                         f"set it to False, or use static CP (dynamic=False)")  # fmt: skip
+    refuse_dynamic(model, what)
 
 
 def _refuse_split_experts(model: torch.nn.Module) -> None:
@@ -149,10 +165,12 @@ class _ContextParallel:
             world = dist.get_world_size() if dist.is_initialized() else 1
             context_parallel = ContextParallelConfig(cp=world)
         _refuse(self, extra)
-        self.context_parallel = context_parallel
-        self.cp_split = split_world(context_parallel)
         model = self.model
         base = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT
+        if context_parallel.dynamic:  # read from the model and arguments: on every rank, first
+            _refuse_for_dynamic(self, base)
+        self.context_parallel = context_parallel
+        self.cp_split = split_world(context_parallel)
         _refuse_split_experts(base)
         parallelize(base, self.cp_split.group, context_parallel.layout, context_parallel.strategy,
                     backend=context_parallel.backend)  # fmt: skip
@@ -162,6 +180,10 @@ class _ContextParallel:
             install_chunked_loss(base, context_parallel.loss_chunk)
         if self.cp_split.cp > 1:
             self.gather_function = self._gather_by_dp_group
+        self.cp_dynamic = None  # the sub-groups, created once (collective), then every step's
+        if context_parallel.dynamic:
+            half = bool(self.args.bf16 or self.args.fp16)
+            self.cp_dynamic = DynamicSharder(self.cp_split, context_parallel.layout, base, half)
 
     def get_cp_size(self) -> int:
         """The Trainer divides its all-rank token count and its dp world size by this."""
@@ -183,8 +205,10 @@ class _ContextParallel:
         loader = super().get_test_dataloader(test_dataset)
         return _by_data_parallel_rank(loader, *self._grid)
 
-    def _shard(self, inputs: dict, count: object) -> dict:
+    def _shard(self, inputs: dict, count: object, training: bool = False) -> dict:
         row, flags = one_row(inputs)
+        if training and self.cp_dynamic is not None:  # collective over the world (dynamic.py)
+            return {**self.cp_dynamic.shard(row, count), **flags}
         if count is not None and "labels" in row:
             row["num_items_in_batch"] = count
         local = shard_batch(row, self.cp_split.group, self.context_parallel.layout)
@@ -199,8 +223,14 @@ class _ContextParallel:
                 "parallelism needs the global count of supervised tokens: the model's forward "
                 "must accept transformers' loss kwargs (**kwargs)"
             )
-        local = self._shard(inputs, num_items_in_batch)
+        local = self._shard(inputs, num_items_in_batch, training=model.training)
         return super().compute_loss(model, local, return_outputs, num_items_in_batch)
+
+    def log(self, logs: dict, *args, **kwargs) -> None:
+        """The Trainer's log, with dynamic CP's cp_groups and imbalance beside a training loss."""
+        if self.cp_dynamic is not None and "loss" in logs:
+            logs = {**logs, **self.cp_dynamic.take_log()}
+        super().log(logs, *args, **kwargs)
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         """The eval loss of the dp group's batch (the same on its cp ranks); no logits."""

@@ -1,4 +1,4 @@
-"""The sub-groups of every cp row, created once at start-up and reused every step.
+"""Dynamic CP's sub-groups of every cp row, created once at start-up and reused every step.
 
 `new_group` is collective over the whole world and slow (a rendezvous per group), so all of them
 are made when the run is built: for every dp row d and every size g = 1, 2, 4, ..., cp, the
@@ -11,8 +11,6 @@ With one process every group is None (attention runs locally).
 from __future__ import annotations
 
 import torch.distributed as dist
-
-from ringattn.runtime.mesh import Mesh
 
 __all__ = ["SubGroups", "build_sub_groups", "sizes_of"]
 
@@ -43,17 +41,18 @@ class SubGroups:
         return self.cp_rank % size
 
 
-def build_sub_groups(mesh: Mesh) -> SubGroups:
-    """Collective over the world (or nothing, with one process); see the module docstring."""
-    if mesh.world_size == 1 or not dist.is_initialized():
+def build_sub_groups(dp: int, cp: int, cp_group: object, cp_rank: int) -> SubGroups:
+    """Collective over the world (or nothing, with one process): this rank's group of every size
+    of its cp row (`cp_group`, the row's own, is size cp); see the module docstring."""
+    if dp * cp == 1 or not dist.is_initialized():
         return SubGroups(0, {1: None})
-    mine: dict[int, object] = {mesh.cp: mesh.cp_group}
+    mine: dict[int, object] = {cp: cp_group}
     me = dist.get_rank()
-    for g in sizes_of(mesh.cp)[1:]:
-        for d in range(mesh.dp):
-            for j in range(mesh.cp // g):
-                ranks = list(range(d * mesh.cp + j * g, d * mesh.cp + j * g + g))
+    for g in sizes_of(cp)[1:]:
+        for d in range(dp):
+            for j in range(cp // g):
+                ranks = list(range(d * cp + j * g, d * cp + j * g + g))
                 group = dist.new_group(ranks)
                 if me in ranks:
                     mine[g] = group
-    return SubGroups(mesh.cp_rank, mine)
+    return SubGroups(cp_rank, mine)

@@ -7,7 +7,7 @@ a cost `cost(length, size)`: the seconds one rank spends on a document sharded o
 
 Groups. A cp row of ranks c = 0..cp-1 is cut into aligned blocks of g = 1, 2, 4, ..., cp ranks:
 group (d, g, j) is ranks j*g .. j*g + g - 1 of dp row d. The blocks of one size are disjoint, so
-a rank belongs to exactly one group of each size (train/dynamic/groups.py creates them once).
+a rank belongs to exactly one group of each size (runtime/subgroups.py creates them once).
 
     1. size: the smallest power of two g with length <= g x budget (a document that fits one
        rank's budget runs on one rank, with no communication)
