@@ -48,19 +48,58 @@ def test_window_decoding_equals_windowed_prefill(pools):
     """A sliding window of 6 earlier tokens: decoding over the evicting cache at W = 2 equals a
     windowed prefill of the whole sequence on one process (ringattn.attention with window), and
     the ranks together keep window + 1 tokens instead of the whole sequence."""
-    from ringattn.inference import CachedDecoder
+    from ringattn.inference.hf.engine import KVEngine
 
     model, prompt, window = build_model(), _prompt(29, seed=3), 6
     case = {"prompt": prompt, "new": 6, "layout": "zigzag", "window": window}
     results = pools(2).run("workers_inference:greedy", [case])
     want = list(prompt)
     for _ in range(case["new"]):
-        decoder = CachedDecoder(model, layout="contiguous", window=window)
-        want.append(int(decoder.prefill(torch.tensor(want)).argmax()))
+        engine = KVEngine(model, layout="contiguous", window=window)
+        want.append(int(engine.prefill([torch.tensor(want)])[0].argmax()))
     for rank_results in results:
         assert rank_results[0]["tokens"] == want[len(prompt) :]
     # the last step's query saw itself and the 6 before it: that is all the ranks still keep
     assert sum(r[0]["cache_tokens"] for r in results) == window + 1
+
+
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("merge", ["allgather", "allreduce"])
+def test_engine_decodes_several_of_our_sequences_at_once(pools, merge, paged):
+    """KVEngine drives our decoder like a transformers model: three prompts of different lengths
+    packed in one prefill, then each step one batched decode (three positions, three RoPE
+    angles, three caches; or the server's paged cache) at W = 2; each sequence equals the
+    decoder without cache."""
+    model = build_model()
+    prompts = [_prompt(length, seed=length) for length in (13, 30, 4)]
+    wants = [generate_without_cache(model, prompt, 6) for prompt in prompts]
+    for got in pools(2).run("workers_inference:engine_batch", prompts, 6, merge, paged):
+        assert got == wants
+
+
+def test_session_options_reach_the_engine():
+    """`backend` picks the kernel every partial runs; `window` is our decoder's option only: a
+    transformers model's windows are its config's, so the engine refuses one by name."""
+    from ringattn.inference import Session
+    from ringattn.inference.hf.engine import KVEngine
+
+    model, prompt = build_model(), _prompt(11, seed=1)
+    for backend in ("reference", "cpu_flash"):
+        session = Session(model, layout="zigzag", backend=backend)
+        assert session.generate(prompt, 5)[0] == generate_without_cache(model, prompt, 5)
+        assert session.engine.state.kernel.name == backend
+    with pytest.raises(ValueError, match="window must be None or an int >= 0"):
+        Session(model, window=-1)
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=1, num_attention_heads=4)  # fmt: skip
+    with pytest.raises(ValueError, match="window=4 applies to ringattn's decoder"):
+        KVEngine(transformers.AutoModelForCausalLM.from_config(config), window=4)
+
+
+def test_the_removed_decoder_is_refused_by_name():
+    with pytest.raises(ImportError, match="CachedDecoder was removed: KVEngine"):
+        from ringattn.inference import CachedDecoder  # noqa: F401
 
 
 def test_generation_stops_after_eos(pools):

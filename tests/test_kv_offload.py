@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ringattn.inference import CachedDecoder, ShardedKVCache
+from ringattn.inference import ShardedKVCache
 from ringattn.inference.hf.engine import KVEngine
 from workers_inference import build_model
 
@@ -72,15 +72,13 @@ def test_offloaded_decoder_gives_the_plain_logits_exactly():
     for window, mode in ((None, "pass-kv"), (6, "pass-q")):
         runs = []
         for offload in (False, True):
-            decoder = CachedDecoder(model, layout="zigzag", window=window)
-            if offload:
-                decoder.cache.offload()
-            logits = [decoder.prefill(prompt)]
+            engine = KVEngine(model, layout="zigzag", window=window, offload=offload)
+            logits = [engine.prefill([prompt])[0]]
             for _ in range(6):
-                logits.append(decoder.step(int(logits[-1].argmax())))
-            logits.append(decoder.extend(follow_up, mode))
+                logits.append(engine.decode([0], [int(logits[-1].argmax())])[0])
+            logits.append(engine.extend(0, follow_up, mode))
             for _ in range(4):
-                logits.append(decoder.step(int(logits[-1].argmax())))
+                logits.append(engine.decode([0], [int(logits[-1].argmax())])[0])
             runs.append(logits)
         for i, (a, b) in enumerate(zip(*runs, strict=True)):
             assert torch.equal(a, b), (window, i)

@@ -65,7 +65,7 @@ def follow_up_logits(rank: int, world_size: int, prompt: list[int], more: list[i
     for mode in ("pass-kv", "pass-q"):
         session = Session(build_model(), layout="striped")
         session.generate(prompt, 0)
-        out[mode] = session.decoder.extend(torch.tensor(more), mode)
+        out[mode] = session.engine.extend(0, torch.tensor(more), mode)
     return out
 
 
@@ -129,7 +129,8 @@ def hf_generate(rank: int, world_size: int, cases: list[dict]) -> list[torch.Ten
 
 def count_collectives(rank: int, world_size: int, prompt: list[int], new: int) -> dict:
     """Collectives issued by the inference modules per phase, counted at the names they call."""
-    import ringattn.inference.decoder as decoder_module
+    import ringattn.inference.hf.engine as engine_module
+    import ringattn.inference.hf.kv_attention as kv_attention_module
     import ringattn.inference.partials as partials_module
 
     counts = {"n": 0}
@@ -142,7 +143,7 @@ def count_collectives(rank: int, world_size: int, prompt: list[int], new: int) -
         return wrapper
 
     saved = {}
-    for module in (partials_module, decoder_module):
+    for module in (partials_module, engine_module, kv_attention_module):
         for name in ("all_gather_async", "all_reduce", "all_gather_ints"):
             if hasattr(module, name):
                 saved[module, name] = getattr(module, name)
@@ -154,9 +155,30 @@ def count_collectives(rank: int, world_size: int, prompt: list[int], new: int) -
             session.generate(prompt, 1)  # prefill and the first token: no decode step yet
             counts["n"] = 0
             for token in range(new):
-                session.decoder.step(token)
+                session.engine.decode([0], [token])
             out[merge] = counts["n"]
         return out
     finally:
         for (module, name), fn in saved.items():
             setattr(module, name, fn)
+
+
+def engine_batch(rank: int, world_size: int, prompts: list[list[int]], new: int, merge: str,
+                 paged: bool = False):  # fmt: skip
+    """KVEngine over our decoder: the prompts packed in one prefill, then one batched decode step
+    per token for all of them (each sequence at its own position; `paged`: the server's paged
+    cache, blocks of 4 rows); each sequence's tokens."""
+    from ringattn.inference.hf.engine import KVEngine
+
+    engine = KVEngine(build_model(), layout="zigzag", merge=merge)
+    if paged:
+        engine.page(64, 4, 16)
+    logits = engine.prefill([torch.tensor(p) for p in prompts])  # (n, vocab)
+    seqs, outs = list(range(len(prompts))), [[] for _ in prompts]
+    for step in range(new):
+        tokens = logits.argmax(-1).tolist()
+        for out, token in zip(outs, tokens):
+            out.append(token)
+        if step + 1 < new:
+            logits = engine.decode(seqs, tokens)  # (n, vocab)
+    return outs

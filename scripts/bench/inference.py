@@ -8,9 +8,8 @@ every rank, --threads torch threads per rank (default 1, at every W). In each la
 untimed warm-up of each path, with a barrier (one all-reduce) before each timed region and rank
 0's wall time after the region's last collective (so the slowest rank's time):
 
-    prefill      CachedDecoder.prefill of a --seq-len prompt (ring attention; the dense schedule
-                 when the layout splits S evenly, else cu_seqlens = [0, S]), each rank keeping
-                 its K/V shard; a fresh cache each time
+    prefill      KVEngine.prefill of a --seq-len prompt (ring attention, cu_seqlens = [0, S]),
+                 each rank keeping its K/V shard; a fresh engine each time
     train fwd    the training forward at the same length (set_context_parallel, dense zigzag
                  shards, logits of every token, no grad), timed alternately with the prefill;
                  medians of --repeats, and the median of the per-pair ratios
@@ -46,7 +45,7 @@ def bench_worker(options: dict) -> dict:
     """One rank of one launch: the measurements of the module docstring."""
     import ringattn
     from ringattn.comm import resolve_group
-    from ringattn.inference import CachedDecoder
+    from ringattn.inference.hf.engine import KVEngine
     from ringattn.models import Transformer, model_config, set_context_parallel
     from ringattn.runtime.launch import init_distributed
 
@@ -71,10 +70,10 @@ def bench_worker(options: dict) -> dict:
     local = ringattn.shard(prompt[None], 1, layout=layout)  # (1, S / W)
     positions = ringattn.positions(seq_len, layout=layout)
 
-    def prefill() -> CachedDecoder:
-        decoder = CachedDecoder(model, layout=layout)
-        decoder.prefill(prompt)
-        return decoder
+    def prefill() -> KVEngine:
+        engine = KVEngine(model, layout=layout)
+        engine.prefill([prompt])
+        return engine
 
     @torch.no_grad()
     def train_forward() -> None:
@@ -82,7 +81,7 @@ def bench_worker(options: dict) -> dict:
         model(local, positions)  # logits of every local token
         set_context_parallel(model, None, "contiguous")
 
-    cache_bytes = prefill().cache.nbytes  # also the warm-up: kernel probe, agreement checks
+    cache_bytes = prefill().state.nbytes  # also the warm-up: kernel probe, agreement checks
     train_forward()
     prefill_s, train_s = [], []
     for _ in range(options["repeats"]):  # interleaved, so load from elsewhere hits both alike
@@ -91,15 +90,15 @@ def bench_worker(options: dict) -> dict:
 
     decode = {}
     for merge in ("allgather", "allreduce"):
-        decoder = CachedDecoder(model, layout=layout, merge=merge)
-        logits = decoder.prefill(prompt)
-        decoder.cache.reserve(options["decode_tokens"])
+        engine = KVEngine(model, layout=layout, merge=merge)
+        logits = engine.prefill([prompt])[0]
+        engine.reserve([0], [options["decode_tokens"]])
         steps = []
         for _ in range(options["decode_tokens"]):
             token = int(logits.argmax())
             _barrier(info)
             start = time.perf_counter()
-            logits = decoder.step(token)
+            logits = engine.decode([0], [token])[0]
             steps.append(time.perf_counter() - start)
         decode[merge] = statistics.median(steps[1:])  # the first step pays one-time setup
     return {

@@ -3,7 +3,8 @@
     parent (ringattn generate --nproc W)       rank r of W (launched here, or torchrun's ranks)
     ------------------------------------       --------------------------------------------------
     launch(generate_worker, W) ------------->  load the checkpoint (DCP, resharded to 1 process)
-                                               join the group; Session(model, group, layout)
+                                               join the group; Session(model, group, layout):
+                                                 KVEngine, the engine --hf and serve run on
                                                prefill: the prompt sharded by the layout; each
                                                  rank keeps its shard of every layer's K/V
                                                decode: every rank computes each new token; its K/V
@@ -222,9 +223,7 @@ def generate_worker(cfg: GenerateConfig, render: Callable[[list[int]], str] = _b
             print(render([token]), end="", flush=True)
 
     sampling = Sampling(cfg.temperature, cfg.top_k, cfg.top_p, cfg.seed)
-    session = Session(model, layout=cfg.layout, merge=cfg.merge)
-    if cfg.offload_kv:
-        session.decoder.cache.offload()  # before the prefill stores anything
+    session = Session(model, layout=cfg.layout, merge=cfg.merge, offload_kv=cfg.offload_kv)
     start = time.perf_counter()
     tokens, stats = session.generate(prompt, cfg.max_new_tokens, sampling=sampling,
                                      eos_id=cfg.eos_id, on_token=on_token,

@@ -92,8 +92,8 @@ class Table:
                                     dtype=torch.int64, device=self.device)  # fmt: skip
                 grown[: self._synced] = self._index[: self._synced]
                 self._index = grown
-            new = torch.tensor(self.slots[self._synced :], dtype=torch.int64)
-            self._index[self._synced : self.rows] = new.to(self.device)
+            new = torch.tensor(self.slots[self._synced :], dtype=torch.int64, device=self.device)
+            self._index[self._synced : self.rows] = new
             self._synced = self.rows
         return self._index[start:stop]
 
@@ -180,8 +180,8 @@ class PagedStore:
             table.fill += 1
             table.region = region
         if host:
-            rows = torch.tensor(host, dtype=torch.int64)
-            self.positions[table.index(table.rows - len(host), table.rows)] = rows.to(self.device)
+            rows = torch.tensor(host, dtype=torch.int64, device=self.device)
+            self.positions[table.index(table.rows - len(host), table.rows)] = rows
 
     def write(self, layer: int, table: Table, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Layer `layer`'s k, v (1, Hkv, n, D) into the slots of rows [start, start + n)."""
@@ -236,11 +236,12 @@ class PagedStore:
             table.region = host[0] // self.chunk if full else None
             if m % self.block:  # copy on write: the rest into a block of ours
                 rest = list(host[full * self.block : m])
-                source = torch.tensor(slots[full * self.block : m], dtype=torch.int64)
+                source = torch.tensor(slots[full * self.block : m], dtype=torch.int64,
+                                      device=self.device)  # fmt: skip
                 at = table.rows
                 table.region = None  # a new block for these rows
                 self.assign(table, rest, decoded=False)
-                source, target = source.to(self.device), table.index(at, table.rows)
+                target = table.index(at, table.rows)
                 for layer in self.k:
                     self.k[layer][target] = self.k[layer][source]
                     self.v[layer][target] = self.v[layer][source]

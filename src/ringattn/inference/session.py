@@ -4,7 +4,10 @@
     reply = session.generate(prompt, 64, sampling=Sampling(temperature=0.8, top_p=0.9, seed=1))
     more = session.generate(follow_up, 64)          # over the cache: pass-KV or pass-Q
 
-Every rank calls `generate` with the same arguments and returns the same tokens. Arguments are
+Every rank calls `generate` with the same arguments and returns the same tokens. The model runs
+on `KVEngine` (hf/engine.py through native.py), the engine `ringattn.hf.Session` and the server
+use too: sequence 0 of the engine is the conversation, its first turn a prefill, each later turn
+an `extend` over the cache. Arguments are
 checked on every rank before any communication (the same ValueError everywhere), then one
 agreement check makes sure the ranks really passed the same prompt, lengths and seed. The last
 token of a reply is not fed to the model until it is needed: the next turn starts with it.
@@ -19,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ringattn.inference.decoder import CachedDecoder
+from ringattn.inference.hf.engine import KVEngine
 from ringattn.inference.sampling import Sampling, next_token
 from ringattn.inference.turns import check_mode
 from ringattn.models import Transformer
@@ -77,7 +80,11 @@ def check_prompt(prompt: object, vocab_size: int) -> list[int]:
 
 @dataclass
 class Session:
-    """Generation with `model` over the ranks of `group` (see module docstring)."""
+    """Generation with `model` over the ranks of `group` (see module docstring).
+
+    `window`: the earlier tokens each query sees (a sliding-window model; None: all), which
+    also bounds the cache; `merge`: "allgather" or "allreduce" (partials.py); `backend`: the
+    attention kernel; `offload_kv`: keep the cache in host memory (cache.py)."""
 
     model: Transformer
     group: object = None
@@ -85,16 +92,18 @@ class Session:
     window: int | None = None
     merge: str = "allgather"
     backend: str = "auto"
-    decoder: CachedDecoder = field(init=False)
+    offload_kv: bool = False
+    engine: KVEngine = field(init=False)
     pending: int | None = field(init=False, default=None)  # last token, not yet fed
     turns: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
-        self.decoder = CachedDecoder(
-            self.model, group=self.group, layout=self.layout, window=self.window,
-            merge=self.merge, backend=self.backend,
+        self.engine = KVEngine(
+            self.model, group=self.group, layout=self.layout, offload=self.offload_kv,
+            window=self.window, merge=self.merge, backend=self.backend,
         )  # fmt: skip
 
+    @torch.no_grad()
     def generate(
         self,
         prompt: list[int] | torch.Tensor,
@@ -132,26 +141,29 @@ class Session:
             return tokens, signature
 
         # local checks on every rank, then one exchange: every rank raises the same error
-        prompt = validated(self.decoder.info, torch.device("cpu"), build)
+        engine = self.engine
+        prompt = validated(engine.info, torch.device("cpu"), build)
         self.turns += 1
         stats = TurnStats(prompt_tokens=len(prompt))
         start = time.perf_counter()
         tokens = torch.tensor(([] if self.pending is None else [self.pending]) + prompt,
-                              device=self.decoder.model.tok_embeddings.weight.device)  # fmt: skip
-        if self.decoder.next_pos == 0:
-            logits = self.decoder.prefill(tokens, on_prefill)
+                              device=engine.device)  # fmt: skip
+        if 0 not in engine.lengths:  # the first turn: sequence 0 starts with its prefill
+            layers = engine.n_layers
+            progress = None if on_prefill is None else (lambda i: on_prefill(i + 1, layers))
+            logits = engine.prefill([tokens], progress)[0]
         else:
-            logits = self.decoder.extend(tokens, mode)
-            stats.mode = self.decoder.last_mode
+            logits = engine.extend(0, tokens, mode)
+            stats.mode = engine.last_mode
         self.pending = None
-        self.decoder.cache.reserve(max(0, max_new_tokens - 1))  # the last token is not fed
+        engine.reserve([0], [max(0, max_new_tokens - 1)])  # the last token is not fed
         stats.prefill_s = time.perf_counter() - start
         generator = sampling.generator(logits.device)
         out: list[int] = []
         decode_start = None
         while len(out) < max_new_tokens:
             if out:
-                logits = self.decoder.step(out[-1])
+                logits = engine.decode([0], [out[-1]])[0]
             token = next_token(logits, sampling, generator)
             out.append(token)
             if decode_start is None:
@@ -165,6 +177,6 @@ class Session:
             stats.decode_s = time.perf_counter() - decode_start
         self.pending = out[-1] if out else None
         stats.new_tokens = len(out)
-        stats.cache_bytes, stats.cache_tokens = self.decoder.cache.nbytes, self.decoder.cache.tokens
-        stats.cache_capacity_bytes = self.decoder.cache.capacity_bytes
+        stats.cache_bytes, stats.cache_tokens = engine.state.nbytes, engine.state.kept_tokens(0)
+        stats.cache_capacity_bytes = engine.state.capacity_bytes
         return out, stats

@@ -8,8 +8,8 @@
 
     Attention.forward = output(attend(project(x)))
         project   q, k, v of the normed hidden states, RoPE applied        (B, H, S, D)
-        attend    ringattn.attention over the group's tokens (the KV-cache decoder of
-                  inference/decoder.py replaces only this step)
+        attend    ringattn.attention over the group's tokens (KV-cache decoding,
+                  inference/native.py, replaces only this step)
         output    the output projection back to the residual stream        (B, S, dim)
 
 The model is plain single-device code: every layer but attention works token by token, so it
@@ -71,7 +71,7 @@ class Attention(nn.Module):
 
     def output(self, out: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The output projection of out (B, Hq, S, D), cast to `dtype` first when given (the
-        cache decoder's merged partials are float32)."""
+        KV-cache engine's merged partials are float32)."""
         b, _, s, _ = out.shape
         out = out if dtype is None else out.to(dtype)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))  # (B, S, dim)

@@ -1,7 +1,8 @@
 """Decoding a Hugging Face transformers model over a sharded KV cache (`ringattn.hf.generate`).
 
     engine.py        KVEngine: one model over the cache: packed prefill, batched decode steps,
-                     follow-up turns (pass-KV / pass-Q from ../turns.py)
+                     follow-up turns (pass-KV / pass-Q from ../turns.py); the one engine of
+                     both model kinds (ringattn's decoder through ../native.py)
     kv_attention.py  the "ringattn-kv" attention function the engine switches the model to: the
                      cache (../cache.py) and exact merges of per-rank partials (../partials.py)
     batching.py      generate's arguments checked and spread to one setting per prompt

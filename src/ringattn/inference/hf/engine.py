@@ -1,4 +1,6 @@
-"""One transformers model over a sharded KV cache: prefill, batched decode steps, follow-up turns.
+"""One model over a sharded KV cache: prefill, batched decode steps, follow-up turns. The one
+engine of both model kinds: transformers models (`generate --hf`, ringattn.hf.Session, `serve`)
+and ringattn's decoder (`generate`, ringattn.inference.Session; run by inference/native.py).
 
     engine = KVEngine(model, group=cp_group, layout="zigzag")
     logits = engine.prefill([p0, p1, p2])        # (3, vocab): the prompts packed as documents
@@ -10,10 +12,11 @@
     decoded, pieces = engine.step([(a, t_a)], [(b, c1_more), (c, c2)])  # the server's step:
                                                  # decodes and prompt pieces in one forward
 
-Every call switches the model to the "ringattn-kv" attention (kv_attention.py) for its forward
-and back afterwards, so the model stays usable in between; an owner that runs nothing else on
-the model (the server's loop) runs inside `with engine.holding():`, which switches once (the
-switch walks every module: a few milliseconds per step). The prefill asks the model for the
+Every call switches a transformers model to the "ringattn-kv" attention (kv_attention.py) for
+its forward and back afterwards, so the model stays usable in between (ringattn's decoder takes
+the state as an argument: nothing to switch); an owner that runs nothing else on the model (the
+server's loop) runs inside `with engine.holding():`, which switches once (the switch walks
+every module: a few milliseconds per step). The prefill asks the model for the
 logits of the rows that end a prompt only (`logits_to_keep` with those local rows): each prompt's
 last token lives on one rank, whose row is summed into a (n, vocab) buffer of zeros on the others,
 one all-reduce. A sequence can also start empty (`open`) and take its prompt as turns of
@@ -36,6 +39,7 @@ import torch
 
 import ringattn
 from ringattn.comm import all_gather_ints, all_reduce, resolve_group
+from ringattn.inference import native
 from ringattn.inference.hf import mixer_states
 from ringattn.inference.hf.kv_attention import Decode, Extend, Fresh, KVState, attach, restore
 from ringattn.inference.hf.scoring import score_rows
@@ -47,26 +51,36 @@ from ringattn.packing import place
 
 
 class KVEngine:
-    """`model` over the ranks of `group` with one sharded cache per sequence (module docstring)."""
+    """`model` over the ranks of `group` with one sharded cache per sequence (module docstring).
+    `merge`: the decode merge, "allgather" or "allreduce" (../partials.py); `backend`: the
+    kernel (kernels.select_kernel); `window`: ringattn's decoder only (native.describe)."""
 
     def __init__(self, model: torch.nn.Module, *, group: object = None, layout: str = "zigzag",
-                 offload: bool = False):  # fmt: skip
-        if vision.is_multimodal(model):
-            vision.check_family(model)
+                 offload: bool = False, window: int | None = None, merge: str = "allgather",
+                 backend: str = "auto"):  # fmt: skip
+        get_layout(layout)
+        self.window, shape = window, native.describe(model, window)
+        self.native = shape is not None
+        if self.native:  # ours: no family to check, no attention implementation to switch
+            self.n_layers, self.n_heads, self.n_kv_heads, self.vocab_size, self.mode_sizes = shape
         else:
-            families.check_family(model)
-            families.install_guards(model)
-        # a hybrid's mixers: refuse a token mixer ringattn does not know, carry the others'
-        # states per sequence (mixer_states.py)
-        mixers.find_mixers(model.get_decoder() if vision.is_multimodal(model) else model)
-        mixer_states.install(model)
+            self.mode_sizes = {}  # choose_mode's defaults (head_dim 128, 2-byte elements)
+            if vision.is_multimodal(model):
+                vision.check_family(model)
+            else:
+                families.check_family(model)
+                families.install_guards(model)
+            # a hybrid's mixers: refuse a token mixer ringattn does not know, carry the others'
+            # states per sequence (mixer_states.py)
+            mixers.find_mixers(model.get_decoder() if vision.is_multimodal(model) else model)
+            mixer_states.install(model)
+            text = model.config.get_text_config()
+            self.n_layers, self.vocab_size = getattr(text, "num_hidden_layers", 0), text.vocab_size
+            self.n_heads = getattr(text, "num_attention_heads", None) or 1  # Mamba: no attention
+            self.n_kv_heads = getattr(text, "num_key_value_heads", None) or self.n_heads
         self.model, self.group, self.layout = model, group, layout
         self.info = resolve_group(group)
-        text = model.config.get_text_config()
-        self.n_layers = getattr(text, "num_hidden_layers", 0)
-        self.state = KVState(self.info, group, layout, offload, self.n_layers)
-        self.n_heads = getattr(text, "num_attention_heads", None) or 1  # Mamba: no attention
-        self.n_kv_heads = getattr(text, "num_key_value_heads", None) or self.n_heads
+        self.state = KVState(self.info, group, layout, offload, self.n_layers, merge, backend)
         # per live sequence (dropped by `release`: a server's engine does not grow with the
         # requests it has served); ids count up from 0 and are never reused
         self.lengths: dict[int, int] = {}  # tokens in each sequence so far
@@ -83,15 +97,18 @@ class KVEngine:
     @contextlib.contextmanager
     def holding(self) -> Iterator[None]:
         """Keep the model on this engine's attention inside the block (its only user then)."""
-        previous = attach(self.model, self.state)
+        previous = None if self.native else attach(self.model, self.state)
         self.held = True
         try:
             yield
         finally:
             self.held = False
-            restore(self.model, previous)
+            if not self.native:
+                restore(self.model, previous)
 
     def _forward(self, **kwargs) -> torch.Tensor:
+        if self.native:  # the state goes in as an argument: nothing to switch
+            return native.forward(self.model, self.state, self.window, **kwargs)
         if self.held:
             return self.model(use_cache=False, **kwargs).logits
         previous = attach(self.model, self.state)
@@ -102,8 +119,7 @@ class KVEngine:
 
     def _shared_rows(self, logits: torch.Tensor, rows: list[int], n: int) -> torch.Tensor:
         """(n, vocab) float32 on every rank from this rank's logits (1, k, vocab) of `rows`."""
-        out = torch.zeros(n, self.model.config.get_text_config().vocab_size,
-                          dtype=torch.float32, device=logits.device)  # fmt: skip
+        out = torch.zeros(n, self.vocab_size, dtype=torch.float32, device=logits.device)
         if rows:
             out[torch.tensor(rows, device=logits.device)] = logits[0].float()
         return all_reduce(out, self.info)
@@ -273,7 +289,7 @@ class KVEngine:
             mode = "pass-kv"  # nothing moves on one rank: the plain kernels, no query gather
         elif mode == "auto":
             mode = choose_mode(new, cached, self.n_heads, self.n_kv_heads, info.world_size,
-                               kept_tokens=kept)  # fmt: skip
+                               kept_tokens=kept, **self.mode_sizes)  # fmt: skip
         common = {"group": self.group, "layout": self.layout, "cu_seqlens": [0, new]}
         local = ringattn.shard(tokens.to(device)[None], 1, **common)[0]  # (T_local,)
         index = ringattn.positions(new, device=device, **common)

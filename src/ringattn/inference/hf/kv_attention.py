@@ -2,8 +2,10 @@
 
 transformers calls `_attention(module, query, key, value, ...)` once per layer; the model runs
 with `use_cache=False` and the cache is ours: one `ShardedKVCache` per (layer, sequence), held by
-a `KVState` put on every module for the call. The forward's local rows are cut into segments
-(`KVState.segments`: row ranges, in order), each of one kind:
+a `KVState` put on every module for the call. `_attention` calls `attend`, the per-layer
+function that ringattn's decoder calls too (inference/native.py): one engine for both model
+kinds. The forward's local rows are cut into segments (`KVState.segments`: row ranges, in
+order), each of one kind:
 
     Fresh     prompts packed as documents (cu_seqlens = [0, S_0, S_0 + S_1, ...]) and sharded
               by the layout; ringattn.attention over the whole pack; each rank stores the K/V of
@@ -21,8 +23,10 @@ row (`KVEngine.step`, the server's step: decodes, new prompts and prefill chunks
 the weights). Segments never see each other's keys; every row's MLP is its own, so a row's output
 is what its segment alone gives. `decode` alone runs its L tokens as a batch (query (L, Hq, 1, D)).
 A layer's sliding window (`sliding_window = w`: keys with q - k < w) bounds what that layer keeps.
-Attention sinks (gpt-oss's `s_aux`) scale the merged output by sigmoid(lse - sink). Attention
-logit softcapping (Gemma 2's `softcap`) runs every partial through the softcap kernel.
+Decode partials merge by `KVState.merge` ("allgather" or "allreduce", partials.py); every
+partial runs the kernel `KVState.backend` selects. Attention sinks (gpt-oss's `s_aux`) scale the
+merged output by sigmoid(lse - sink). Attention logit softcapping (Gemma 2's `softcap`) runs
+every partial through the softcap kernel.
 """
 
 from __future__ import annotations
@@ -37,9 +41,11 @@ from ringattn.inference.cache import ShardedKVCache
 from ringattn.inference.paged import PagedStore, PagedView, runs
 from ringattn.inference.partials import (
     attention_options,
+    check_merge,
     local_partial,
     merge_across_ranks,
     merge_stacked,
+    self_score,
 )
 from ringattn.inference.turns import Turn, pass_kv, pass_q
 from ringattn.integrations.hf import vision
@@ -85,8 +91,12 @@ class KVState:
     """The caches of one generation (or session) and the segments of the current forward."""
 
     def __init__(self, info: GroupInfo, group: object, layout: str, offload: bool = False,
-                 n_layers: int = 0):  # fmt: skip
+                 n_layers: int = 0, merge: str = "allgather",
+                 backend: str = "auto"):  # fmt: skip
+        check_merge(merge)
         self.info, self.group, self.layout, self.offload = info, group, layout, offload
+        # the decode merge (inference/partials.py) and the kernel choice (kernels.select_kernel)
+        self.merge, self.backend = merge, backend
         self.n_layers = n_layers  # offload: the last layer prefetches layer 0
         self.caches: dict[tuple[int, int], ShardedKVCache] = {}  # by (layer, sequence)
         self.kernel = None
@@ -171,6 +181,13 @@ def _prefill(state: KVState, fresh: Fresh, layer: int, left, query, key, value, 
     return out, lse
 
 
+def _merge(state: KVState, out, lse, query, key, scale):
+    """The decode partials merged across ranks by `state.merge`; allreduce's reference is each
+    query's score against its own key, which it always sees (partials.py)."""
+    ref = self_score(query, key, scale) if state.merge == "allreduce" else None
+    return merge_across_ranks(out, lse, state.info, state.merge, ref, return_lse=True)
+
+
 def _decode(state: KVState, step: Decode, layer: int, left, query, key, value, scale):
     if state.paged is not None:
         return _decode_paged(state, step, layer, left, query, key, value, scale)
@@ -184,7 +201,7 @@ def _decode(state: KVState, step: Decode, layer: int, left, query, key, value, s
         out, lse = local_partial(state.kernel, query[j : j + 1], kept_k, kept_v, scale)
         outs.append(out)
         lses.append(lse)
-    return merge_across_ranks(torch.cat(outs), torch.cat(lses), state.info, return_lse=True)
+    return _merge(state, torch.cat(outs), torch.cat(lses), query, key, scale)
 
 
 def _decode_paged(state: KVState, step: Decode, layer: int, left, query, key, value, scale):
@@ -207,7 +224,7 @@ def _decode_paged(state: KVState, step: Decode, layer: int, left, query, key, va
             torch.stack([o for o, _ in parts]), torch.stack([x for _, x in parts]))  # fmt: skip
         outs.append(out)
         lses.append(lse)
-    return merge_across_ranks(torch.cat(outs), torch.cat(lses), state.info, return_lse=True)
+    return _merge(state, torch.cat(outs), torch.cat(lses), query, key, scale)
 
 
 def _extend(state: KVState, piece: Extend, layer: int, left, query, key, value, scale):
@@ -254,31 +271,42 @@ def _segment(state: KVState, what, layer: int, left, query, key, value, scale):
     return out, lse
 
 
+def attend(state: KVState, layer: int, query: torch.Tensor, key: torch.Tensor,
+           value: torch.Tensor, left: int | None, scale: float, softcap: float | None = None,
+           name: str = "attention") -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """One layer's attention over the sharded cache (module doc): q (B, Hq, S, D), k, v
+    (B, Hkv, S, D) of the forward's rows, after RoPE -> (out (B, Hq, S, D), lse (B, Hq, S)).
+    `left`: the layer's window (earlier tokens seen; None: all). Both model kinds call it:
+    transformers' through `_attention`, ringattn's decoder through inference/native.py."""
+    if state.kernel is None:
+        auto = select_kernel(state.backend, query, key)
+        state.kernel = auto if softcap is None else softcap_kernel(state.backend, softcap)
+    if getattr(state.kernel, "cap", None) != (None if softcap is None else float(softcap)):
+        raise ValueError(
+            f"{name} (layer {layer}): attention logit softcapping {softcap}, unlike an earlier "
+            f"layer; ringattn's KV-cache decoding takes one cap per model"
+        )
+    if query.shape[0] > 1:  # `decode` alone: a batch of L one-token queries, one segment
+        return _decode(state, state.segments[0][2], layer, left, query, key, value, scale)
+    parts = [_segment(state, what, layer, left, query[:, :, a:b], key[:, :, a:b],
+                      value[:, :, a:b], scale) for a, b, what in state.segments]  # fmt: skip
+    if len(parts) == 1:  # one segment as it comes
+        return parts[0]
+    # several in float32 (a decode's merge is float32 already)
+    out, lse = (torch.cat([t.float() for t in x], 2) for x in zip(*parts))
+    return out, lse
+
+
 def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                is_causal=None, sliding_window=None, **kwargs):  # fmt: skip
     """transformers' attention-function signature over the sharded cache (see module doc)."""
     state: KVState = getattr(module, STATE_ATTR)
     _check_call(module, query, key, attention_mask, dropout, kwargs)
-    layer = module.layer_idx
     left = None if not sliding_window else sliding_window - 1
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
     softcap = kwargs.get("softcap")  # Gemma 2: every layer's scores capped alike
-    if state.kernel is None:
-        auto = select_kernel("auto", query, key)
-        state.kernel = auto if softcap is None else softcap_kernel("auto", softcap)
-    if getattr(state.kernel, "cap", None) != (None if softcap is None else float(softcap)):
-        raise ValueError(
-            f"{type(module).__name__} (layer {layer}): attention logit softcapping {softcap}, "
-            f"unlike an earlier layer; ringattn's KV-cache decoding takes one cap per model"
-        )
-    if query.shape[0] > 1:  # `decode` alone: a batch of L one-token queries, one segment
-        out, lse = _decode(state, state.segments[0][2], layer, left, query, key, value, scale)
-    else:
-        parts = [_segment(state, what, layer, left, query[:, :, a:b], key[:, :, a:b],
-                          value[:, :, a:b], scale) for a, b, what in state.segments]  # fmt: skip
-        # one segment as it comes; several in float32 (a decode's merge is float32 already)
-        out, lse = parts[0] if len(parts) == 1 else (torch.cat([t.float() for t in x], 2)
-                                                    for x in zip(*parts))  # fmt: skip
+    out, lse = attend(state, module.layer_idx, query, key, value, left, scale, softcap,
+                      type(module).__name__)  # fmt: skip
     sinks = kwargs.get("s_aux")
     if sinks is not None:
         out = out.float() * torch.sigmoid(lse - sinks.float().view(1, -1, 1)).unsqueeze(-1)
