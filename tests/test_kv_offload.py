@@ -65,7 +65,9 @@ def test_offloaded_cache_equals_the_plain_one_with_prefetch_append_and_evict():
 
 def test_offloaded_decoder_gives_the_plain_logits_exactly():
     """The project's decoder, one process: prefill, 6 steps, a follow-up turn (pass-KV, then
-    pass-Q), 4 more steps, with and without a window; every logits vector equal bit for bit."""
+    pass-Q), 4 more steps, with and without a window; every logits vector equal to float32
+    rounding (the plain engine reads pages in place, the offloaded one contiguous copies: the
+    kernel's sums may round apart) and the same greedy tokens."""
     model = build_model()
     prompt = torch.randint(0, 256, (23,), generator=torch.Generator().manual_seed(1))
     follow_up = torch.randint(0, 256, (5,), generator=torch.Generator().manual_seed(2))
@@ -81,14 +83,15 @@ def test_offloaded_decoder_gives_the_plain_logits_exactly():
                 logits.append(engine.decode([0], [int(logits[-1].argmax())])[0])
             runs.append(logits)
         for i, (a, b) in enumerate(zip(*runs, strict=True)):
-            assert torch.equal(a, b), (window, i)
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=f"{window}, {i}")
+            assert int(a.argmax()) == int(b.argmax()), (window, i)
         assert len({int(x.argmax()) for x in runs[0]}) > 1  # the tokens vary
 
 
 def test_offloaded_hf_engine_holds_at_most_the_next_layer_and_equals_the_plain_one():
     """The HF engine keeps one cache per (layer, sequence): a decode step must leave at most one
     prefetched device copy per sequence (the next token's layer 0), not a copy of every layer,
-    and its logits must equal the plain engine's bit for bit."""
+    and its logits must equal the plain (paged) engine's to float32 rounding, same tokens."""
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
                                       num_hidden_layers=3, num_attention_heads=4,
@@ -104,11 +107,12 @@ def test_offloaded_hf_engine_holds_at_most_the_next_layer_and_equals_the_plain_o
             logits = [engine.prefill(prompts)]
             for _ in range(3):
                 logits.append(engine.decode([0, 1], logits[-1].argmax(-1).tolist()))
-                copies = sum(len(c._copies) for c in engine.state.caches.values())
+                copies = sum(len(getattr(c, "_copies", ())) for c in engine.state.caches.values())
                 assert copies <= (2 if offload else 0), copies  # one per sequence at most
         runs.append(logits)
     for a, b in zip(*runs, strict=True):
-        assert torch.equal(a, b)
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
 
 
 def test_decoding_appends_and_evicts_without_reading_the_device():

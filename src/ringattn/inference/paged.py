@@ -105,11 +105,13 @@ class Table:
 class PagedStore:
     """This rank's blocks, the sequences' tables and the prefix entries (module docstring)."""
 
-    def __init__(self, n_blocks: int, block: int, chunk: int, device: torch.device):
+    def __init__(self, n_blocks: int, block: int, chunk: int, device: torch.device,
+                 elastic: bool = False):  # fmt: skip
         if n_blocks < 1 or block < 1 or chunk < 1:
             raise ValueError(f"a paged store needs n_blocks, block, chunk >= 1, got "
                              f"{n_blocks}, {block}, {chunk}")  # fmt: skip
         self.n_blocks, self.block, self.chunk, self.device = n_blocks, block, chunk, device
+        self.elastic = elastic  # out of blocks: double them (generate, Session: no pool)
         self.k: dict[int, torch.Tensor] = {}  # layer -> (n_blocks * block, Hkv, D)
         self.v: dict[int, torch.Tensor] = {}
         self.positions = torch.empty(n_blocks * block, dtype=torch.int64, device=device)
@@ -124,6 +126,8 @@ class PagedStore:
     def take(self, after: int | None = None) -> int:
         """A free block: the one right after `after` when free (a table's rows then stay in
         one run of slots, read in place: `Table.slices`), else the lowest."""
+        if not self.free and self.elastic:
+            self._double()
         if not self.free:
             raise RuntimeError(
                 f"the paged KV store is out of blocks ({self.n_blocks} of {self.block} rows): "
@@ -136,6 +140,23 @@ class PagedStore:
         self.free.remove(b)
         self.refs[b] = 1
         return b
+
+    def _double(self) -> None:
+        """Twice the blocks (copying the pages once: O(log n) copies as a cache grows); every
+        slot keeps its number, so tables and entries stay valid."""
+        n, rows = self.n_blocks, self.n_blocks * self.block
+        for pages in (self.k, self.v):
+            for layer, old in pages.items():
+                pages[layer] = torch.empty((2 * rows, *old.shape[1:]), dtype=old.dtype,
+                                           device=self.device)  # fmt: skip
+                pages[layer][:rows] = old
+        positions = torch.empty(2 * rows, dtype=torch.int64, device=self.device)
+        positions[:rows] = self.positions
+        self.positions, self.n_blocks = positions, 2 * n
+        self.refs += [0] * n
+        self.free.update(range(n, 2 * n))
+        for b in range(n, 2 * n):
+            heapq.heappush(self._lowest, b)
 
     def _unref(self, blocks) -> None:
         for b in blocks:

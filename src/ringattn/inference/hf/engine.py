@@ -81,6 +81,8 @@ class KVEngine:
         self.model, self.group, self.layout = model, group, layout
         self.info = resolve_group(group)
         self.state = KVState(self.info, group, layout, offload, self.n_layers, merge, backend)
+        if not offload:  # pages that grow as they fill (the server sizes its own: `page`)
+            self.state.paged = PagedStore(64, 16, 1 << 40, self.device, elastic=True)
         # per live sequence (dropped by `release`: a server's engine does not grow with the
         # requests it has served); ids count up from 0 and are never reused
         self.lengths: dict[int, int] = {}  # tokens in each sequence so far
