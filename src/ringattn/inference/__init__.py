@@ -1,5 +1,7 @@
 """Long-context inference: context-parallel prefill and decoding over a sharded KV cache.
 
+    paged.py      each rank's paged K/V: blocks per layer, tables, prefix entries shared by
+                  reference count (the engine's cache; cache.py's contiguous one for offload)
     cache.py      each rank's K/V shard per layer; round-robin appends; a window bounds it
     partials.py   a query over one rank's shard -> (out, lse); exact merge across ranks
     turns.py      follow-up turns over the cache: pass-KV, pass-Q and Meta's rule between them
