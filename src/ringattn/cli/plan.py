@@ -144,8 +144,11 @@ def add_parser(sub) -> None:
                    help="--lengths: fixed seconds of one ring step per layer and direction "
                    "(default: measured on cpu, launches + link latency on GPUs)")  # fmt: skip
     p.add_argument("--piece-s", type=float, default=None,
-                   help="--lengths: fixed seconds of one local attention call per layer and "
+                   help="--lengths: fixed seconds of one attention call per layer and "
                    "direction (default: as --ring-step-s)")  # fmt: skip
+    p.add_argument("--call-s", type=float, default=None,
+                   help="--lengths: fixed seconds of one kernel call (a tile or an exact block) "
+                   "per direction (default: as --ring-step-s)")  # fmt: skip
     p.set_defaults(run=run_plan)
 
 
@@ -241,8 +244,9 @@ def run_plan(args: argparse.Namespace) -> int:
     shown = sorted(fitting or plans, key=rank_key)
     dynamic = None
     if source is not None:
-        fixed = fixed_costs(job.hw, shown[0]["dp"] * shown[0]["cp"], args.ring_step_s,
-                            args.piece_s, args.calibration if job.hw.is_cpu else None)  # fmt: skip
+        given = {"ring_step_s": args.ring_step_s, "piece_s": args.piece_s, "call_s": args.call_s}
+        fixed = fixed_costs(job.hw, shown[0]["dp"] * shown[0]["cp"], given,
+                            args.calibration if job.hw.is_cpu else None)  # fmt: skip
         dynamic = predict_dynamic(job.model, job.hw, shown[0], source, job.seq_len,
                                   job.batch_size, job.dtype, fixed, args.lengths_steps)  # fmt: skip
         dynamic["lengths"] = args.lengths

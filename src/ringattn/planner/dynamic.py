@@ -5,23 +5,23 @@ For steps 0 .. N-1 of a plan's dp x cp (the windows of planner/lengths.py, as tr
     schedule   train/dynamic/schedule.py, the trainer's own: static_schedule (every document
                on its dp row's whole cp group) and plan_step (--dynamic-cp), the latter with
                the trainer's DocumentCost, so the groups are the ones `train` would pick
-    price      each rank's documents with the planner's figures for this model and hardware:
-                 compute   the document's training flops / g at the plan's rate (the static
-                           plan's model flops per rank / its compute seconds: matmuls,
-                           attention, elementwise and the CPU's sharing of cores, as priced)
-                 traffic   g > 1: the ring's K/V and dK/dV bytes at the link's rate (the
-                           inter-host link for a group wider than a host)
-                 fixed     per piece (the documents of one group on a rank) and layer, in each
-                           direction: g ring steps of `ring_step_s` each (kernel call, merge,
-                           send and the wait for the peer), or one local call, `piece_s`
-    step       the busiest rank's priced seconds + what neither arm changes (FSDP's exposed
-               traffic, the optimizer, the trainer's per-step floor: the plan's own figures)
+    price      every piece (the documents of one group) on each of its ranks, with the work
+               the ring really runs (planner/pieces.py): the rows' linear layers at the plan's
+               rate, each ring step's kernel calls at the hardware's attention rate, the hops
+               that do not hide behind them, and the fixed terms below
+    step       the busiest rank's seconds + what neither arm changes (FSDP's exposed traffic,
+               the optimizer, the trainer's per-step floor: the plan's own figures)
 
-The fixed terms decide small models on CPUs: a 4-process ring on 2 cores waits for its peers at
-every step; at scale the traffic and the imbalance of quadratic work decide. `ring_step_s` and
-`piece_s` on `--hardware cpu` are measured with the job's process count (planner/ringstep.py,
-cached in the calibration file); on GPUs two kernel launches plus the link's latency per ring
-step and one launch per piece. `--ring-step-s` and `--piece-s` override both.
+Fixed terms, per layer and direction: `piece_s` per attention call, `call_s` per kernel call
+(a masked tile or an exact block), `ring_step_s` per ring step (send, receive, merge, the wait
+for the peer). They decide small models on CPUs: static CP cuts every document over all cp
+ranks (the layouts place each document on every rank), so each of a window's documents costs
+kernel calls at every one of the cp ring steps, and a 4-process ring on 2 cores waits for its
+peers at each step; documents alone on a rank cost one call each. At scale the traffic and the
+imbalance of quadratic work decide. On `--hardware cpu` the three are measured with the job's
+process count (planner/ringstep.py, cached in the calibration file); on GPUs a kernel launch
+per call and a launch plus the link's latency per ring step. `--ring-step-s`, `--piece-s` and
+`--call-s` override them.
 """
 
 from __future__ import annotations
@@ -35,14 +35,15 @@ from ringattn.planner.flops import train_step_flops
 from ringattn.planner.hardware import Hardware
 from ringattn.planner.lengths import window_lengths
 from ringattn.planner.models import ModelSpec
+from ringattn.planner.pieces import PieceCosts, piece_seconds
 from ringattn.planner.ringstep import measure_ring_step
 from ringattn.train.dynamic.cost import DocumentCost
 from ringattn.train.dynamic.schedule import Schedule, plan_step, static_schedule
 
-__all__ = ["FixedCosts", "dynamic_table", "fixed_costs", "predict_dynamic"]
+__all__ = ["FixedCosts", "dynamic_table", "fixed_costs", "piece_costs", "predict_dynamic"]
 
 LAUNCH_S = 5e-6
-"""One GPU kernel launch (a ring step launches the attention kernel and the merge)."""
+"""One GPU kernel launch."""
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,9 @@ class FixedCosts:
     ring_step_s: float
     """Fixed seconds of one ring step of one layer, one direction."""
     piece_s: float
-    """Fixed seconds of one local (group of one) attention call of one layer, one direction."""
+    """Fixed seconds of one attention call of one layer, one direction."""
+    call_s: float
+    """Fixed seconds of one kernel call (a tile or an exact block), one direction."""
     source: str
     """Where the figures come from: measured, preset or given."""
 
@@ -58,100 +61,77 @@ class FixedCosts:
 def fixed_costs(
     hw: Hardware,
     nproc: int,
-    ring_step_s: float | None = None,
-    piece_s: float | None = None,
+    given: dict[str, float | None] | None = None,
     calibration_path: str | None = None,
 ) -> FixedCosts:
-    """The fixed terms (module docstring); cpu: measured once per process count and cached."""
-    for flag, value in (("--ring-step-s", ring_step_s), ("--piece-s", piece_s)):
-        if value is not None and value < 0:
-            raise ValueError(f"{flag} must be >= 0 seconds, got {value}")
-    if ring_step_s is not None and piece_s is not None:
-        return FixedCosts(ring_step_s, piece_s, "given")
+    """The fixed terms (module docstring); `given` {"ring_step_s", "piece_s", "call_s"}: the
+    user's values (None: the default); cpu: measured once per process count and cached."""
+    given = {k: v for k, v in (given or {}).items() if v is not None}
+    for key, value in given.items():
+        if value < 0:
+            raise ValueError(f"--{key[:-2].replace('_', '-')}-s must be >= 0 seconds, got {value}")
+    if len(given) == 3:
+        return FixedCosts(**given, source="given")
     if hw.is_cpu:
-        cached = hw.calibration.get("ring_step", {}).get(str(nproc))
-        if cached is None:  # measured once (~10 s) and kept beside the other figures
-            cached = measure_ring_step(max(2, nproc))
-            hw.calibration.setdefault("ring_step", {})[str(nproc)] = cached
+        found = hw.calibration.get("ring_step", {}).get(str(nproc))
+        if found is None:  # measured once (~10 s) and kept beside the other figures
+            found = measure_ring_step(max(2, nproc))
+            hw.calibration.setdefault("ring_step", {})[str(nproc)] = found
             if calibration_path:
                 with open(calibration_path) as f:
                     stored = json.load(f)
-                stored.setdefault("ring_step", {})[str(nproc)] = cached
+                stored.setdefault("ring_step", {})[str(nproc)] = found
                 with open(calibration_path, "w") as f:
                     json.dump(stored, f, indent=1)
-        ring, piece, source = cached["ring_step_s"], cached["piece_s"], "measured"
+        base, source = dict(found), "measured"
     else:
-        ring, piece, source = 2 * LAUNCH_S + hw.intra_latency_s, LAUNCH_S, "preset"
-    return FixedCosts(
-        ring if ring_step_s is None else ring_step_s, piece if piece_s is None else piece_s, source
-    )
+        base = {"ring_step_s": LAUNCH_S + hw.intra_latency_s, "piece_s": 4 * LAUNCH_S,
+                "call_s": LAUNCH_S}  # fmt: skip
+        source = "preset"
+    return FixedCosts(**{**base, **given}, source=source if not given else source + " and given")
 
 
-def _priced(
-    model: ModelSpec, hw: Hardware, plan: dict, seq_len: int, batch_size: int, elem_bytes: int
-) -> DocumentCost:
-    """The planner's per-rank price of a document (compute and traffic; latency is in the
-    fixed terms)."""
-    flops = train_step_flops(model, seq_len, batch_size) / plan["cp"]
-    rate = flops / plan["breakdown"]["compute_s"]
-    if hw.is_cpu:
-        link = hw.calibration["gloo"]["bandwidth_gbs"] * 1e9
-    else:
-        link = hw.intra_bw_gbs * 1e9
-    hosts = plan["dp"] * plan["cp"] > hw.gpus_per_node and hw.inter_bw_gbs > 0
-    return DocumentCost(
-        model,
-        flops_per_s=rate,
-        link_bytes_per_s=link,
-        hop_latency_s=0.0,
-        elem_bytes=elem_bytes,
-        ranks_per_host=hw.gpus_per_node if hosts else 0,
-        inter_bytes_per_s=hw.inter_bw_gbs * 1e9 if hosts else 0.0,
-    )
+def piece_costs(model: ModelSpec, hw: Hardware, plan: dict, dtype: str, fixed: FixedCosts,
+                seq_len: int, batch_size: int) -> PieceCosts:  # fmt: skip
+    """The rates of planner/pieces.py from `plan` (a plan of planner/search.py) and `fixed`."""
+    b = plan["breakdown"]
+    tokens = seq_len * batch_size // plan["cp"]  # rows of one rank in the static plan
+    linear = (b["compute_s"] - b["attention_s"]) / tokens
+    link = hw.calibration["gloo"]["bandwidth_gbs"] if hw.is_cpu else hw.intra_bw_gbs
+    nproc = plan["dp"] * plan["cp"]
+    hosts = nproc > hw.gpus_per_node and hw.inter_bw_gbs > 0
+    return PieceCosts(model, hw, nproc, plan["layout"], dtype, plan["attention_kernel"] or "",
+                      linear, link * 1e9, hw.inter_bw_gbs * 1e9 if hosts else 0.0,
+                      hw.gpus_per_node if hosts else 0, fixed.ring_step_s, fixed.piece_s,
+                      fixed.call_s)  # fmt: skip
 
 
-def _rank_seconds(
-    s: Schedule, lengths: list[int], price: DocumentCost, fixed: FixedCosts
-) -> list[float]:
-    """Each rank's priced seconds under schedule `s`: its documents plus its pieces' fixed terms."""
+def _busiest(s: Schedule, lengths: list[int], costs: PieceCosts) -> float:
+    """The busiest rank's seconds under schedule `s`: the pieces of every group it is in."""
     busy = [0.0] * (s.dp * s.cp)
-    pieces = set()
+    groups: dict[tuple[int, int, int], list[int]] = {}
     for n, g, d, j in zip(lengths, s.sizes, s.rows, s.blocks):
-        for r in range(d * s.cp + j * g, d * s.cp + j * g + g):
-            busy[r] += price(n, g)
-            pieces.add((r, g))
-    layers = price.model.attention_layers
-    for r, g in pieces:
-        busy[r] += layers * (2 * g * fixed.ring_step_s if g > 1 else 2 * fixed.piece_s)
-    return busy
+        groups.setdefault((d, g, j), []).append(n)  # step order, as the loader packs them
+    for (d, g, j), docs in groups.items():
+        for i, t in enumerate(piece_seconds(costs, docs, g)):
+            busy[d * s.cp + j * g + i] += t
+    return max(busy)
 
 
-def predict_dynamic(
-    model: ModelSpec,
-    hw: Hardware,
-    plan: dict,
-    source,
-    seq_len: int,
-    batch_size: int,
-    dtype: str,
-    fixed: FixedCosts,
-    steps: int = 8,
-) -> dict:
+def predict_dynamic(model: ModelSpec, hw: Hardware, plan: dict, source, seq_len: int,
+                    batch_size: int, dtype: str, fixed: FixedCosts, steps: int = 8) -> dict:  # fmt: skip
     """Static and dynamic CP seconds per step for `steps` steps of `source`'s windows at
-    `plan`'s dp x cp (a plan of planner/search.py: its compute seconds give the rate, its
-    non-attention seconds the shared part); the JSON of `plan --lengths` (docs/plan.md)."""
+    `plan`'s dp x cp (a plan of planner/search.py: its compute seconds give the linear rate, its
+    non-compute seconds the shared part); the JSON of `plan --lengths` (docs/plan.md)."""
     dp, cp = plan["dp"], plan["cp"]
     if plan["tp"] != 1 or plan["pp"] != 1 or cp & (cp - 1):
-        raise ValueError(
-            f"--lengths prices dynamic CP, which runs tp 1, pp 1 and cp a power of "
-            f"two; the plan has tp {plan['tp']}, pp {plan['pp']}, cp {cp}: give "
-            "--tp 1 --pp 1 and --cp 1, 2, 4, ..."
-        )
+        raise ValueError(f"--lengths prices dynamic CP, which runs tp 1, pp 1 and cp a power of "
+                         f"two; the plan has tp {plan['tp']}, pp {plan['pp']}, cp {cp}: give "
+                         "--tp 1 --pp 1 and --cp 1, 2, 4, ...")  # fmt: skip
     if steps < 1:
         raise ValueError(f"--lengths-steps must be >= 1, got {steps}")
-    elem = 4 if dtype in ("fp32", "tf32") else 2
-    trainer_cost = DocumentCost(model, elem_bytes=elem)  # what `train --dynamic-cp` schedules by
-    price = _priced(model, hw, plan, seq_len, batch_size, elem)
+    trainer_cost = DocumentCost(model, elem_bytes=4 if dtype in ("fp32", "tf32") else 2)
+    costs = piece_costs(model, hw, plan, dtype, fixed, seq_len, batch_size)
     b = plan["breakdown"]
     shared = plan["step_time_s"] - b["compute_s"] - b["exposed_cp_comm_s"]
     budget = batch_size * seq_len // cp
@@ -163,39 +143,25 @@ def predict_dynamic(
         dynamic = plan_step(lengths, dp, cp, budget, trainer_cost)
         histogram.update({int(k): v for k, v in dynamic.histogram.items()})
         documents += len(lengths)
-        per_step.append(
-            {
-                "static_s": max(_rank_seconds(static, lengths, price, fixed)) + shared,
-                "dynamic_s": max(_rank_seconds(dynamic, lengths, price, fixed)) + shared,
-                "cp_groups": dynamic.histogram,
-                "imbalance": dynamic.imbalance,
-            }
-        )
+        per_step.append({"static_s": _busiest(static, lengths, costs) + shared,
+                         "dynamic_s": _busiest(dynamic, lengths, costs) + shared,
+                         "cp_groups": dynamic.histogram, "imbalance": dynamic.imbalance})  # fmt: skip
     static_s = statistics.fmean(s["static_s"] for s in per_step)
     dynamic_s = statistics.fmean(s["dynamic_s"] for s in per_step)
     imbalance = [s["imbalance"] for s in per_step]
-    return {
-        "dp": dp,
-        "cp": cp,
-        "steps": steps,
-        "documents": documents,
-        "mean_length": steps * dp * batch_size * seq_len / documents,
-        "static_step_s": static_s,
-        "dynamic_step_s": dynamic_s,
-        "speedup": static_s / dynamic_s,
-        "cp_groups": {str(g): histogram[g] for g in sorted(histogram)},
-        "imbalance": {"mean": statistics.fmean(imbalance), "max": max(imbalance)},
-        "terms": {
-            "flops_per_s": price.flops_per_s,
-            "link_bytes_per_s": price.link_bytes_per_s,
-            "inter_bytes_per_s": price.inter_bytes_per_s,
-            "ring_step_s": fixed.ring_step_s,
-            "piece_s": fixed.piece_s,
-            "fixed_source": fixed.source,
-            "shared_s": shared,
-        },
-        "per_step": per_step,
-    }
+    return {"dp": dp, "cp": cp, "steps": steps, "documents": documents,
+            "mean_length": steps * dp * batch_size * seq_len / documents,
+            "static_step_s": static_s, "dynamic_step_s": dynamic_s,
+            "speedup": static_s / dynamic_s,
+            "cp_groups": {str(g): histogram[g] for g in sorted(histogram)},
+            "imbalance": {"mean": statistics.fmean(imbalance), "max": max(imbalance)},
+            "terms": {"linear_s_per_token": costs.linear_s_per_token,
+                      "link_bytes_per_s": costs.link_bytes_per_s,
+                      "inter_bytes_per_s": costs.inter_bytes_per_s,
+                      "ring_step_s": fixed.ring_step_s, "piece_s": fixed.piece_s,
+                      "call_s": fixed.call_s, "fixed_source": fixed.source,
+                      "shared_s": shared},
+            "per_step": per_step}  # fmt: skip
 
 
 def dynamic_table(result: dict, spec: str) -> str:
@@ -216,9 +182,10 @@ def dynamic_table(result: dict, spec: str) -> str:
             f"{result['imbalance']['mean']:.3f}, max {result['imbalance']['max']:.3f}"
         ),
         (
-            f"fixed terms ({t['fixed_source']}): {t['ring_step_s'] * 1e3:.3g} ms per ring step, "
-            f"{t['piece_s'] * 1e3:.3g} ms per local piece (per layer and direction); shared per "
-            f"step {t['shared_s'] * 1e3:.3g} ms"
+            f"fixed terms ({t['fixed_source']}, per layer and direction): "
+            f"{t['ring_step_s'] * 1e3:.3g} ms per ring step, {t['call_s'] * 1e3:.3g} ms per "
+            f"kernel call, {t['piece_s'] * 1e3:.3g} ms per attention call; shared per step "
+            f"{t['shared_s'] * 1e3:.3g} ms"
         ),
     ]
     return "\n".join(lines)

@@ -1,20 +1,22 @@
-"""The fixed costs of a ring step and of a local piece, measured on this CPU (`--hardware cpu`).
+"""The fixed costs of attention calls, ring steps and kernel calls, measured on this CPU.
 
 Dynamic CP trades one ring over the whole cp group for many pieces: groups of 2, 4, ... ranks
-that still run a ring, and documents alone on one rank that run one local kernel call. Beyond
-their flops and bytes each costs a fixed amount per layer and direction: a ring step is a kernel
-call, a merge, a send and a receive that waits for the peer (on a CPU with more processes than
-cores, for the peer to be scheduled); a local piece is a kernel call. Both are measured here with
-the whole job's `nproc` processes busy at once, as in a training step, on sizes where the flops
-cost nothing (2 rows per rank, one head of 16):
+that still run a ring, and documents alone on one rank. Beyond flops and bytes each costs a fixed
+amount per layer and direction, measured here with the job's `nproc` processes busy at once, as
+in a training step, on sizes whose flops cost almost nothing (one head of 16):
 
-    ring_step_s   one fwd + bwd of ringattn.attention over all nproc ranks / (2 x nproc steps)
-    piece_s       one fwd + bwd of ringattn.attention on each rank alone (a group of one) / 2
+    piece_s       one attention call on a rank alone (a group of one), one document of 2 rows:
+                  validation, the plan, autograd, one kernel call; fwd + bwd / 2, minus call_s
+    call_s        each further kernel call: the same call with DOCS documents of TILE_ROWS + 1
+                  tokens (one exact block each, planner/pieces.py counts them the same way):
+                  the difference / (2 x (DOCS - 1))
+    ring_step_s   one ring step over all nproc ranks (2 rows each): send, receive, merge and the
+                  wait for a peer that may not be running: fwd + bwd / (2 x nproc), minus call_s
 
-Each rank keeps the median of `repeats` timed calls (the typical wait, not the luckiest: what
-a step pays is mostly the wait for a descheduled peer); the slowest rank's figure is the one a
-ring waits for. Cached in the calibration file under
-"ring_step" by process count (planner/dynamic.py reads it, measuring once when it is missing).
+Each rank keeps the median of `repeats` timed calls (the typical wait, not the luckiest: what a
+step pays is mostly the wait for a descheduled peer); the slowest rank's figure is the one a ring
+waits for. Cached in the calibration file under "ring_step" by process count (planner/dynamic.py
+reads it, measuring once, ~10 s, when it is missing).
 """
 
 from __future__ import annotations
@@ -25,9 +27,14 @@ import time
 import torch
 import torch.distributed as dist
 
+from ringattn.layout import get_layout
+from ringattn.packing import place
+from ringattn.plan import TILE_ROWS
 from ringattn.runtime.launch import init_distributed, launch
 
 __all__ = ["measure_ring_step"]
+
+DOCS = 9
 
 
 def _timed(fn, repeats: int) -> float:
@@ -42,27 +49,36 @@ def _timed(fn, repeats: int) -> float:
 
 
 def _worker(repeats: int) -> dict:
-    from ringattn.api import attention  # the ranks import the library, not the planner's caller
+    from ringattn.api import attention  # the ranks import the library only
 
     init_distributed("gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
     alone = [dist.new_group([r]) for r in range(world)][rank]  # collective: every rank makes all
     gen = torch.Generator().manual_seed(rank)
-    q, k, v = (torch.randn(1, 1, 2, 16, generator=gen, device="cpu").requires_grad_()
-               for _ in range(3))  # fmt: skip
 
-    def call(group) -> None:
-        attention(q, k, v, causal=True, group=group).sum().backward()
+    def call(tokens: int, group, docs: int = 1) -> float:
+        cu = None if docs == 1 else [i * tokens // docs for i in range(docs + 1)]
+        rows = tokens if cu is None else place(get_layout("zigzag"), 1, tuple(cu)).local_len
+        q, k, v = (torch.randn(1, 1, rows, 16, generator=gen, device="cpu").requires_grad_()
+                   for _ in range(3))  # fmt: skip
 
-    ring = _timed(lambda: call(None), repeats) / (2 * world)
-    local = _timed(lambda: call(alone), repeats) / 2
+        def run() -> None:
+            attention(q, k, v, causal=True, group=group, cu_seqlens=cu).sum().backward()
+
+        return _timed(run, repeats)
+
+    one = call(2, alone) / 2
+    many = call(DOCS * (TILE_ROWS + 1), alone, DOCS) / 2
+    call_s = max(0.0, (many - one) / (DOCS - 1))
+    ring = call(2, None) / (2 * world)
     dist.destroy_process_group()
-    return {"ring_step_s": ring, "piece_s": local}
+    return {"ring_step_s": max(0.0, ring - call_s), "piece_s": max(0.0, one - call_s),
+            "call_s": call_s}  # fmt: skip
 
 
 def measure_ring_step(nproc: int, repeats: int = 20) -> dict:
-    """{"ring_step_s", "piece_s"} at `nproc` local processes (see the module docstring)."""
+    """{"ring_step_s", "piece_s", "call_s"} at `nproc` local processes (module docstring)."""
     if nproc < 2:
         raise ValueError(f"a ring step needs at least 2 processes, got {nproc}")
     got = launch(_worker, nproc, repeats)
-    return {key: max(r[key] for r in got.values()) for key in ("ring_step_s", "piece_s")}
+    return {key: max(r[key] for r in got.values()) for key in ("ring_step_s", "piece_s", "call_s")}
