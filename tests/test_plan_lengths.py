@@ -7,14 +7,19 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+from itertools import accumulate
 
 import pytest
 
 from ringattn.cli.main import main
+from ringattn.layout import get_layout
+from ringattn.packing import place
+from ringattn.plan import step_blocks
 from ringattn.planner.dynamic import FixedCosts, fixed_costs, predict_dynamic
 from ringattn.planner.hardware import get_hardware
 from ringattn.planner.lengths import FileLengths, parse_lengths, window_lengths
 from ringattn.planner.models import get_model
+from ringattn.planner.pieces import PieceCosts, piece_seconds
 from ringattn.planner.search import Job, search
 from ringattn.train.dynamic.documents import parse_documents
 
@@ -153,6 +158,10 @@ def test_cli_lengths_json_and_table(capsys):
         assert key in dynamic
     assert main([*PLAN, "--lengths", "lognormal:1024,1.5,128,32768", "--lengths-steps", "3"]) == 0
     text = capsys.readouterr().out
+    searched = [a for a in PLAN if a not in ("--strategy", "ring")]  # --lengths searches rings
+    assert main([*searched, "--lengths", "lognormal:1024,1.5,128,32768", "--lengths-steps", "3",
+                 "--json"]) == 0  # fmt: skip
+    assert {p["strategy"] for p in json.loads(capsys.readouterr().out)["plans"]} == {"ring"}
     assert "dynamic CP for --lengths lognormal:1024,1.5,128,32768 at dp 1 x cp 8" in text
     assert f"{dynamic['speedup']:.2f}" in text and "documents per group size: 1:" in text
 
@@ -162,6 +171,7 @@ def test_cli_lengths_json_and_table(capsys):
     [
         (["--lengths", "lognormal:1024,1.5,512,128"], "need 1 <= MIN <= MAX"),
         (["--lengths", "lognormal:1024,1.5,128,512", "--tp", "2"], "runs without --tp"),
+        (["--lengths", "lognormal:1024,1.5,128,512", "--pp", "2"], "runs without --pp"),
         (["--lengths", "lognormal:1024,1.5,128,512", "--lengths-steps", "0"], "must be >= 1"),
         (["--lengths", "lognormal:1024,1.5,128,512", "--ring-step-s", "-1"], "must be >= 0"),
     ],
@@ -171,6 +181,17 @@ def test_cli_bad_lengths_exit_2(capsys, extra, message):
         main([*PLAN, *extra])
     assert info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_cli_lengths_prices_the_ring_only(capsys):
+    searched = [a for a in PLAN if a not in ("--strategy", "ring")]
+    with pytest.raises(SystemExit) as info:
+        main([*searched, "--strategy", "ulysses", "--lengths", "lognormal:1024,1.5,128,512"])
+    assert info.value.code == 2
+    assert "--strategy ulysses is not priced" in capsys.readouterr().err
+    assert main([*searched, "--lengths", "lognormal:1024,1.5,128,512", "--lengths-steps", "2",
+                 "--json"]) == 0  # fmt: skip
+    assert {p["strategy"] for p in json.loads(capsys.readouterr().out)["plans"]} == {"ring"}
 
 
 def _bench():
@@ -211,3 +232,28 @@ def test_bench_refuses_bad_arguments(capsys, argv, message):
         _bench().parse_args(argv)
     assert info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def _calls(lengths: list[int], size: int) -> list[int]:
+    """Kernel calls of each rank of a group over its ring steps: exact blocks and tiles."""
+    placement = place(get_layout("zigzag"), size, (0, *accumulate(lengths)))
+    out = []
+    for rank in range(size):
+        blocks = [b for s in range(size) for b in step_blocks(placement, rank, s, True, None)]
+        out.append(sum(len(b.tiles.spans) if b.tiles is not None else 1 for b in blocks))
+    return out
+
+
+@pytest.mark.parametrize("lengths, size", [([1000], 1), ([1000], 4), ([20] * 30, 1),
+                                           ([20] * 30 + [3000], 4)])  # fmt: skip
+def test_a_piece_pays_every_kernel_call_of_its_ring(lengths, size):
+    """With every rate infinite but one second per kernel call, a rank's piece costs its ring
+    steps' calls (tiles and exact blocks), forward and backward, in every attention layer."""
+    model = get_model("llama3-8b")
+    costs = PieceCosts(model, get_hardware("h100", tflops=1e30), size, "zigzag", "bf16", "cudnn",
+                       0.0, 1e30, 0.0, 0, 0.0, 0.0, 1.0)  # fmt: skip
+    got = piece_seconds(costs, lengths, size)
+    calls = _calls(lengths, size)
+    assert got == pytest.approx([model.attention_layers * 2 * c for c in calls], rel=1e-9)
+    if lengths == [20] * 30:  # short documents share masked tiles: fewer calls than documents
+        assert calls[0] < 30

@@ -164,6 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.hosts == 2 and unavailable():
         print(f"dynamic_cp bench: {unavailable()}", file=sys.stderr)
         return 2
+    # first: on --hardware cpu the planner measures its fixed terms (planner/ringstep.py) once
+    # per calibration file, here on the machine as loaded as the runs that follow
+    predicted = _predicted(args)
     runs = []
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         hosts = stack.enter_context(TwoHosts(rate=args.rate)) if args.hosts == 2 else None
@@ -178,7 +181,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"pair {p}: static {pair['static']['tokens_per_s']:.0f} tok/s, dynamic "
                   f"{pair['dynamic']['tokens_per_s']:.0f} tok/s, ratio {pair['ratio']:.3f}",
                   flush=True)  # fmt: skip
-    predicted = _predicted(args)
     ratio = statistics.median(r["ratio"] for r in runs)
     base = runs[0]["static"]["losses"]  # the same documents: every run's losses agree
     drift = max(abs(a - b) / abs(b) for r in runs for k in ("static", "dynamic")
@@ -188,8 +190,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n| link | dp x cp | ABBA pairs: dynamic / static tokens/s | median | planner's "
           f"prediction |\n|---|---|---|---|---|\n| {link} | {args.dp} x {args.cp} | {pairs} | "
           f"{ratio:.2f} | {predicted['ratio']:.2f} |")  # fmt: skip
-    result = {"args": vars(args), "pairs": runs, "ratio_median": ratio, "predicted": predicted,
-              "max_loss_rel_diff": drift}  # fmt: skip
+    result = {"args": vars(args), "link": link, "pairs": runs, "ratio_median": ratio,
+              "predicted": predicted, "max_loss_rel_diff": drift}  # fmt: skip
+    if args.calibration:  # the figures the prediction priced with, for a later look
+        with open(args.calibration) as f:
+            result["calibration"] = json.load(f)
     print(f"losses of every run within {drift:.1e} (relative) of the first static run's")
     record.write(args.out, __file__, argv, result)
     return 0

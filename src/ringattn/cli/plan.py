@@ -136,7 +136,7 @@ def add_parser(sub) -> None:
                    help="price dynamic CP (train --dynamic-cp) against static CP for documents "
                    "of these lengths, packed into --seq-len windows as train's docs: data: "
                    "lognormal:MEAN,SIGMA,MIN,MAX or a file (one length per line, or a JSON "
-                   "list); at the best plan's dp x cp (tp and pp 1)")  # fmt: skip
+                   "list); at the best ring plan's dp x cp (tp and pp 1)")  # fmt: skip
     p.add_argument("--lengths-steps", type=int, default=8, help="--lengths: steps drawn")
     p.add_argument("--lengths-seed", type=int, default=0,
                    help="--lengths: the seed of the windows (train's --seed)")  # fmt: skip
@@ -238,6 +238,11 @@ def run_plan(args: argparse.Namespace) -> int:
                 raise ValueError(f"--lengths prices dynamic CP, which runs without --{name}; "
                                  f"give --{name} 1 or leave it out")  # fmt: skip
             setattr(args, name, 1)
+        if args.strategy not in (None, "ring"):  # the pieces are priced as rings (pieces.py)
+            raise ValueError(f"--lengths prices dynamic CP's pieces as rings; --strategy "
+                             f"{args.strategy} is not priced: give --strategy ring or leave it "
+                             "out")  # fmt: skip
+        args.strategy = "ring"
     job = _job(args, calibration)
     plans = search(job)
     fitting = [p for p in plans if p["fits"]]

@@ -31,13 +31,13 @@ import statistics
 from collections import Counter
 from dataclasses import dataclass
 
-from ringattn.planner.flops import train_step_flops
 from ringattn.planner.hardware import Hardware
-from ringattn.planner.lengths import window_lengths
+from ringattn.planner.lengths import FileLengths, window_lengths
 from ringattn.planner.models import ModelSpec
 from ringattn.planner.pieces import PieceCosts, piece_seconds
 from ringattn.planner.ringstep import measure_ring_step
 from ringattn.train.dynamic.cost import DocumentCost
+from ringattn.train.dynamic.documents import DocumentTask
 from ringattn.train.dynamic.schedule import Schedule, plan_step, static_schedule
 
 __all__ = ["FixedCosts", "dynamic_table", "fixed_costs", "piece_costs", "predict_dynamic"]
@@ -118,8 +118,17 @@ def _busiest(s: Schedule, lengths: list[int], costs: PieceCosts) -> float:
     return max(busy)
 
 
-def predict_dynamic(model: ModelSpec, hw: Hardware, plan: dict, source, seq_len: int,
-                    batch_size: int, dtype: str, fixed: FixedCosts, steps: int = 8) -> dict:  # fmt: skip
+def predict_dynamic(
+    model: ModelSpec,
+    hw: Hardware,
+    plan: dict,
+    source: DocumentTask | FileLengths,
+    seq_len: int,
+    batch_size: int,
+    dtype: str,
+    fixed: FixedCosts,
+    steps: int = 8,
+) -> dict:
     """Static and dynamic CP seconds per step for `steps` steps of `source`'s windows at
     `plan`'s dp x cp (a plan of planner/search.py: its compute seconds give the linear rate, its
     non-compute seconds the shared part); the JSON of `plan --lengths` (docs/plan.md)."""
@@ -145,7 +154,8 @@ def predict_dynamic(model: ModelSpec, hw: Hardware, plan: dict, source, seq_len:
         documents += len(lengths)
         per_step.append({"static_s": _busiest(static, lengths, costs) + shared,
                          "dynamic_s": _busiest(dynamic, lengths, costs) + shared,
-                         "cp_groups": dynamic.histogram, "imbalance": dynamic.imbalance})  # fmt: skip
+                         "cp_groups": dynamic.histogram,
+                         "imbalance": dynamic.imbalance})  # fmt: skip
     static_s = statistics.fmean(s["static_s"] for s in per_step)
     dynamic_s = statistics.fmean(s["dynamic_s"] for s in per_step)
     imbalance = [s["imbalance"] for s in per_step]
