@@ -11,7 +11,7 @@ from itertools import accumulate
 
 import pytest
 
-from ringattn.cli.main import main
+from ringattn.cli.main import build_parser, main
 from ringattn.layout import get_layout
 from ringattn.packing import place
 from ringattn.plan import step_blocks
@@ -214,6 +214,9 @@ def test_bench_two_hosts_arguments():
     assert "--dynamic-cp" not in bench.train_flags(args, False, "out")
     one = bench.parse_args([])
     assert one.out == "results/dynamic_cp_cpu.json" and "--inter-bw" not in bench.plan_argv(one)
+    fixed = bench.plan_argv(one, {"ring_step_s": 0.0025, "piece_s": 0.0, "call_s": 7.5e-4})
+    assert fixed[-6:] == ["--ring-step-s", "0.0025", "--piece-s", "0", "--call-s", "0.00075"]
+    assert build_parser().parse_args(fixed).call_s == 7.5e-4  # flags the plan takes
     assert bench.rate_gbs("1gbit") == 0.125
 
 

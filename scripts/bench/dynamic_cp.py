@@ -14,6 +14,9 @@ median dynamic step of the timed steps. On CPU absolute times are noise; the rat
 
     .venv/bin/python scripts/bench/dynamic_cp.py      # writes results/dynamic_cp_cpu.json
 
+Before the runs the planner's fixed terms (cost per kernel call, ring step and attention call,
+planner/ringstep.py) are measured on the runs' topology and given to the plan.
+
 `--hosts 2 --rate 100mbit` runs every arm over two network-namespace hosts of dp x cp / 2 ranks
 each, joined by a link shaped to that rate (testing/hosts.py, needs root; the namespaces are
 deleted after each rate), and the prediction prices that link (--gpus-per-node, --inter-bw).
@@ -27,12 +30,14 @@ import contextlib
 import json
 import os
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 
 from ringattn.bench import record
+from ringattn.planner.ringstep import measure_ring_step
 from ringattn.testing.hosts import TwoHosts, unavailable
 
 RATES_GBS = {"gbit": 1 / 8, "mbit": 1 / 8000}
@@ -65,12 +70,18 @@ def _run(args: argparse.Namespace, dynamic: bool, out: str, hosts=None) -> dict:
         nproc = str(args.dp * args.cp)
         subprocess.run([sys.executable, "-m", "ringattn", "train", "--nproc", nproc, *flags],
                        check=True)  # fmt: skip
-    else:
-        done = hosts.torchrun(["-m", "ringattn", "train", *flags],
-                              nproc_per_node=args.dp * args.cp // 2, timeout=480)  # fmt: skip
-        if any(code for code, _ in done):
-            tails = "\n".join(out[-1500:] for _, out in done)
-            raise RuntimeError(f"two-host run failed: {[c for c, _ in done]}\n{tails}")
+    else:  # a two-host launch failed once in a while (a rank aborted at start): one retry
+        for attempt in (1, 2):
+            done = hosts.torchrun(["-m", "ringattn", "train", *flags],
+                                  nproc_per_node=args.dp * args.cp // 2, timeout=480)  # fmt: skip
+            if not any(code for code, _ in done):
+                break
+            tails = "\n".join(text[-1500:] for _, text in done)
+            print(f"two-host run failed (attempt {attempt}): exit codes "
+                  f"{[c for c, _ in done]}\n{tails}", file=sys.stderr, flush=True)  # fmt: skip
+            if attempt == 2:
+                raise RuntimeError("two-host run failed twice; see above")
+            shutil.rmtree(out, ignore_errors=True)
     with open(os.path.join(out, "train_log.jsonl")) as f:
         steps = [r for r in map(json.loads, f) if "loss" in r]
     timed = steps[args.warmup_steps :]
@@ -80,8 +91,22 @@ def _run(args: argparse.Namespace, dynamic: bool, out: str, hosts=None) -> dict:
             "imbalance": [r["imbalance"] for r in steps]}  # fmt: skip
 
 
-def plan_argv(args: argparse.Namespace) -> list[str]:
-    """`ringattn plan --lengths` for the bench's documents, dp x cp and link."""
+def measure_fixed(args: argparse.Namespace, hosts) -> dict:
+    """The planner's fixed terms (planner/ringstep.py) measured now, on the runs' topology:
+    dp x cp local processes, or the same ranks over the two hosts and their link."""
+    if hosts is None:
+        return measure_ring_step(args.dp * args.cp)
+    done = hosts.torchrun(["-m", "ringattn.planner.ringstep"],
+                          nproc_per_node=args.dp * args.cp // 2, timeout=300)  # fmt: skip
+    lines = [line for line in done[0][1].splitlines() if line.startswith('{"ring_step_s"')]
+    if any(code for code, _ in done) or not lines:
+        raise RuntimeError(f"measuring the fixed terms over two hosts failed: "
+                           f"{[c for c, _ in done]}\n{done[0][1][-2000:]}")  # fmt: skip
+    return json.loads(lines[-1])
+
+
+def plan_argv(args: argparse.Namespace, fixed: dict | None = None) -> list[str]:
+    """`ringattn plan --lengths` for the bench's documents, dp x cp, link and fixed terms."""
     argv = ["plan", "--model", args.model, "--hardware", "cpu", "--gpus",
             str(args.dp * args.cp), "--dp", str(args.dp), "--cp", str(args.cp), "--strategy",
             args.strategy, "--layout", args.layout, "--seq-len", str(args.seq_len),
@@ -93,12 +118,14 @@ def plan_argv(args: argparse.Namespace) -> list[str]:
     if args.hosts == 2:
         argv += ["--gpus-per-node", str(args.dp * args.cp // 2), "--inter-bw",
                  f"{rate_gbs(args.rate):g}"]  # fmt: skip
+    for key, value in (fixed or {}).items():
+        argv += [f"--{key[:-2].replace('_', '-')}-s", f"{value:.6g}"]
     return argv
 
 
-def _predicted(args: argparse.Namespace) -> dict:
+def _predicted(args: argparse.Namespace, fixed: dict) -> dict:
     """The planner's figures on the timed steps: median static over median dynamic step."""
-    argv = plan_argv(args)
+    argv = plan_argv(args, fixed)
     done = subprocess.run([sys.executable, "-m", "ringattn", *argv], capture_output=True,
                           text=True, check=True)  # fmt: skip
     result = json.loads(done.stdout)["dynamic_cp"]
@@ -164,12 +191,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.hosts == 2 and unavailable():
         print(f"dynamic_cp bench: {unavailable()}", file=sys.stderr)
         return 2
-    # first: on --hardware cpu the planner measures its fixed terms (planner/ringstep.py) once
-    # per calibration file, here on the machine as loaded as the runs that follow
-    predicted = _predicted(args)
     runs = []
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         hosts = stack.enter_context(TwoHosts(rate=args.rate)) if args.hosts == 2 else None
+        # first: the fixed terms, on the same topology and as loaded a machine as the runs
+        fixed = measure_fixed(args, hosts)
+        print(f"fixed terms: {fixed}", flush=True)
+        predicted = _predicted(args, fixed)
         for p in range(args.pairs):
             order = (False, True) if p % 2 == 0 else (True, False)  # ABBA
             pair = {}

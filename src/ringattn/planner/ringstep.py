@@ -16,11 +16,14 @@ in a training step, on sizes whose flops cost almost nothing (one head of 16):
 Each rank keeps the median of `repeats` timed calls (the typical wait, not the luckiest: what a
 step pays is mostly the wait for a descheduled peer); the slowest rank's figure is the one a ring
 waits for. Cached in the calibration file under "ring_step" by process count (planner/dynamic.py
-reads it, measuring once, ~10 s, when it is missing).
+reads it, measuring once, ~10-60 s, when it is missing). `python -m ringattn.planner.ringstep`
+under torchrun measures the same over any ranks (over two hosts: the link's cost per ring step
+included) and rank 0 prints them as one JSON line.
 """
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
 
@@ -48,10 +51,10 @@ def _timed(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def _worker(repeats: int) -> dict:
+def _measure(repeats: int) -> dict:
+    """This rank's figures; every rank of the default group calls it (module docstring)."""
     from ringattn.api import attention  # the ranks import the library only
 
-    init_distributed("gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
     alone = [dist.new_group([r]) for r in range(world)][rank]  # collective: every rank makes all
     gen = torch.Generator().manual_seed(rank)
@@ -71,14 +74,40 @@ def _worker(repeats: int) -> dict:
     many = call(DOCS * (TILE_ROWS + 1), alone, DOCS) / 2
     call_s = max(0.0, (many - one) / (DOCS - 1))
     ring = call(2, None) / (2 * world)
-    dist.destroy_process_group()
     return {"ring_step_s": max(0.0, ring - call_s), "piece_s": max(0.0, one - call_s),
             "call_s": call_s}  # fmt: skip
+
+
+def _slowest(per_rank: list[dict]) -> dict:
+    """The figures a ring waits for: each term's largest over the ranks."""
+    return {key: max(r[key] for r in per_rank) for key in ("ring_step_s", "piece_s", "call_s")}
+
+
+def _worker(repeats: int) -> dict:
+    init_distributed("gloo")
+    got = _measure(repeats)
+    dist.destroy_process_group()
+    return got
 
 
 def measure_ring_step(nproc: int, repeats: int = 20) -> dict:
     """{"ring_step_s", "piece_s", "call_s"} at `nproc` local processes (module docstring)."""
     if nproc < 2:
         raise ValueError(f"a ring step needs at least 2 processes, got {nproc}")
-    got = launch(_worker, nproc, repeats)
-    return {key: max(r[key] for r in got.values()) for key in ("ring_step_s", "piece_s", "call_s")}
+    return _slowest(list(launch(_worker, nproc, repeats).values()))
+
+
+def main() -> None:
+    """Under torchrun (e.g. over two hosts, scripts/bench/dynamic_cp.py): rank 0 prints the
+    slowest rank's figures as one JSON line."""
+    init_distributed("gloo")
+    mine = _measure(20)
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    if dist.get_rank() == 0:
+        print(json.dumps(_slowest(every)), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
