@@ -6,9 +6,7 @@
     traffic   g > 1: a ring over g ranks sends g - 1 hops of one shard's K/V per layer forward
               (2 x kv_dim x L/g elements), and in backward the K/V again plus the float32
               dK/dV: bytes at `link_bytes_per_s`, plus `hop_latency_s` per hop (4 per hop and
-              layer: forward, backward's K/V and dK/dV, the last dK/dV return); a group of
-              more than `ranks_per_host` ranks (> 0: hosts of that many ranks, the aligned
-              groups of that size or less stay on one host) sends at `inter_bytes_per_s`
+              layer: forward, backward's K/V and dK/dV, the last dK/dV return)
 
 The same model as the planner's (planner/cost.py prices attention and the ring per strategy in
 more detail, with overlap); here nothing is taken as hidden behind compute, which makes a group
@@ -40,10 +38,6 @@ class DocumentCost:
     """Fixed cost of one message (gloo: tens of microseconds)."""
     elem_bytes: int = 4
     """Bytes of one K/V element (4: float32, 2: bfloat16)."""
-    ranks_per_host: int = 0
-    """Ranks per host when the cp groups span hosts (0: one host, every link the same)."""
-    inter_bytes_per_s: float = 0.0
-    """Bytes/s of a ring hop between hosts (with ranks_per_host > 0)."""
 
     def __call__(self, length: int, size: int) -> float:
         return _cost(self, length, size)
@@ -57,7 +51,5 @@ def _cost(c: DocumentCost, length: int, size: int) -> float:
     shard_elems = 2 * c.model.kv_dim * length / size  # one shard's K and V
     hop_bytes = shard_elems * (2 * c.elem_bytes + 4)  # K/V forward and backward, fp32 dK/dV
     layers = c.model.attention_layers
-    across = 0 < c.ranks_per_host < size and c.inter_bytes_per_s > 0
-    rate = min(c.link_bytes_per_s, c.inter_bytes_per_s) if across else c.link_bytes_per_s
-    traffic = layers * (size - 1) * hop_bytes / rate  # a ring runs at its slowest hop
+    traffic = layers * (size - 1) * hop_bytes / c.link_bytes_per_s
     return compute + traffic + layers * 4 * (size - 1) * c.hop_latency_s
