@@ -15,11 +15,13 @@ from ringattn.cli.main import build_parser, main
 from ringattn.layout import get_layout
 from ringattn.packing import place
 from ringattn.plan import step_blocks
+from ringattn.planner import dynamic
 from ringattn.planner.dynamic import FixedCosts, fixed_costs, predict_dynamic
 from ringattn.planner.hardware import get_hardware
 from ringattn.planner.lengths import FileLengths, parse_lengths, window_lengths
 from ringattn.planner.models import get_model
 from ringattn.planner.pieces import PieceCosts, piece_seconds
+from ringattn.planner.ringstep import measure_ring_step
 from ringattn.planner.search import Job, search
 from ringattn.train.dynamic.documents import parse_documents
 
@@ -260,3 +262,28 @@ def test_a_piece_pays_every_kernel_call_of_its_ring(lengths, size):
     assert got == pytest.approx([model.attention_layers * 2 * c for c in calls], rel=1e-9)
     if lengths == [20] * 30:  # short documents share masked tiles: fewer calls than documents
         assert calls[0] < 30
+
+
+def test_cpu_fixed_costs_are_measured_once_and_cached(tmp_path, monkeypatch):
+    with open(os.path.join(ROOT, "results", "two_hosts_cpu_repeats.json")) as f:
+        stored = json.load(f)["calibration"]
+    stored.pop("ring_step", None)
+    path = tmp_path / "calibration.json"
+    path.write_text(json.dumps(stored))
+    measured = {"ring_step_s": 2e-3, "piece_s": 1e-4, "call_s": 7e-4}
+    calls = []
+    monkeypatch.setattr(dynamic, "measure_ring_step", lambda n: calls.append(n) or measured)
+    hw = get_hardware("cpu", calibration=json.loads(path.read_text()))
+    assert fixed_costs(hw, 4, {}, str(path)) == FixedCosts(**measured, source="measured")
+    assert calls == [4] and json.loads(path.read_text())["ring_step"] == {"4": measured}
+    again = get_hardware("cpu", calibration=json.loads(path.read_text()))  # a later plan
+    assert fixed_costs(again, 4, {"call_s": 1e-3}, str(path)).call_s == 1e-3
+    assert calls == [4]  # from the cache
+
+
+def test_ring_step_measurement_runs():
+    with pytest.raises(ValueError, match="at least 2 processes"):
+        measure_ring_step(1)
+    got = measure_ring_step(2, repeats=3)
+    assert set(got) == {"ring_step_s", "piece_s", "call_s"}
+    assert got["ring_step_s"] + got["call_s"] > 0 and min(got.values()) >= 0
