@@ -16,6 +16,7 @@ from ringattn.layout import get_layout
 from ringattn.packing import place
 from ringattn.plan import step_blocks
 from ringattn.planner import dynamic
+from ringattn.planner.calibrate import machine_key
 from ringattn.planner.dynamic import FixedCosts, fixed_costs, predict_dynamic
 from ringattn.planner.hardware import get_hardware
 from ringattn.planner.lengths import FileLengths, parse_lengths, window_lengths
@@ -230,6 +231,7 @@ def test_bench_two_hosts_arguments():
         (["--rate", "100mbit"], "give it with --hosts 2"),
         (["--hosts", "2", "--rate", "1gbit", "--cp", "1"], "needs an even dp x cp"),
         (["--hosts", "3"], "invalid choice"),
+        (["--replan", "result.json"], "--replan needs --calibration"),
     ],
 )
 def test_bench_refuses_bad_arguments(capsys, argv, message):
@@ -287,3 +289,25 @@ def test_ring_step_measurement_runs():
     got = measure_ring_step(2, repeats=3)
     assert set(got) == {"ring_step_s", "piece_s", "call_s"}
     assert got["ring_step_s"] + got["call_s"] > 0 and min(got.values()) >= 0
+
+
+def test_bench_replan_prices_a_stored_result_again(tmp_path):
+    """--replan: the stored run's arguments and fixed terms, another calibration, no runs."""
+    bench = _bench()
+    with open(os.path.join(ROOT, "results", "two_hosts_cpu_repeats.json")) as f:
+        calibration = json.load(f)["calibration"]
+    calibration.update(machine_key())  # as this machine's (the plan refuses another's)
+    path_c = tmp_path / "calibration.json"
+    path_c.write_text(json.dumps(calibration))
+    args = vars(bench.parse_args(["--steps", "4", "--warmup-steps", "1"]))
+    terms = {"ring_step_s": 1e-3, "piece_s": 0.0, "call_s": 5e-4}
+    path = tmp_path / "result.json"
+    path.write_text(json.dumps({"args": args, "ratio_median": 1.5,
+                                "predicted": {"ratio": 1.1, "terms": terms}}))  # fmt: skip
+    assert bench.main(["--replan", str(path), "--calibration", str(path_c)]) == 0
+    got = json.loads(path.read_text())
+    again = got["replanned"]
+    assert got["predicted"] == {"ratio": 1.1, "terms": terms}  # the first prediction is kept
+    assert len(again["per_step"]) == 4 and again["calibration"] == calibration
+    assert {k: again["terms"][k] for k in terms} == terms
+    assert again["ratio"] == again["static_s"] / again["dynamic_s"]

@@ -20,7 +20,8 @@ planner/ringstep.py) are measured on the runs' topology and given to the plan.
 `--hosts 2 --rate 100mbit` runs every arm over two network-namespace hosts of dp x cp / 2 ranks
 each, joined by a link shaped to that rate (testing/hosts.py, needs root; the namespaces are
 deleted after each rate), and the prediction prices that link (--gpus-per-node, --inter-bw).
-`scripts/dynamic_cp_bench.py` is the same program under the issue's name.
+`scripts/dynamic_cp_bench.py` is the same program under the issue's name. `--replan JSON
+--calibration C` prices a stored result's runs again with calibration C (no runs).
 """
 
 from __future__ import annotations
@@ -133,8 +134,27 @@ def _predicted(args: argparse.Namespace, fixed: dict) -> dict:
     static_s = statistics.median(s["static_s"] for s in timed)
     dynamic_s = statistics.median(s["dynamic_s"] for s in timed)
     return {"command": shlex.join(["ringattn", *argv]), "static_s": static_s,
-            "dynamic_s": dynamic_s, "ratio": static_s / dynamic_s,
-            "terms": result["terms"]}  # fmt: skip
+            "dynamic_s": dynamic_s, "ratio": static_s / dynamic_s, "terms": result["terms"],
+            "per_step": result["per_step"]}  # fmt: skip
+
+
+def replan(path: str, calibration: str) -> int:
+    """Price a stored result's runs again with another calibration file (its fixed terms as
+    measured then, no runs) and add it as "replanned", beside the first prediction."""
+    with open(path) as f:
+        result = json.load(f)
+    args = argparse.Namespace(**{**result["args"], "calibration": calibration})
+    terms = result["predicted"]["terms"]
+    fixed = {k: terms[k] for k in ("ring_step_s", "piece_s", "call_s")}
+    again = _predicted(args, fixed)
+    with open(calibration) as f:
+        again["calibration"] = json.load(f)
+    result["replanned"] = again
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"{path}: measured {result['ratio_median']:.2f}, predicted at the run "
+          f"{result['predicted']['ratio']:.2f}, replanned {again['ratio']:.2f}")  # fmt: skip
+    return 0
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -168,7 +188,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="the planner's cpu calibration file (default: its cache)",
     )
+    parser.add_argument("--replan", default=None, metavar="JSON",
+                        help="price its runs again with --calibration (no runs)")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.replan and not args.calibration:
+        parser.error("--replan needs --calibration (the file to price with)")
     if args.hosts == 2:
         if args.rate is None:
             parser.error("--hosts 2 needs --rate (e.g. 100mbit or 1gbit)")
@@ -188,6 +212,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.replan:
+        return replan(args.replan, args.calibration)
     if args.hosts == 2 and unavailable():
         print(f"dynamic_cp bench: {unavailable()}", file=sys.stderr)
         return 2
