@@ -11,10 +11,10 @@ from itertools import accumulate
 
 import torch
 
+from ringattn.planner.dynamic_cp.documents import DocumentTask
 from ringattn.planner.dynamic_cp.schedule import Schedule
 from ringattn.train.config import TrainConfig
 from ringattn.train.data import get_dataset
-from ringattn.train.dynamic.documents import DocumentTask
 from ringattn.train.dynamic.loader import DocumentLoader
 from ringattn.train.loop import train as train_run
 from ringattn.train.run import build_run

@@ -17,6 +17,8 @@ from ringattn.planner.calibrate import (
     is_calibration_file,
     load_calibration,
 )
+from ringattn.planner.dynamic_cp.lengths import parse_lengths
+from ringattn.planner.dynamic_cp.predict import dynamic_table, fixed_costs, predict_dynamic
 from ringattn.planner.hardware import get_hardware
 from ringattn.planner.models import get_model
 from ringattn.planner.search import (
@@ -130,6 +132,23 @@ def add_parser(sub) -> None:
     p.add_argument("--calibration", default=DEFAULT_PATH, metavar="PATH",
                    help="the calibration cache file")  # fmt: skip
     p.add_argument("--top", type=int, default=12, help="rows of the table (not --json)")
+    p.add_argument("--lengths", default=None, metavar="SPEC",
+                   help="price dynamic CP (train --dynamic-cp) against static CP for documents "
+                   "of these lengths, packed into --seq-len windows as train's docs: data: "
+                   "lognormal:MEAN,SIGMA,MIN,MAX or a file (one length per line, or a JSON "
+                   "list); at the best ring plan's dp x cp (tp and pp 1)")  # fmt: skip
+    p.add_argument("--lengths-steps", type=int, default=8, help="--lengths: steps drawn")
+    p.add_argument("--lengths-seed", type=int, default=0,
+                   help="--lengths: the seed of the windows (train's --seed)")  # fmt: skip
+    p.add_argument("--ring-step-s", type=float, default=None,
+                   help="--lengths: fixed seconds of one ring step per layer and direction "
+                   "(default: measured on cpu, launches + link latency on GPUs)")  # fmt: skip
+    p.add_argument("--piece-s", type=float, default=None,
+                   help="--lengths: fixed seconds of one attention call per layer and "
+                   "direction (default: as --ring-step-s)")  # fmt: skip
+    p.add_argument("--call-s", type=float, default=None,
+                   help="--lengths: fixed seconds of one kernel call (a tile or an exact block) "
+                   "per direction (default: as --ring-step-s)")  # fmt: skip
     p.set_defaults(run=run_plan)
 
 
@@ -209,12 +228,38 @@ def run_plan(args: argparse.Namespace) -> int:
         calibration = calibrate(args.calibration, log=log)
         if args.model is None and args.hardware is None:
             return 0
+    source = None
+    if args.lengths is not None:  # every input checked before anything is priced or measured
+        source = parse_lengths(args.lengths, args.seq_len or 0, args.lengths_seed)
+        if args.lengths_steps < 1:
+            raise ValueError(f"--lengths-steps must be >= 1, got {args.lengths_steps}")
+        for name in ("tp", "pp"):
+            if getattr(args, name) not in (None, 1):
+                raise ValueError(f"--lengths prices dynamic CP, which runs without --{name}; "
+                                 f"give --{name} 1 or leave it out")  # fmt: skip
+            setattr(args, name, 1)
+        if args.strategy not in (None, "ring"):  # the pieces are priced as rings (pieces.py)
+            raise ValueError(f"--lengths prices dynamic CP's pieces as rings; --strategy "
+                             f"{args.strategy} is not priced: give --strategy ring or leave it "
+                             "out")  # fmt: skip
+        args.strategy = "ring"
     job = _job(args, calibration)
     plans = search(job)
     fitting = [p for p in plans if p["fits"]]
     shown = sorted(fitting or plans, key=rank_key)
+    dynamic = None
+    if source is not None:
+        given = {"ring_step_s": args.ring_step_s, "piece_s": args.piece_s, "call_s": args.call_s}
+        fixed = fixed_costs(job.hw, shown[0]["dp"] * shown[0]["cp"], given,
+                            args.calibration if job.hw.is_cpu else None)  # fmt: skip
+        dynamic = predict_dynamic(job.model, job.hw, shown[0], source, job.seq_len,
+                                  job.batch_size, job.dtype, fixed, args.lengths_steps)  # fmt: skip
+        dynamic["lengths"] = args.lengths
     if args.json:
-        print(json.dumps({"plans": shown, "ranking": ranking(shown), "margin": PLAN_MARGIN}))
+        out = {"plans": shown, "ranking": ranking(shown), "margin": PLAN_MARGIN}
+        if dynamic is not None:
+            out["dynamic_cp"] = dynamic
+        print(json.dumps(out))
         return 0
     ac = ", activation checkpointing" if job.activation_checkpointing else ""
     kernel = "" if job.hw.is_cpu else f", attention {shown[0]['attention_kernel']}"
@@ -236,4 +281,6 @@ def run_plan(args: argparse.Namespace) -> int:
     print(f"run it: {best['train_command']}")
     if best["train_note"]:
         print(f"  (not run by the trainer: {best['train_note']})")
+    if dynamic is not None:
+        print(dynamic_table(dynamic, args.lengths))
     return 0

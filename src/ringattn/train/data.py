@@ -50,8 +50,8 @@ import torch
 
 import ringattn
 from ringattn.models.loss import IGNORE  # re-exported: the data's labels use it
-from ringattn.train.dynamic.documents import PREFIX as DOCS
-from ringattn.train.dynamic.documents import parse_documents
+from ringattn.planner.dynamic_cp.documents import PREFIX as DOCS
+from ringattn.planner.dynamic_cp.documents import parse_documents
 
 __all__ = [
     "IGNORE",
@@ -194,7 +194,7 @@ def get_dataset(
     name: str, seq_len: int, seed: int, keys: int = N_KEYS, copies: int = 8, noisy: int = 0
 ):
     """`key-value` (the retrieval task), `text:PATH` (bytes of a file or directory) or
-    `docs:MEAN,SIGMA,MIN,MAX` (packed documents: train/dynamic/documents.py)."""
+    `docs:MEAN,SIGMA,MIN,MAX` (packed documents: planner/dynamic_cp/documents.py)."""
     if name == "key-value":
         return KeyValueTask(seq_len, keys, copies, noisy, seed)
     if name.startswith(DOCS):

@@ -34,6 +34,7 @@ from torch import nn
 from ringattn.comm.world import gather_over_world
 from ringattn.models.config import ModelConfig
 from ringattn.planner.dynamic_cp.cost import DocumentCost
+from ringattn.planner.dynamic_cp.documents import DocumentTask
 from ringattn.planner.models import ModelSpec
 from ringattn.runtime import checkpoint as ckpt
 from ringattn.runtime.mesh import Mesh, build_mesh
@@ -44,7 +45,6 @@ from ringattn.train.compile import compile_model
 from ringattn.train.config import IDENTITY, TrainConfig, validate
 from ringattn.train.data import Loader, get_dataset, shard_batch
 from ringattn.train.decoder import DECODER, decoder_of, parallelize_decoder
-from ringattn.train.dynamic.documents import DocumentTask
 from ringattn.train.dynamic.loader import DocumentLoader
 from ringattn.train.hf.recipe import HF
 from ringattn.train.recipe import ModelRecipe

@@ -1,8 +1,8 @@
 """Dynamic context parallelism (`ringattn train --data docs:... --dynamic-cp`): per step, each
 packed document gets a group of 1, 2, 4, ... cp ranks, placed over dp x cp by planned cost.
 
-    documents.py                    --data docs:MEAN,SIGMA,MIN,MAX: windows packed with
-                                    lognormal-length documents
+    planner/dynamic_cp/documents.py --data docs:MEAN,SIGMA,MIN,MAX: windows packed with
+                                    lognormal-length documents (the planner draws them too)
     planner/dynamic_cp/cost.py      DocumentCost(length, size): the planner's quadratic +
                                     linear + ring traffic
     planner/dynamic_cp/schedule.py  plan_step: sizes and places, balanced (pure;

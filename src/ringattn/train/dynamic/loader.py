@@ -30,10 +30,10 @@ import torch
 from ringattn.models.loss import IGNORE
 from ringattn.models.segments import Segment, rank_pieces
 from ringattn.planner.dynamic_cp.cost import DocumentCost
+from ringattn.planner.dynamic_cp.documents import DocumentTask
 from ringattn.planner.dynamic_cp.schedule import Schedule, plan_step, static_schedule
 from ringattn.runtime.subgroups import SubGroups
 from ringattn.train.data import Batch
-from ringattn.train.dynamic.documents import DocumentTask
 
 __all__ = ["DocumentBatch", "DocumentLoader"]
 
