@@ -15,8 +15,8 @@ from ringattn.cli.main import build_parser, main
 from ringattn.layout import get_layout
 from ringattn.packing import place
 from ringattn.plan import step_blocks
-from ringattn.planner import dynamic
 from ringattn.planner.calibrate import machine_key
+from ringattn.planner.dynamic_cp import predict as dynamic
 from ringattn.planner.dynamic_cp.documents import parse_documents
 from ringattn.planner.dynamic_cp.lengths import FileLengths, parse_lengths, window_lengths
 from ringattn.planner.dynamic_cp.pieces import PieceCosts, piece_seconds

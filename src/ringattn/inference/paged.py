@@ -200,7 +200,9 @@ class PagedStore:
             table.add(table.blocks[-1] * self.block + table.fill, position)
             table.fill += 1
             table.region = region
-        if host:
+        if len(host) == 1:  # a decoded token: a fill from a Python int, no index tensor
+            self.positions[table.slots[-1]] = host[0]
+        elif host:
             rows = torch.tensor(host, dtype=torch.int64, device=self.device)
             self.positions[table.index(table.rows - len(host), table.rows)] = rows
 
@@ -210,6 +212,11 @@ class PagedStore:
             shape = (self.n_blocks * self.block, k.shape[1], k.shape[3])
             self.k[layer] = torch.empty(shape, dtype=k.dtype, device=self.device)
             self.v[layer] = torch.empty(shape, dtype=v.dtype, device=self.device)
+        if k.shape[2] == 1:  # a decoded token: one slot, no index tensor (the decode loop)
+            slot = table.slots[start]
+            self.k[layer][slot] = k[0, :, 0]  # (Hkv, D)
+            self.v[layer][slot] = v[0, :, 0]
+            return
         index = table.index(start, start + k.shape[2])
         self.k[layer].index_copy_(0, index, k[0].transpose(0, 1))  # (n, Hkv, D)
         self.v[layer].index_copy_(0, index, v[0].transpose(0, 1))

@@ -31,6 +31,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from ringattn.api import attention
 from ringattn.layout import get_layout
 from ringattn.packing import place
 from ringattn.plan import TILE_ROWS
@@ -54,8 +55,6 @@ def _timed(fn, repeats: int) -> float:
 
 def _measure(repeats: int) -> dict:
     """This rank's figures; every rank of the default group calls it (module docstring)."""
-    from ringattn.api import attention  # the ranks import the library only
-
     world, rank = dist.get_world_size(), dist.get_rank()
     alone = [dist.new_group([r]) for r in range(world)][rank]  # collective: every rank makes all
     gen = torch.Generator().manual_seed(rank)
