@@ -29,14 +29,14 @@ def _filled(store: PagedStore, seq: int, positions: list[int], decoded: bool = F
 
 def test_regions_start_blocks_and_a_kept_chunk_is_shared_not_copied():
     """Chunks of 6 tokens, blocks of 4: chunk 0 (6 rows) takes blocks 0-1, chunk 1 starts a new
-    block, decoded rows another. An entry of chunk 0 references its 2 blocks; an adopter of all
+    block, decoded rows go on in the last one (then new ones). An entry of chunk 0 references its 2 blocks; an adopter of all
     6 tokens shares block 0 and copies the 2 rows of block 1 (copy on write: the adopter writes
     after them); one of 4 tokens shares block 0 only. Released, only the entry's blocks stay."""
     store = PagedStore(16, 4, 6, CPU)
     a = _filled(store, 0, list(range(8)))
     assert a.blocks == [0, 1, 2] and list(a.slots) == [0, 1, 2, 3, 4, 5, 8, 9]
-    _filled(store, 0, [8], decoded=True)
-    assert a.blocks == [0, 1, 2, 3]  # decoded rows: a region of their own
+    _filled(store, 0, [8, 9, 10], decoded=True)
+    assert a.blocks == [0, 1, 2, 3] and list(a.slots)[-3:] == [10, 11, 12]
     store.keep(7, 0, 0, 6)
     assert store.entries[7][0] == [0, 1] and store.refs[:2] == [2, 2]
     store.adopt(1, [7], 6)
@@ -55,25 +55,28 @@ def test_regions_start_blocks_and_a_kept_chunk_is_shared_not_copied():
     assert store.used == 0 and sorted(store.free) == list(range(16))
 
 
-def test_a_table_reads_its_rows_in_place_as_runs_of_consecutive_slots():
+def test_a_table_reads_its_rows_in_place_as_runs_of_consecutive_slots(monkeypatch):
     """Blocks are taken right after a table's last one when free, so a sequence's rows are a
-    few runs of slots (decode reads each in place: paged.runs); the runs equal the rows."""
-    from ringattn.inference.paged import PagedView, runs
+    few runs of slots; decode reads a long one in place and gathers the rest (paged.parts),
+    and together they are the rows."""
+    from ringattn.inference import paged
+    from ringattn.inference.paged import PagedView, parts
 
     store = PagedStore(16, 4, 8, CPU)
     _filled(store, 0, list(range(6)))
     _filled(store, 1, list(range(5)))  # blocks 2, 3
     _filled(store, 0, list(range(6, 14)))  # 6, 7 in block 1; chunk 1: blocks 4 and 5
     table = store.tables[0]
-    assert table.blocks == [0, 1, 4, 5] and table.slices(0, 14) == [(0, 8), (16, 6)]
-    assert table.slices(3, 10) == [(3, 5), (16, 2)]
+    assert table.blocks == [0, 1, 4, 5] and table.slices(0, 14) == [(0, 0, 8), (8, 16, 6)]
+    assert table.slices(3, 10) == [(3, 3, 5), (8, 16, 2)]
     view = PagedView(store, 0, 0, None, 0)
     view.length = table.rows
-    parts = runs(store, 0, view)
-    k = torch.cat([part[0] for part in parts], dim=2)
-    assert (
-        k.flatten().tolist() == list(range(14)) and parts[0][0].data_ptr() == store.k[0].data_ptr()
-    )
+    assert len(parts(store, 0, view)) == 1  # short: gathered, one call
+    monkeypatch.setattr(paged, "IN_PLACE_ROWS", 8)  # the longest run (8 rows) read in place
+    (k_run, _), (k_rest, _) = parts(store, 0, view)
+    assert k_run.data_ptr() == store.k[0].data_ptr()  # a view of the pages: no copy
+    k = torch.cat([k_run, k_rest], dim=2)
+    assert k.flatten().tolist() == list(range(14))
 
 
 def test_a_store_out_of_blocks_says_so():

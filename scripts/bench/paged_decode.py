@@ -6,8 +6,9 @@ L sequences share a `--prefix`-token prompt (an entry's blocks) and each has `--
 its own, in a real PagedStore (inference/paged.py) of one layer. Three ways to compute every
 sequence's partial (out, lse) for one query token, timed side by side (medians of
 `--repeats`, interleaved):
-  in place   ringattn's decode: each sequence's runs of consecutive slots as views of the
-             pages, one kernel call per run, merged by lse (kv_attention._decode_paged)
+  in place   ringattn's decode (paged.parts): each sequence's long shared run read as a view
+             of the pages, its own rows gathered, two calls merged by lse
+             (kv_attention._decode_paged)
   gathered   every sequence's rows copied into one (L, Hkv, N, D) batch padded to the longest,
              one masked call of the same fused kernel (what "one call per layer" costs here)
   contiguous each sequence's rows already in a contiguous buffer of its own (the copying
@@ -24,7 +25,7 @@ import time
 import torch
 
 from ringattn.bench import record
-from ringattn.inference.paged import PagedStore, PagedView, runs
+from ringattn.inference.paged import PagedStore, PagedView, parts
 from ringattn.inference.partials import local_partial, merge_stacked
 from ringattn.kernels import select_kernel
 
@@ -77,10 +78,10 @@ def main(argv: list[str] | None = None) -> dict:
     def in_place():
         out = []
         for j, view in enumerate(views):
-            parts = [local_partial(kernel, q[j : j + 1], k, v, scale)
-                     for k, v in runs(store, 0, view)]  # fmt: skip
-            out.append(merge_stacked(torch.stack([o for o, _ in parts]),
-                                     torch.stack([x for _, x in parts])))  # fmt: skip
+            done = [local_partial(kernel, q[j : j + 1], k, v, scale)
+                    for k, v in parts(store, 0, view)]  # fmt: skip
+            out.append(done[0] if len(done) == 1 else merge_stacked(
+                torch.stack([o for o, _ in done]), torch.stack([x for _, x in done])))  # fmt: skip
         return out
 
     def gathered():
@@ -110,7 +111,7 @@ def main(argv: list[str] | None = None) -> dict:
             way()
             times[name].append(time.perf_counter() - start)
     medians = {name: statistics.median(t) * 1e3 for name, t in times.items()}
-    calls = sum(len(runs(store, 0, view)) for view in views)
+    calls = sum(len(parts(store, 0, view)) for view in views)
     print(f"{len(views)} sequences x ({args.prefix} shared + {args.own} own) rows, one layer, "
           f"{device.type}; in place: {calls} kernel calls")  # fmt: skip
     print(f"{'way':12} {'ms (median)':>12} {'x in place':>11}")

@@ -75,13 +75,13 @@ class Table:
         self.slots.append(slot)
         self.host.append(position)
 
-    def slices(self, start: int, stop: int) -> list[tuple[int, int]]:
-        """Rows [start, stop) as (first slot, rows) runs of consecutive slots."""
+    def slices(self, start: int, stop: int) -> list[tuple[int, int, int]]:
+        """Rows [start, stop) as (first row, first slot, rows) runs of consecutive slots."""
         out = []
         for row, slot, n in self.runs:
             lo, hi = max(row, start), min(row + n, stop)
             if lo < hi:
-                out.append((slot + lo - row, hi - lo))
+                out.append((lo, slot + lo - row, hi - lo))
         return out
 
     def index(self, start: int, stop: int) -> torch.Tensor:
@@ -190,7 +190,10 @@ class PagedStore:
         """Give slots to new rows at positions `host` (increasing), after every row of `table`:
         into the last block while it is the table's own, of the same region, and not full."""
         for position in host:
-            region = DECODED if decoded else position // self.chunk
+            # decoded rows go on in the last block (the count gives them blocks of their own:
+            # an upper bound); no adopter ever shares a block past an entry's full ones
+            region = (table.region if table.blocks else DECODED) if decoded else (
+                position // self.chunk)  # fmt: skip
             if (not table.blocks or region != table.region or table.blocks[-1] not in table.owned
                     or table.fill >= self.block):  # fmt: skip
                 b = self.take(table.blocks[-1] if table.blocks else None)
@@ -340,11 +343,25 @@ class PagedView:
     capacity_bytes = nbytes  # the pages are the store's
 
 
-def runs(store: PagedStore, layer: int, view: PagedView) -> list[tuple[torch.Tensor, ...]]:
-    """The view's visible rows of `layer` as (k, v) (1, Hkv, n, D) views of the pages, one per
-    run of consecutive slots: read in place, no copy (none when the layer has no rows yet)."""
-    if layer not in store.k:
+IN_PLACE_ROWS = 1024  # a run this long is read in place; shorter rows are gathered (a copy)
+
+
+def parts(store: PagedStore, layer: int, view: PagedView) -> list[tuple[torch.Tensor, ...]]:
+    """The view's visible rows of `layer` as at most two (k, v) (1, Hkv, n, D): its longest run
+    of consecutive slots as a view of the pages (read in place) when it has IN_PLACE_ROWS
+    rows, and the other rows gathered into one copy, so a decode makes one kernel call per
+    sequence, two for a long one beside a shared prefix ([] when the layer has no rows)."""
+    if layer not in store.k or view.tokens == 0:
         return []
     k, v = store.k[layer], store.v[layer]
-    return [(k[s : s + n].transpose(0, 1)[None], v[s : s + n].transpose(0, 1)[None])
-            for s, n in view.table.slices(view.start, view.length)]  # fmt: skip
+    table = view.table
+    runs = table.slices(view.start, view.length)
+    first, s, n = max(runs, key=lambda run: run[2])
+    if len(runs) == 1:
+        return [(k[s : s + n].transpose(0, 1)[None], v[s : s + n].transpose(0, 1)[None])]
+    if n < IN_PLACE_ROWS:
+        index = table.index(view.start, view.length)
+        return [(k[index].transpose(0, 1)[None], v[index].transpose(0, 1)[None])]
+    index = torch.cat([table.index(view.start, first), table.index(first + n, view.length)])
+    return [(k[s : s + n].transpose(0, 1)[None], v[s : s + n].transpose(0, 1)[None]),
+            (k[index].transpose(0, 1)[None], v[index].transpose(0, 1)[None])]  # fmt: skip

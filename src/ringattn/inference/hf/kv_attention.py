@@ -38,7 +38,7 @@ import torch
 import ringattn
 from ringattn.comm import GroupInfo, all_gather_async, wait
 from ringattn.inference.cache import ShardedKVCache
-from ringattn.inference.paged import PagedStore, PagedView, runs
+from ringattn.inference.paged import PagedStore, PagedView, parts
 from ringattn.inference.partials import (
     attention_options,
     check_merge,
@@ -205,23 +205,22 @@ def _decode(state: KVState, step: Decode, layer: int, left, query, key, value, s
 
 
 def _decode_paged(state: KVState, step: Decode, layer: int, left, query, key, value, scale):
-    """`_decode` over the pages: each sequence's visible rows are read in place, one kernel
-    call per run of consecutive slots (a shared prefix's blocks, then its own: a few runs),
-    merged by lse; a gather into one padded call copies every row and was 4x slower on a CPU
-    (docs/paged-kv.md)."""
+    """`_decode` over the pages: each sequence's visible rows in one kernel call (a long
+    shared prefix read in place and the rest gathered: two, merged by lse; paged.parts), then
+    the L partials merged across ranks (docs/paged-kv.md)."""
     outs, lses = [], []
     for j, seq in enumerate(step.live):  # query (L, Hq, 1, D): one row per live sequence
         view = state.cache(layer, seq, left)
         view.append_decoded(0, key[j : j + 1], value[j : j + 1], step.positions[j],
                             step.owners[j])  # fmt: skip
         view.evict(0, step.positions[j])
-        parts = [local_partial(state.kernel, query[j : j + 1], k, v, scale)
-                 for k, v in runs(state.paged, layer, view)]  # fmt: skip
-        if not parts:  # no row here: weight 0 in the merge
-            parts = [local_partial(state.kernel, query[j : j + 1], key[j : j + 1, :, :0],
-                                   value[j : j + 1, :, :0], scale)]  # fmt: skip
-        out, lse = parts[0] if len(parts) == 1 else merge_stacked(
-            torch.stack([o for o, _ in parts]), torch.stack([x for _, x in parts]))  # fmt: skip
+        done = [local_partial(state.kernel, query[j : j + 1], k, v, scale)
+                for k, v in parts(state.paged, layer, view)]  # fmt: skip
+        if not done:  # no row here: weight 0 in the merge
+            done = [local_partial(state.kernel, query[j : j + 1], key[j : j + 1, :, :0],
+                                  value[j : j + 1, :, :0], scale)]  # fmt: skip
+        out, lse = done[0] if len(done) == 1 else merge_stacked(
+            torch.stack([o for o, _ in done]), torch.stack([x for _, x in done]))  # fmt: skip
         outs.append(out)
         lses.append(lse)
     return _merge(state, torch.cat(outs), torch.cat(lses), query, key, scale)
