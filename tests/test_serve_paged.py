@@ -29,9 +29,10 @@ def _filled(store: PagedStore, seq: int, positions: list[int], decoded: bool = F
 
 def test_regions_start_blocks_and_a_kept_chunk_is_shared_not_copied():
     """Chunks of 6 tokens, blocks of 4: chunk 0 (6 rows) takes blocks 0-1, chunk 1 starts a new
-    block, decoded rows go on in the last one (then new ones). An entry of chunk 0 references its 2 blocks; an adopter of all
-    6 tokens shares block 0 and copies the 2 rows of block 1 (copy on write: the adopter writes
-    after them); one of 4 tokens shares block 0 only. Released, only the entry's blocks stay."""
+    block, decoded rows go on in the last one (then new ones). An entry of chunk 0 references
+    its 2 blocks; an adopter of all 6 tokens shares block 0 and copies the 2 rows of block 1
+    (copy on write: the adopter writes after them); one of 4 tokens shares block 0 only.
+    Released, only the entry's blocks stay."""
     store = PagedStore(16, 4, 6, CPU)
     a = _filled(store, 0, list(range(8)))
     assert a.blocks == [0, 1, 2] and list(a.slots) == [0, 1, 2, 3, 4, 5, 8, 9]
