@@ -130,12 +130,7 @@ SGD = {"optim": "sgd", "max_grad_norm": 0.0, "learning_rate": 0.05}
 
 def _trainer_same(got: dict, want: dict, what: str) -> None:
     assert len(got["losses"]) == len(want["losses"]) == 5, (what, got["losses"])
-    torch.testing.assert_close(torch.tensor(got["losses"], dtype=torch.float64),
-                               torch.tensor(want["losses"], dtype=torch.float64), rtol=1e-6,
-                               atol=0, msg=lambda m: f"{what} losses: {m}")  # fmt: skip
-    for name, value in want["params"].items():
-        torch.testing.assert_close(got["params"][name], value, rtol=0, atol=1e-6,
-                                   msg=lambda m, name=name: f"{what} {name}: {m}")  # fmt: skip
+    _assert_same(got, want, what)
 
 
 @pytest.mark.parametrize(

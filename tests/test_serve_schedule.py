@@ -256,7 +256,7 @@ def test_nothing_grows_with_the_requests_served():
         runner.step(sched.plan())  # the idle plan carries the last frees
     engine = runner.engine
     assert engine.lengths == engine.decoded == engine.shifts == {}
-    assert engine.state.caches == {} and engine.state.room == {}
+    assert engine.state.caches == {} and engine.state.mixer_states == {}
     assert sched.freed == [] and sched.step_decode == sched.step_chunks == []
     assert sched.pool.held == sched.pool.users == {} and not sched.running and not sched.waiting
     paged = engine.state.paged

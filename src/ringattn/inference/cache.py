@@ -4,17 +4,17 @@
         rank 0 keeps 0 1 2 | 9          rank 1 keeps 3 4 5 | 6 7 8
     decode token 10 -> rank 0, 11 -> rank 1, 12 -> rank 0, ...  (round-robin: shards stay balanced)
 
-No rank ever holds the whole cache. Within a rank the kept tokens are in increasing global
-position (a layout keeps each shard in increasing order, and every later token comes after every
-earlier one), so a sliding window of `left` tokens makes the evictable keys a prefix: a query at
-position p sees keys with position >= p - left, and keys older than that are dropped for good.
+No rank ever holds the whole cache. The engine keeps its K/V in pages (paged.py); this
+contiguous cache is the one `--offload-kv` moves to host memory. Within a rank the kept tokens
+are in increasing global position (a layout keeps each shard in increasing order, and every
+later token comes after every earlier one), so a sliding window of `left` tokens makes the
+evictable keys a prefix: a query at position p sees keys with position >= p - left, and keys
+older than that are dropped for good.
 
-Buffers grow by doubling (under the server's KV pool to what the pool holds for the sequence,
-in whole blocks: `granule`, `room`; the pool takes geometric headroom), but `reserve`
-sizes them up front (the generators reserve this rank's share of max_new_tokens right after the
-prefill, so a planned generation copies nothing);
-`nbytes` counts the kept tokens, `capacity_bytes` what the buffers hold; `ringattn generate`
-reports both per rank.
+Buffers grow by doubling, but `reserve` sizes them up front (the generators reserve this
+rank's share of max_new_tokens right after the prefill, so a planned generation copies
+nothing); `nbytes` counts the kept tokens, `capacity_bytes` what the buffers hold;
+`ringattn generate` reports both per rank.
 
 Offload (`ShardedKVCache.offload()`, `ringattn generate --offload-kv`): every layer's shard lives
 in host memory (pinned when the model computes on CUDA), rows first (capacity, B, Hkv, D) so that
@@ -51,8 +51,6 @@ class LayerCache:
         self.positions = positions.to(torch.int64).contiguous()  # (capacity,) global positions
         self.host = _on_host(positions, host).clone()  # (capacity,) the same, for eviction
         self.start, self.length = 0, k.shape[2]
-        self.granule: int | None = None  # grow in multiples of this many rows (a KV pool's block)
-        self.room = 0  # under a pool: rows the pool counts for this sequence (grow to them)
 
     def reserve(self, extra: int) -> None:
         """Make room for exactly `extra` more tokens (a planned generation: no doubling)."""
@@ -62,10 +60,7 @@ class LayerCache:
     def _grow(self, extra: int) -> None:
         """Room for `extra` more tokens, doubling when unplanned (amortised appends)."""
         need = self.length + extra
-        if need > self.k.shape[2] and self.granule is not None:  # a pool's blocks: never more
-            rows = -(-(need - self.start) // self.granule) * self.granule
-            self._resize(max(rows, self.room))  # all the pool holds for it: O(log n) regrowths
-        elif need > self.k.shape[2]:
+        if need > self.k.shape[2]:
             self._resize(max(need - self.start, 2 * self.k.shape[2]))
 
     def _resize(self, capacity: int) -> None:
@@ -251,11 +246,8 @@ class ShardedKVCache:
     the round-robin rank that keeps decoded token number `step` (0, 1, ... after the prompt).
     """
 
-    def __init__(self, n_layers: int, rank: int, world_size: int, window: int | None = None,
-                 granule: int | None = None, room: int = 0):  # fmt: skip
+    def __init__(self, n_layers: int, rank: int, world_size: int, window: int | None = None):
         self.layers: list[LayerCache | None] = [None] * n_layers
-        self.granule = granule  # rows each layer's buffer grows by (None: doubling)
-        self.room = room  # under a pool: rows a layer's buffer may grow to
         self.rank, self.world_size = rank, world_size
         self.window = window  # left extent in tokens; None: keep everything
         self.decoded = 0  # tokens appended one at a time, for the round-robin
@@ -280,16 +272,8 @@ class ShardedKVCache:
             self.layers[layer] = HostLayerCache(k, v, positions, k.device.type == "cuda", host)
         elif self.layers[layer] is None:
             self.layers[layer] = LayerCache(k, v, positions, host)
-            self.layers[layer].granule, self.layers[layer].room = self.granule, self.room
         else:
             self.layers[layer].append(k, v, positions, host)
-
-    def grow_to(self, rows: int) -> None:
-        """Under a KV pool: let each layer's buffer grow to `rows` rows when it next grows."""
-        self.room = rows
-        for cache in self.layers:
-            if isinstance(cache, LayerCache):
-                cache.room = rows
 
     def next_owner(self) -> int:
         """The rank that keeps the next decoded token's K/V (the same answer on every rank)."""

@@ -326,9 +326,6 @@ class PagedView:
     def reserve(self, extra: int) -> None:
         """Nothing to size: the pool's blocks are preallocated."""
 
-    def grow_to(self, rows: int) -> None:
-        """Nothing to grow: see `reserve`."""
-
     @property
     def tokens(self) -> int:
         return self.length - self.start

@@ -234,14 +234,6 @@ class KVEngine:
         for counts in (self.lengths, self.decoded, self.shifts):
             counts.pop(seq, None)
 
-    def room(self, seq: int, rows: int) -> None:
-        """Let every layer's buffer of `seq` grow to `rows` rows when it next grows (a KV pool's
-        holding: see LayerCache.room), now and for caches made later."""
-        self.state.room[seq] = rows
-        for (_, s), cache in self.state.caches.items():
-            if s == seq:
-                cache.grow_to(rows)
-
     def _decode_segment(self, seqs: list[int], tokens: list[int]) -> tuple:
         """(ids (L,), RoPE positions (L,), the Decode segment) of one token per sequence."""
         device, world = self.device, self.info.world_size

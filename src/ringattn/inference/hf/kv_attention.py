@@ -100,9 +100,7 @@ class KVState:
         self.n_layers = n_layers  # offload: the last layer prefetches layer 0
         self.caches: dict[tuple[int, int], ShardedKVCache] = {}  # by (layer, sequence)
         self.kernel = None
-        self.granule: int | None = None  # a KV pool's block: caches grow by whole blocks
         self.paged: PagedStore | None = None  # the server's paged cache (paged.py), else None
-        self.room: dict[int, int] = {}  # by sequence: rows its buffers may grow to (the pool's)
         self.on_layer = None  # progress: on_layer(layer index) after each prefill layer
         self.segments: list[tuple[int, int, Fresh | Decode | Extend]] = []  # [start, stop) rows
         # a hybrid's mixers (mixer_states.py): states by (module id, sequence), and each
@@ -123,8 +121,7 @@ class KVState:
         elif self.paged is not None:  # a view made before its layer ran (engine.adopt)
             self.caches[key].window = left
         elif key not in self.caches:
-            cache = ShardedKVCache(1, self.info.rank, self.info.world_size, left, self.granule,
-                                   self.room.get(seq, 0))  # fmt: skip
+            cache = ShardedKVCache(1, self.info.rank, self.info.world_size, left)
             if self.offload:
                 cache.offload()
             self.caches[key] = cache
@@ -139,7 +136,6 @@ class KVState:
             del self.caches[key]
         for key in [key for key in self.mixer_states if key[1] == seq]:
             del self.mixer_states[key]
-        self.room.pop(seq, None)
         if self.paged is not None:
             self.paged.release(seq)
 
