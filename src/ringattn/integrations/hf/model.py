@@ -41,6 +41,7 @@ def parallelize(
     backend: str = "auto",
     router_group: object = None,
     expert_group: object = None,
+    mixer_scheme: str = "auto",
 ) -> object:
     """Make `model`'s attention exact over a sequence sharded across `group`; returns `model`.
 
@@ -59,9 +60,17 @@ def parallelize(
     every rank holds every expert), each MoE layer's experts are split over that group and
     every token goes to the rank holding its expert and back (experts.py). The expert count
     must be divisible by the group's size. Expert weights become this rank's slice (same names).
+
+    Hybrid models: `mixer_scheme` picks how each recurrent or convolutional mixer runs across
+    the ranks: "state" (each rank its own tokens, states passed between ranks), "heads" (each
+    rank 1/W of the heads on the whole sequence), "whole" (every rank the whole sequence), or
+    "auto" (the first of those that the mixer and layout can run exactly). A mixer that cannot
+    run the one asked for falls back the same way; `ringattn.integrations.hf.mixers.schemes`
+    names what each layer runs.
     """
     get_layout(layout)
     check_names(strategy, STRATEGIES, backend)
+    mixers.check_scheme(mixer_scheme)
     resolve_group(group, allow_2d=strategy == "hybrid")
     if not hasattr(model, "set_attn_implementation") or not hasattr(model, "config"):
         raise TypeError(
@@ -100,7 +109,7 @@ def parallelize(
             f"parallelize it"
         )
     if found_mixers:
-        mixers.install(model, text_root, found_mixers)
+        mixers.install(model, text_root, found_mixers, mixer_scheme)
     if expert_group is not None:
         experts.shard_experts(model, expert_group)  # checks every layer before it changes any
     moe.install(model, group if router_group is None else router_group)

@@ -56,6 +56,8 @@ from ringattn.integrations.hf import vision
 from ringattn.integrations.hf.attention import CONTEXT_ATTR, LOCAL_ATTR, _check_padding_mask
 from ringattn.integrations.hf.mixers.comm import gather_rows, scatter_rows
 from ringattn.integrations.hf.mixers.heads import HeadShare, splits
+from ringattn.integrations.hf.mixers.runs import Exchange, from_runs, runs_of, to_runs
+from ringattn.integrations.hf.mixers.state import PROGRAMS, has_state
 from ringattn.integrations.hf.mixers.whole_attention import (
     WHOLE_ATTENTION,
     check_whole,
@@ -181,6 +183,7 @@ class MixerState:
     context: object
     bounds: torch.Tensor | None = None
     heads: dict[int, HeadShare] = field(default_factory=dict)
+    schemes: dict[int, str] = field(default_factory=dict)  # module id -> state, heads, whole
     pending: dict[int, tuple] = field(default_factory=dict)
     # bytes this rank sends per mixer call, forward + backward, by layer (for benchmarks): a
     # ring all-gather sends (W-1)/W of the gathered tensor, a ring all-reduce 2(W-1)/W of it
@@ -243,6 +246,14 @@ def _before(module: nn.Module, args: tuple, kwargs: dict):
     info = resolve_group(context.group, allow_2d=True)
     bounds_list = [int(b) for b in bounds.tolist()]
     placement = local_placement(get_layout(context.layout), info, x_local.shape[1], bounds_list)
+    if state.schemes.get(id(module)) == "state":  # this rank's runs only (state.py)
+        exchange = Exchange(runs_of(placement, info.rank), info)
+        rows, valid = to_runs(x_local[0], exchange.runs)  # (n_runs, L, H)
+        y = PROGRAMS[type(module).__name__](module, rows, valid, exchange)
+        local = from_runs(y, exchange.runs, x_local.shape[1])[None]  # (1, S_local, H)
+        state.pending[id(module)] = ("done", local)
+        state.traffic[where] = exchange.sent
+        return _zero_call(signature, bound, x_local)
     full = gather_rows(x_local[0], placement, info)[None]  # (1, S, H)
     lengths = [b - a for a, b in itertools.pairwise(bounds_list) if b > a]
     docs = to_documents(full, lengths)  # (n_docs, L_max, H)
@@ -256,11 +267,8 @@ def _before(module: nn.Module, args: tuple, kwargs: dict):
         partial = _sequence(share(module, docs), lengths)  # (1, S, H)
         local = scatter_rows(partial[0], placement, info)[None]  # (1, S_local, H)
         state.pending[id(module)] = ("done", local)
-        # the layer's own forward still runs (hooks cannot skip it): on one zero token, its
-        # output dropped by the hook below
-        docs = x_local.new_zeros(1, 1, x_local.shape[-1])
-    else:
-        state.pending[id(module)] = (lengths, bounds_list)
+        return _zero_call(signature, bound, x_local)
+    state.pending[id(module)] = (lengths, bounds_list)
     new = {}
     for name, parameter in signature.parameters.items():
         if parameter.kind is inspect.Parameter.VAR_KEYWORD:
@@ -273,6 +281,14 @@ def _before(module: nn.Module, args: tuple, kwargs: dict):
         args = bound.arguments
         new |= document_kwargs(module, args, x_local, placement, info, lengths)
     return (), new
+
+
+def _zero_call(signature: inspect.Signature, bound: inspect.BoundArguments, x_local):
+    """The layer's own forward still runs (hooks cannot skip it): on one zero token and nothing
+    else, its output dropped by `_after` for the rows computed here."""
+    new = {name: None for name, p in signature.parameters.items()
+           if name in bound.arguments and p.kind is not inspect.Parameter.VAR_KEYWORD}  # fmt: skip
+    return (), {**new, "hidden_states": x_local.new_zeros(1, 1, x_local.shape[-1])}
 
 
 def _sequence(y: torch.Tensor, lengths: list[int]) -> torch.Tensor:
@@ -300,8 +316,35 @@ def _after(module: nn.Module, args: tuple, kwargs: dict, output):
     return local
 
 
-def install(model: nn.Module, root: nn.Module, mixers: list[tuple[str, nn.Module]]) -> None:
-    """Hook each handled mixer under `root` (once) and the model's bounds capture."""
+SCHEMES = ("auto", "state", "heads", "whole")
+
+
+def check_scheme(scheme: str) -> None:
+    if scheme not in SCHEMES:
+        raise ValueError(f"unknown mixer scheme {scheme!r}; choose one of {list(SCHEMES)}")
+
+
+def choose(module: nn.Module, wanted: str, layout: str, world_size: int) -> str:
+    """The scheme `module` runs: `wanted` where it can run exactly, else the first that can of
+    state (this rank's runs; not for striped layouts, whose runs are one token long), heads (W
+    divides its head groups) and whole (always)."""
+    can = {
+        "state": has_state(module) and layout != "striped",
+        "heads": splits(module, world_size),
+        "whole": True,
+    }
+    order = ["state", "heads", "whole"]
+    if wanted != "auto":
+        order.remove(wanted)
+        order.insert(0, wanted)
+    return next(scheme for scheme in order if can[scheme])
+
+
+def install(
+    model: nn.Module, root: nn.Module, mixers: list[tuple[str, nn.Module]], scheme: str = "auto"
+) -> None:
+    """Hook each handled mixer under `root` (once) and the model's bounds capture; each runs
+    the scheme `choose` gives for `scheme`."""
     context = getattr(model, CONTEXT_ATTR)
     state = MixerState(context)
     # the bounds come from the model's forward, or its decoder's (ringattn.hf.loss calls the
@@ -321,7 +364,9 @@ def install(model: nn.Module, root: nn.Module, mixers: list[tuple[str, nn.Module
         setattr(module, STATE_ATTR, state)
         if type(module).__name__ in WHOLE_ATTENTION:
             setattr(module, LOCAL_ATTR, local_attention(module))
-        if splits(module, info.world_size):
+        chosen = choose(module, scheme, context.layout, info.world_size)
+        state.schemes[id(module)] = chosen
+        if chosen == "heads":
             state.heads[id(module)] = HeadShare.build(module, config, info.rank, info.world_size)
         if not getattr(module, "_ringattn_mixer_hooked", False):
             module.register_forward_pre_hook(_before, with_kwargs=True)
@@ -335,12 +380,13 @@ def has_mixers(model: nn.Module) -> bool:
 
 
 def schemes(model: nn.Module) -> dict[str, tuple[str, str]]:
-    """{module name: (the mixer it is, "heads" or "whole")} for a parallelized model: how each
-    recurrent mixer runs across the ranks (heads: heads.py; whole: the module docstring)."""
+    """{module name: (the mixer it is, "state", "heads" or "whole")} for a parallelized model:
+    how each recurrent mixer runs across the ranks (state: state.py; heads: heads.py; whole:
+    the module docstring)."""
     state: MixerState | None = getattr(model, STATE_ATTR, None)
     out = {}
     for name, module in model.named_modules():
         if _known(module) and state is not None:
-            scheme = "heads" if id(module) in state.heads else "whole"
+            scheme = state.schemes.get(id(module), "whole")
             out[name] = (MIXERS[type(module).__name__], scheme)
     return out

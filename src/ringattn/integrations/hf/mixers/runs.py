@@ -1,0 +1,228 @@
+"""State passing across ranks: each rank's runs, their halos and their entering states.
+
+A recurrent mixer carries a state along the sequence, `S_t = A_t S_(t-1) + B_t`, so a run of
+consecutive tokens of one document maps the state entering it affinely:
+
+    S_out = A_run S_in + B_run          (A_run: a scalar per head for Mamba2, a K x K matrix
+                                          per head for the delta rule; B_run: the run's final
+                                          state from a zero entering state)
+
+Every rank computes (A_run, B_run) for each of its runs (zigzag: two per document piece, packed
+documents: one per document piece), all ranks all-gather these fixed-size summaries (bytes
+independent of S), and each rank folds the runs before its own, in sequence order, from a zero
+state at the document's start:
+
+    doc d:   run (rank 2) -> run (rank 0) -> run (rank 1) -> ...
+    S_in(run k) = A_(k-1) (... (A_1 (A_0 0 + B_0) + B_1) ...) + B_(k-1)
+
+A causal convolution of width K reads the K-1 inputs before each run: each run's last K-1 inputs
+travel in an all-gather of the same kind (its "tail"), and a run's halo is taken from the tails
+of the runs before it in its document (a run shorter than K-1 leaves the rest to the one before).
+
+Everything here but `gather_runs` is pure: a `Runs` is derived from the placement, which every
+rank computes alike, so no rank waits for another to learn the structure. `gather_runs` is an
+all-gather whose backward sums each rank's gradient contributions into the owner's slot (a
+reduce-scatter): the state gradients go back to the ranks whose runs produced the states.
+
+    rank r's runs in its local rows      (layout order; padding rows belong to no run)
+    to_runs(x_local) -> (n_runs, L_max, ...) one batch row per run, right-padded
+    from_runs(y)     -> (S_local, ...) back in local order, padding rows zero
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ringattn.comm import GroupInfo, all_gather_cat, reduce_scatter
+from ringattn.packing import Placement
+
+
+@dataclass(frozen=True)
+class Runs:
+    """The runs of every rank (global order) and this rank's, for one placement."""
+
+    rank: int
+    world_size: int
+    # every run of every rank: (rank, index among that rank's runs, doc, global start, length)
+    all: tuple[tuple[int, int, int, int, int], ...]
+    # this rank's runs: (local start, length)
+    local: tuple[tuple[int, int], ...]
+    # per local run: the runs before it in its document, (rank, index), in sequence order
+    before: tuple[tuple[tuple[int, int], ...], ...]
+    per_rank: int  # the most runs any rank holds (the gathered tensors' second dimension)
+
+    @property
+    def rows(self) -> int:
+        """Batch rows of `to_runs`: one per local run, and one row of padding on a rank that holds
+        no token (it still takes part in every collective)."""
+        return max(1, len(self.local))
+
+    @property
+    def longest(self) -> int:
+        return max((length for _, length in self.local), default=1)
+
+    def halo_index(self, width: int) -> torch.Tensor:
+        """(n_local, width) indices into the gathered tails flattened to (W x per_rank x width):
+        halo slot j of local run i is the token `width - j` before the run's start; -1 where
+        that token is before the document's start (the convolution's zero padding)."""
+        by_key = {(r, i): (start, length) for r, i, _, start, length in self.all}
+        rows = [[-1] * width for _ in range(self.rows)]
+        for i in range(len(self.local)):
+            start, row = self._local_start_global(i), rows[i]
+            for r, k in self.before[i]:
+                prev_start, prev_len = by_key[(r, k)]
+                for j in range(width):
+                    p = start - width + j
+                    if prev_start <= p < prev_start + prev_len:
+                        slot = p - (prev_start + prev_len - width)  # its place in that tail
+                        row[j] = (r * self.per_rank + k) * width + slot
+        return torch.tensor(rows, dtype=torch.int64).reshape(self.rows, width)
+
+    def _local_start_global(self, i: int) -> int:
+        for r, k, _, start, _ in self.all:
+            if r == self.rank and k == i:
+                return start
+        raise AssertionError(i)
+
+
+def runs_of(placement: Placement, rank: int) -> Runs:
+    """The runs of `placement` (contiguous or zigzag: stride-1 runs only)."""
+    key = ("state_runs", rank)
+    if key in placement.memo:
+        return placement.memo[key]
+    everything = []
+    for r in range(placement.world_size):
+        for i, run in enumerate(placement.runs[r]):
+            if run.stride != 1 and run.length > 1:
+                raise ValueError(
+                    f"state passing needs runs of consecutive tokens; rank {r} holds tokens "
+                    f"{run.global_start}, {run.global_start + run.stride}, ... (a strided layout)"
+                )
+            everything.append((r, i, run.doc, run.global_start, run.length))
+    everything.sort(key=lambda entry: entry[3])
+    local = tuple((run.local_start, run.length) for run in placement.runs[rank])
+    before = []
+    for i in range(len(local)):
+        mine = next(e for e in everything if e[0] == rank and e[1] == i)
+        before.append(tuple((r, k) for r, k, d, s, _ in everything if d == mine[2] and s < mine[3]))
+    runs = Runs(
+        rank=rank,
+        world_size=placement.world_size,
+        all=tuple(everything),
+        local=local,
+        before=tuple(before),
+        per_rank=max(1, max(len(r) for r in placement.runs)),
+    )
+    placement.memo[key] = runs
+    return runs
+
+
+def to_runs(x: torch.Tensor, runs: Runs) -> tuple[torch.Tensor, torch.Tensor]:
+    """(S_local, ...) local rows -> (n_runs, L_max, ...) one row per run, right-padded with 0,
+    and the (n_runs, L_max) bool mask of real tokens."""
+    longest = runs.longest
+    index = torch.full((runs.rows, longest), -1, dtype=torch.int64)
+    for i, (start, length) in enumerate(runs.local):
+        index[i, :length] = torch.arange(start, start + length)
+    index = index.to(x.device)
+    valid = index >= 0
+    rows = x.index_select(0, index.clamp(min=0).flatten()).view(*index.shape, *x.shape[1:])
+    mask = valid.view(*valid.shape, *([1] * (x.dim() - 1))).to(rows.dtype)
+    return rows * mask, valid
+
+
+def from_runs(y: torch.Tensor, runs: Runs, local_len: int) -> torch.Tensor:
+    """(n_runs, L_max, ...) -> (S_local, ...): each run's real tokens back in local order."""
+    out = y.new_zeros(local_len, *y.shape[2:])
+    parts, where = [], []
+    for i, (start, length) in enumerate(runs.local):
+        parts.append(y[i, :length])
+        where.append(torch.arange(start, start + length))
+    if not parts:
+        return out
+    index = torch.cat(where).to(y.device)
+    return out.index_copy(0, index, torch.cat(parts))
+
+
+class _GatherRuns(torch.autograd.Function):
+    """(per_rank, ...) -> (W, per_rank, ...): every rank's, forward; the gradient of every
+    rank's copy summed into the owner's slot, backward (so a state's gradient reaches the rank
+    whose run produced it)."""
+
+    @staticmethod
+    def forward(ctx, x, info):
+        ctx.info = info
+        return all_gather_cat(x[None], 0, info)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return reduce_scatter(grad.contiguous(), ctx.info), None
+
+
+@dataclass
+class Exchange:
+    """One mixer call's runs and group, and the bytes this rank sends for it (forward; the
+    backward's reduce-scatter sends as many): a ring all-gather sends (W-1)/W of its result."""
+
+    runs: Runs
+    info: GroupInfo
+    sent: int = 0
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's (n_local, ...) per-run tensor -> every rank's, (W, per_rank, ...)."""
+        pad = self.runs.per_rank - x.shape[0]
+        if pad:
+            x = torch.cat([x, x.new_zeros(pad, *x.shape[1:])])
+        if self.info.world_size == 1:
+            return x[None]
+        w = self.info.world_size
+        self.sent += 2 * x.numel() * x.element_size() * (w - 1)  # forward and backward
+        return _GatherRuns.apply(x, self.info)
+
+
+def tails(x: torch.Tensor, valid: torch.Tensor, width: int) -> torch.Tensor:
+    """(n, L, C) runs -> (n, width, C): each run's last `width` real inputs (zeros before a
+    run shorter than `width`; those slots are never read: halo_index points before them)."""
+    lengths = valid.sum(1)  # (n,)
+    offsets = torch.arange(width, device=x.device) - width  # -width .. -1
+    index = lengths[:, None] + offsets[None]  # (n, width)
+    good = index >= 0
+    picked = x.gather(1, index.clamp(min=0)[..., None].expand(-1, -1, x.shape[-1]))
+    return picked * good[..., None].to(x.dtype)
+
+
+def halos(x: torch.Tensor, valid: torch.Tensor, width: int, ex: Exchange) -> torch.Tensor:
+    """(n, L, C) conv inputs of this rank's runs -> (n, width, C): the `width` inputs before each
+    run in its document (zeros before the document's start), from every rank's run tails."""
+    if width == 0:
+        return x.new_zeros(x.shape[0], 0, x.shape[-1])
+    gathered = ex.gather(tails(x, valid, width))  # (W, per_rank, width, C)
+    flat = gathered.reshape(-1, x.shape[-1])
+    index = ex.runs.halo_index(width).to(x.device)  # (n, width)
+    rows = flat.index_select(0, index.clamp(min=0).flatten()).view(*index.shape, x.shape[-1])
+    return rows * (index >= 0)[..., None].to(rows.dtype)
+
+
+def entering_states(
+    transition: torch.Tensor, final: torch.Tensor, ex: Exchange, apply: Callable
+) -> torch.Tensor:
+    """Each local run's entering state, (n, *state): fold the runs before it in its document.
+
+    transition (n, ...), final (n, *state): this rank's runs' summaries; `apply(A, S)` gives
+    A S for one run's transition and a state (batched over heads as the caller shapes them)."""
+    runs = ex.runs
+    a_all = ex.gather(transition)  # (W, per_rank, ...)
+    b_all = ex.gather(final)
+    states = []
+    for i in range(runs.rows):
+        state = torch.zeros_like(final[0])
+        for r, k in runs.before[i] if i < len(runs.before) else ():
+            state = apply(a_all[r, k], state) + b_all[r, k]
+        states.append(state)
+    # every rank's graph must reach both gathers (their backward is a collective): a rank whose
+    # runs all start documents reads no summary, so it is tied in with a zero
+    anchor = (a_all.sum() + b_all.sum()) * 0
+    return torch.stack(states) + anchor
