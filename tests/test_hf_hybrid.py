@@ -66,27 +66,29 @@ def test_deepseek_v4_with_its_router_loss(pools, world_size):
 
 
 GDN, SSD, CONV = "gated DeltaNet", "Mamba2 (SSD)", "short causal convolution"
+LIGHT = "lightning attention"
 
 
 @pytest.mark.parametrize(
     ("arch", "world_size", "layout", "scheme", "want"),
     [
         ("qwen3_5_text", 2, "zigzag", "auto", {"model.layers.0.linear_attn": (GDN, "state")}),
-        ("qwen3_5_text", 2, "striped", "auto", {"model.layers.0.linear_attn": (GDN, "heads")}),
+        ("qwen3_5_text", 2, "striped", "auto", {"model.layers.0.linear_attn": (GDN, "state")}),
         ("qwen3_5_text", 2, "zigzag", "heads", {"model.layers.0.linear_attn": (GDN, "heads")}),
         ("qwen3_next", 2, "contiguous", "whole", {"model.layers.0.linear_attn": (GDN, "whole")}),
         ("nemotron_h", 2, "zigzag", "auto", {"model.layers.0.mixer": (SSD, "state")}),
-        ("qwen3_5_wide", 3, "striped", "auto", {"model.layers.0.linear_attn": (GDN, "whole")}),
+        ("qwen3_5_wide", 3, "striped", "heads", {"model.layers.0.linear_attn": (GDN, "state")}),
         ("qwen3_5_wide", 3, "zigzag", "heads", {"model.layers.0.linear_attn": (GDN, "state")}),
         ("bamba", 2, "zigzag", "heads", {"model.layers.0.mamba": (SSD, "state")}),
         ("lfm2", 2, "contiguous", "auto", {"model.layers.0.conv": (CONV, "state")}),
-        ("lfm2", 2, "striped", "state", {"model.layers.0.conv": (CONV, "whole")}),
+        ("lfm2", 2, "striped", "heads", {"model.layers.0.conv": (CONV, "state")}),
+        ("minimax", 2, "zigzag", "heads", {"model.layers.0.self_attn": (LIGHT, "whole")}),
     ],
 )
 def test_each_mixer_runs_the_scheme_asked_or_the_first_that_is_exact(
     pools, arch, world_size, layout, scheme, want
 ):
-    """state where the class has a program and the layout has runs of consecutive tokens, else
+    """state where the class has a program (a striped layout's rows go through runs), else
     heads where W divides the head groups, else whole; one asked for but impossible falls back
     in that order, and `schemes` says which ran."""
     got = pools(world_size).run("workers_hf_hybrid:schemes", arch=arch, layout=layout,

@@ -230,11 +230,11 @@ def config(arch: str):
 
 
 _MODELS: dict[str, torch.nn.Module] = {}
-# gated DeltaNet families run in float64 with a float64 copy of transformers' chunked delta rule
-# (its own casts every input to float32): in float32 the summed gradients of A_log and dt_bias,
-# sums over tokens with much cancellation, differ from one process's by up to ~1e-4 of their
-# largest entry for any rearrangement of the work (runs, padded documents), which the gates
-# cannot tell from a defect; in float64 the state scheme matches one process to ~1e-7
+# gated DeltaNet families run transformers' chunked delta rule in float64 (a copy of it whose
+# casts to float32 say float64; its output is cast back to the model's float32): with the
+# float32 one, the summed gradients of A_log and dt_bias, sums over tokens with much
+# cancellation, differ from one process's by up to ~1e-4 of their largest entry for any
+# rearrangement of the work (runs, padded documents), which the gates cannot tell from a defect
 _FLOAT64_KERNEL = {"qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid",
                    "qwen3_5_even", "qwen3_5_wide"}  # fmt: skip
 
@@ -264,7 +264,6 @@ def build(arch: str) -> torch.nn.Module:
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config(arch)).float()
         if arch in _FLOAT64_KERNEL:
-            model = model.double()
             _float64_delta_rule(model)
         if arch.startswith("deepseek_v4"):  # what the initialisation leaves at zero: random too
             with torch.no_grad():

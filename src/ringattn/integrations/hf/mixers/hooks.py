@@ -56,6 +56,7 @@ from ringattn.integrations.hf import vision
 from ringattn.integrations.hf.attention import CONTEXT_ATTR, LOCAL_ATTR, _check_padding_mask
 from ringattn.integrations.hf.mixers.comm import gather_rows, scatter_rows
 from ringattn.integrations.hf.mixers.heads import HeadShare, splits
+from ringattn.integrations.hf.mixers.relayout import move_rows, moved_bytes, plan_move
 from ringattn.integrations.hf.mixers.runs import Exchange, from_runs, runs_of, to_runs
 from ringattn.integrations.hf.mixers.state import PROGRAMS, has_state
 from ringattn.integrations.hf.mixers.whole_attention import (
@@ -67,6 +68,7 @@ from ringattn.integrations.hf.mixers.whole_attention import (
     to_documents,
 )
 from ringattn.layout import get_layout
+from ringattn.packing import place
 from ringattn.sharding import local_placement
 
 # class name -> the mixer it is. Each was checked against one process in tests/test_hf_hybrid.py
@@ -247,12 +249,9 @@ def _before(module: nn.Module, args: tuple, kwargs: dict):
     bounds_list = [int(b) for b in bounds.tolist()]
     placement = local_placement(get_layout(context.layout), info, x_local.shape[1], bounds_list)
     if state.schemes.get(id(module)) == "state":  # this rank's runs only (state.py)
-        exchange = Exchange(runs_of(placement, info.rank), info)
-        rows, valid = to_runs(x_local[0], exchange.runs)  # (n_runs, L, H)
-        y = PROGRAMS[type(module).__name__](module, rows, valid, exchange)
-        local = from_runs(y, exchange.runs, x_local.shape[1])[None]  # (1, S_local, H)
-        state.pending[id(module)] = ("done", local)
-        state.traffic[where] = exchange.sent
+        local, sent = _run_state(module, x_local[0], placement, info, bounds_list)
+        state.pending[id(module)] = ("done", local[None])  # (1, S_local, H)
+        state.traffic[where] = sent
         return _zero_call(signature, bound, x_local)
     full = gather_rows(x_local[0], placement, info)[None]  # (1, S, H)
     lengths = [b - a for a, b in itertools.pairwise(bounds_list) if b > a]
@@ -281,6 +280,25 @@ def _before(module: nn.Module, args: tuple, kwargs: dict):
         args = bound.arguments
         new |= document_kwargs(module, args, x_local, placement, info, lengths)
     return (), new
+
+
+def _run_state(module, x, placement, info, bounds) -> tuple[torch.Tensor, int]:
+    """(S_local, H) -> (S_local, H) the layer's output by state passing, and the bytes sent.
+    A striped layout's rows go to the zigzag placement and back (relayout.py)."""
+    runs_placement, row_bytes = placement, x.shape[-1] * x.element_size()
+    if any(run.stride != 1 for runs in placement.runs for run in runs):
+        runs_placement = place(get_layout("zigzag"), info.world_size, tuple(bounds))
+        there = plan_move(placement, runs_placement, info.rank)
+        back = plan_move(runs_placement, placement, info.rank)
+        x = move_rows(x, there, info)
+    exchange = Exchange(runs_of(runs_placement, info.rank), info)
+    rows, valid = to_runs(x, exchange.runs)  # (n_runs, L, H)
+    y = PROGRAMS[type(module).__name__](module, rows, valid, exchange)
+    out = from_runs(y, exchange.runs, runs_placement.local_len)
+    if runs_placement is placement:
+        return out, exchange.sent
+    moved = moved_bytes(there, row_bytes, info.rank) + moved_bytes(back, row_bytes, info.rank)
+    return move_rows(out, back, info), exchange.sent + moved
 
 
 def _zero_call(signature: inspect.Signature, bound: inspect.BoundArguments, x_local):
@@ -324,12 +342,12 @@ def check_scheme(scheme: str) -> None:
         raise ValueError(f"unknown mixer scheme {scheme!r}; choose one of {list(SCHEMES)}")
 
 
-def choose(module: nn.Module, wanted: str, layout: str, world_size: int) -> str:
+def choose(module: nn.Module, wanted: str, world_size: int) -> str:
     """The scheme `module` runs: `wanted` where it can run exactly, else the first that can of
-    state (this rank's runs; not for striped layouts, whose runs are one token long), heads (W
-    divides its head groups) and whole (always)."""
+    state (its class has a program in state.py; a striped layout's rows go through zigzag's
+    runs, relayout.py), heads (W divides its head groups) and whole (always)."""
     can = {
-        "state": has_state(module) and layout != "striped",
+        "state": has_state(module),
         "heads": splits(module, world_size),
         "whole": True,
     }
@@ -364,7 +382,7 @@ def install(
         setattr(module, STATE_ATTR, state)
         if type(module).__name__ in WHOLE_ATTENTION:
             setattr(module, LOCAL_ATTR, local_attention(module))
-        chosen = choose(module, scheme, context.layout, info.world_size)
+        chosen = choose(module, scheme, info.world_size)
         state.schemes[id(module)] = chosen
         if chosen == "heads":
             state.heads[id(module)] = HeadShare.build(module, config, info.rank, info.world_size)

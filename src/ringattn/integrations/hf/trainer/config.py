@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from ringattn.api import STRATEGIES
+from ringattn.integrations.hf.mixers.hooks import check_scheme
 from ringattn.layout import get_layout
 from ringattn.validate import check_names
 
@@ -40,6 +41,9 @@ class ContextParallelConfig:
     """Rows of logits at a time in the training loss of transformers.Trainer (chunked.py): -1
     picks them from the vocabulary (256 MiB of float32 logits), 0 keeps the model's own whole
     logits."""
+    mixer_scheme: str = "auto"
+    """Hybrid models: how each recurrent mixer runs across the ranks: "state", "heads", "whole"
+    or "auto" (`ringattn.hf.parallelize`'s mixer_scheme)."""
     dynamic: bool = False
     """Dynamic CP (dynamic.py): each training step, the documents of every dp row's batch get a
     group of 1, 2, ... cp ranks and are placed over dp x cp by planned cost (short ones alone,
@@ -58,6 +62,7 @@ class ContextParallelConfig:
                 "integration does not build; use 'ring', 'allgather' or 'ulysses'"
             )
         check_names(self.strategy, STRATEGIES, self.backend)
+        check_scheme(self.mixer_scheme)
         if self.dynamic and self.cp & (self.cp - 1):
             low = 1 << (self.cp.bit_length() - 1)
             raise ValueError(

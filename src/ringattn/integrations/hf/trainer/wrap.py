@@ -173,7 +173,8 @@ class _ContextParallel:
         self.cp_split = split_world(context_parallel)
         _refuse_split_experts(base)
         parallelize(base, self.cp_split.group, context_parallel.layout, context_parallel.strategy,
-                    backend=context_parallel.backend)  # fmt: skip
+                    backend=context_parallel.backend,
+                    mixer_scheme=context_parallel.mixer_scheme)  # fmt: skip
         if getattr(self, "aux_loss_enabled", False):  # SFTTrainer's own MoE router loss
             gather_router_logits(base)
         if _own_compute_loss(type(self)):  # a subclass's compute_loss may read the logits
