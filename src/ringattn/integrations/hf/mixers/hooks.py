@@ -56,9 +56,7 @@ from ringattn.integrations.hf import vision
 from ringattn.integrations.hf.attention import CONTEXT_ATTR, LOCAL_ATTR, _check_padding_mask
 from ringattn.integrations.hf.mixers.comm import gather_rows, scatter_rows
 from ringattn.integrations.hf.mixers.heads import HeadShare, splits
-from ringattn.integrations.hf.mixers.relayout import move_rows, moved_bytes, plan_move
-from ringattn.integrations.hf.mixers.runs import Exchange, from_runs, runs_of, to_runs
-from ringattn.integrations.hf.mixers.state import PROGRAMS, has_state
+from ringattn.integrations.hf.mixers.state import has_state, run_state
 from ringattn.integrations.hf.mixers.whole_attention import (
     WHOLE_ATTENTION,
     check_whole,
@@ -68,7 +66,6 @@ from ringattn.integrations.hf.mixers.whole_attention import (
     to_documents,
 )
 from ringattn.layout import get_layout
-from ringattn.packing import place
 from ringattn.sharding import local_placement
 
 # class name -> the mixer it is. Each was checked against one process in tests/test_hf_hybrid.py
@@ -249,9 +246,9 @@ def _before(module: nn.Module, args: tuple, kwargs: dict):
     bounds_list = [int(b) for b in bounds.tolist()]
     placement = local_placement(get_layout(context.layout), info, x_local.shape[1], bounds_list)
     if state.schemes.get(id(module)) == "state":  # this rank's runs only (state.py)
-        local, sent = _run_state(module, x_local[0], placement, info, bounds_list)
+        local, exchange = run_state(module, x_local[0], placement, info)
         state.pending[id(module)] = ("done", local[None])  # (1, S_local, H)
-        state.traffic[where] = sent
+        state.traffic[where] = exchange.sent
         return _zero_call(signature, bound, x_local)
     full = gather_rows(x_local[0], placement, info)[None]  # (1, S, H)
     lengths = [b - a for a, b in itertools.pairwise(bounds_list) if b > a]
@@ -280,25 +277,6 @@ def _before(module: nn.Module, args: tuple, kwargs: dict):
         args = bound.arguments
         new |= document_kwargs(module, args, x_local, placement, info, lengths)
     return (), new
-
-
-def _run_state(module, x, placement, info, bounds) -> tuple[torch.Tensor, int]:
-    """(S_local, H) -> (S_local, H) the layer's output by state passing, and the bytes sent.
-    A striped layout's rows go to the zigzag placement and back (relayout.py)."""
-    runs_placement, row_bytes = placement, x.shape[-1] * x.element_size()
-    if any(run.stride != 1 for runs in placement.runs for run in runs):
-        runs_placement = place(get_layout("zigzag"), info.world_size, tuple(bounds))
-        there = plan_move(placement, runs_placement, info.rank)
-        back = plan_move(runs_placement, placement, info.rank)
-        x = move_rows(x, there, info)
-    exchange = Exchange(runs_of(runs_placement, info.rank), info)
-    rows, valid = to_runs(x, exchange.runs)  # (n_runs, L, H)
-    y = PROGRAMS[type(module).__name__](module, rows, valid, exchange)
-    out = from_runs(y, exchange.runs, runs_placement.local_len)
-    if runs_placement is placement:
-        return out, exchange.sent
-    moved = moved_bytes(there, row_bytes, info.rank) + moved_bytes(back, row_bytes, info.rank)
-    return move_rows(out, back, info), exchange.sent + moved
 
 
 def _zero_call(signature: inspect.Signature, bound: inspect.BoundArguments, x_local):

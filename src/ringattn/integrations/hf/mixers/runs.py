@@ -32,7 +32,7 @@ reduce-scatter): the state gradients go back to the ranks whose runs produced th
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -64,28 +64,42 @@ class Runs:
     def longest(self) -> int:
         return max((length for _, length in self.local), default=1)
 
+    def _window(self, doc: int, end: int, width: int) -> list[int]:
+        """Indices into the gathered tails (W x per_rank x width, flattened) of the `width`
+        tokens before global position `end` in document `doc`; -1 before the document's start."""
+        row = [-1] * width
+        for r, k, d, start, length in self.all:
+            if d != doc or start >= end:
+                continue
+            for j in range(width):
+                p = end - width + j
+                if start <= p < start + length:
+                    row[j] = (r * self.per_rank + k) * width + p - (start + length - width)
+        return row
+
     def halo_index(self, width: int) -> torch.Tensor:
-        """(n_local, width) indices into the gathered tails flattened to (W x per_rank x width):
+        """(rows, width) indices into the gathered tails flattened to (W x per_rank x width):
         halo slot j of local run i is the token `width - j` before the run's start; -1 where
         that token is before the document's start (the convolution's zero padding)."""
-        by_key = {(r, i): (start, length) for r, i, _, start, length in self.all}
         rows = [[-1] * width for _ in range(self.rows)]
-        for i in range(len(self.local)):
-            start, row = self._local_start_global(i), rows[i]
-            for r, k in self.before[i]:
-                prev_start, prev_len = by_key[(r, k)]
-                for j in range(width):
-                    p = start - width + j
-                    if prev_start <= p < prev_start + prev_len:
-                        slot = p - (prev_start + prev_len - width)  # its place in that tail
-                        row[j] = (r * self.per_rank + k) * width + slot
+        for r, k, doc, start, _ in self.all:
+            if r == self.rank:
+                rows[k] = self._window(doc, start, width)
         return torch.tensor(rows, dtype=torch.int64).reshape(self.rows, width)
 
-    def _local_start_global(self, i: int) -> int:
-        for r, k, _, start, _ in self.all:
-            if r == self.rank and k == i:
-                return start
-        raise AssertionError(i)
+    def documents(self) -> dict[int, list[tuple[int, int, int]]]:
+        """Document -> its runs in sequence order, (rank, index, end)."""
+        docs: dict[int, list[tuple[int, int, int]]] = {}
+        for r, k, doc, start, length in self.all:
+            docs.setdefault(doc, []).append((r, k, start + length))
+        return docs
+
+    def end_index(self, width: int) -> dict[int, torch.Tensor]:
+        """Document -> (width,) indices of its last `width` tokens in the gathered tails."""
+        return {
+            doc: torch.tensor(self._window(doc, runs[-1][2], width), dtype=torch.int64)
+            for doc, runs in self.documents().items()
+        }
 
 
 def runs_of(placement: Placement, rank: int) -> Runs:
@@ -164,12 +178,17 @@ class _GatherRuns(torch.autograd.Function):
 
 @dataclass
 class Exchange:
-    """One mixer call's runs and group, and the bytes this rank sends for it (forward; the
-    backward's reduce-scatter sends as many): a ring all-gather sends (W-1)/W of its result."""
+    """One mixer call's runs and group, and the bytes this rank sends for it (forward and the
+    backward's reduce-scatter). With `keep` (a prefill whose decoding continues), every rank
+    also keeps each document's final recurrent state (`finals`) and its last conv inputs
+    (`conv_finals`, (C, K) as transformers' caches hold them), the same on every rank."""
 
     runs: Runs
     info: GroupInfo
     sent: int = 0
+    keep: bool = False
+    finals: dict[int, torch.Tensor] = field(default_factory=dict)
+    conv_finals: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's (n_local, ...) per-run tensor -> every rank's, (W, per_rank, ...)."""
@@ -206,6 +225,16 @@ def halos(x: torch.Tensor, valid: torch.Tensor, width: int, ex: Exchange) -> tor
     return rows * (index >= 0)[..., None].to(rows.dtype)
 
 
+def keep_conv(x: torch.Tensor, valid: torch.Tensor, width: int, ex: Exchange) -> None:
+    """With `ex.keep`: each document's last `width` conv inputs, (C, width) in time order and
+    zeros before its start (transformers' conv state), into `ex.conv_finals`."""
+    flat = ex.gather(tails(x, valid, width)).reshape(-1, x.shape[-1])
+    for doc, index in ex.runs.end_index(width).items():
+        index = index.to(x.device)
+        rows = flat.index_select(0, index.clamp(min=0)) * (index >= 0)[:, None].to(flat.dtype)
+        ex.conv_finals[doc] = rows.transpose(0, 1).contiguous()
+
+
 def entering_states(
     transition: torch.Tensor, final: torch.Tensor, ex: Exchange, apply: Callable
 ) -> torch.Tensor:
@@ -222,6 +251,12 @@ def entering_states(
         for r, k in runs.before[i] if i < len(runs.before) else ():
             state = apply(a_all[r, k], state) + b_all[r, k]
         states.append(state)
+    if ex.keep:  # each document's state after its last run
+        for doc, parts in runs.documents().items():
+            state = torch.zeros_like(final[0])
+            for r, k, _ in parts:
+                state = apply(a_all[r, k], state) + b_all[r, k]
+            ex.finals[doc] = state
     # every rank's graph must reach both gathers (their backward is a collective): a rank whose
     # runs all start documents reads no summary, so it is tied in with a zero
     anchor = (a_all.sum() + b_all.sum()) * 0

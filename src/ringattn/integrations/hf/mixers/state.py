@@ -39,7 +39,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ringattn.integrations.hf.mixers.runs import Exchange, entering_states, halos
+from ringattn.comm import GroupInfo
+from ringattn.integrations.hf.mixers.relayout import move_rows, moved_bytes, plan_move
+from ringattn.integrations.hf.mixers.runs import (
+    Exchange,
+    entering_states,
+    from_runs,
+    halos,
+    keep_conv,
+    runs_of,
+    to_runs,
+)
+from ringattn.layout import get_layout
+from ringattn.packing import Placement, place
 
 
 def _family(module: nn.Module, name: str) -> Callable:
@@ -58,6 +70,8 @@ def _conv(
     """(n, L, C) conv inputs -> (n, L, C) the layer's causal depthwise convolution, each run
     reading its halo (the inputs before it in its document) instead of zeros."""
     width = conv.weight.shape[-1] - 1
+    if ex.keep:
+        keep_conv(mixed, valid, width + 1, ex)
     halo = halos(mixed, valid, width, ex)  # (n, K-1, C)
     full = torch.cat([halo, mixed], dim=1).transpose(1, 2)  # (n, C, K-1 + L)
     kwargs = {} if activation is None else {"activation": activation}
@@ -218,3 +232,28 @@ PROGRAMS: dict[str, Callable] = {
 def has_state(module: nn.Module) -> bool:
     """True when `module`'s class runs by state passing."""
     return type(module).__name__ in PROGRAMS
+
+
+def run_state(
+    module: nn.Module, x: torch.Tensor, placement: Placement, info: GroupInfo, keep: bool = False
+) -> tuple[torch.Tensor, Exchange]:
+    """(S_local, H) this rank's rows -> (S_local, H) the layer's outputs by state passing, and
+    the call's Exchange (bytes sent; with `keep`, each document's final states). A striped
+    layout's rows go to the zigzag placement of the same documents and back (relayout.py)."""
+    runs_placement = placement
+    if any(run.stride != 1 for runs in placement.runs for run in runs):
+        runs_placement = place(get_layout("zigzag"), info.world_size, placement.bounds)
+        there = plan_move(placement, runs_placement, info.rank)
+        back = plan_move(runs_placement, placement, info.rank)
+        x = move_rows(x, there, info)
+    exchange = Exchange(runs_of(runs_placement, info.rank), info, keep=keep)
+    rows, valid = to_runs(x, exchange.runs)  # (n_runs, L, H)
+    y = PROGRAMS[type(module).__name__](module, rows, valid, exchange)
+    out = from_runs(y, exchange.runs, runs_placement.local_len)
+    if runs_placement is placement:
+        return out, exchange
+    row_bytes = x.shape[-1] * x.element_size()
+    exchange.sent += moved_bytes(there, row_bytes, info.rank) + moved_bytes(
+        back, row_bytes, info.rank
+    )
+    return move_rows(out, back, info), exchange
