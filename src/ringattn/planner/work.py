@@ -280,8 +280,8 @@ def resolve_mixer_scheme(shape: MixerShape | None, scheme: str, world_size: int,
     """The scheme (MIXER_SCHEMES) a mixer layer of `shape` is priced under for `scheme`
     (MIXER_CHOICES): `auto` -> state_passing for the kinds the library passes states for, else
     heads when the library splits the layer (shape.head_parallel and W divides the key heads),
-    else gather. ValueError for `heads` where the heads do not split, and for state_passing on a
-    kind the library has no program for."""
+    else gather. ValueError for `heads` where the heads do not split. state_passing for a kind
+    the library has no program for is a what-if (train_command notes it)."""
     if scheme not in MIXER_CHOICES:
         raise ValueError(f"unknown mixer scheme {scheme!r}; choose one of "
                          f"{', '.join(MIXER_CHOICES)}")  # fmt: skip
@@ -293,9 +293,6 @@ def resolve_mixer_scheme(shape: MixerShape | None, scheme: str, world_size: int,
             return "state_passing"
         library = world_size > 1 and shape.head_parallel and _splits(shape, world_size, tp)
         return "heads" if library else "gather"
-    if scheme == "state_passing" and shape.kind not in STATE_KINDS:
-        raise ValueError(f"the state mixer scheme runs {', '.join(STATE_KINDS)} layers, not "
-                         f"{shape.kind}; use auto, heads or gather")  # fmt: skip
     if scheme == "heads" and not _splits(shape, world_size, tp):
         if shape.kind not in ("gated_deltanet", "mamba2"):
             raise ValueError(f"the heads mixer scheme splits gated_deltanet and mamba2 layers, not "

@@ -53,7 +53,12 @@ from torch import nn
 import ringattn
 from ringattn.comm import resolve_group
 from ringattn.integrations.hf import vision
-from ringattn.integrations.hf.attention import CONTEXT_ATTR, LOCAL_ATTR, _check_padding_mask
+from ringattn.integrations.hf.attention import (
+    CONTEXT_ATTR,
+    LOCAL_ATTR,
+    SEGMENTS_KWARG,
+    _check_padding_mask,
+)
 from ringattn.integrations.hf.mixers.comm import gather_rows, scatter_rows
 from ringattn.integrations.hf.mixers.heads import HeadShare, splits
 from ringattn.integrations.hf.mixers.state import has_state, run_state
@@ -181,6 +186,7 @@ class MixerState:
 
     context: object
     bounds: torch.Tensor | None = None
+    segments: list | None = None  # dynamic CP's pieces (attention.py's SEGMENTS_KWARG)
     heads: dict[int, HeadShare] = field(default_factory=dict)
     schemes: dict[int, str] = field(default_factory=dict)  # module id -> state, heads, whole
     pending: dict[int, tuple] = field(default_factory=dict)
@@ -190,16 +196,36 @@ class MixerState:
 
 
 def _capture(module: nn.Module, args: tuple, kwargs: dict) -> None:
-    """Model pre-hook: keep the forward's `cu_seq_lens_q` (None without) for the mixers that are
-    not given it."""
-    getattr(module, STATE_ATTR).bounds = kwargs.get("cu_seq_lens_q")
+    """Model pre-hook: keep the forward's `cu_seq_lens_q` and dynamic CP's segments (None
+    without) for the mixers, which are not given them."""
+    state = getattr(module, STATE_ATTR)
+    state.bounds, state.segments = kwargs.get("cu_seq_lens_q"), kwargs.get(SEGMENTS_KWARG)
 
 
 def _capture_inner(module: nn.Module, args: tuple, kwargs: dict) -> None:
     """Decoder pre-hook: the same when the decoder is called alone (ringattn.hf.loss); a model
     that does not pass the bounds on to its decoder (Mamba2) keeps the model's."""
+    state = getattr(module, STATE_ATTR)
     if kwargs.get("cu_seq_lens_q") is not None:
-        getattr(module, STATE_ATTR).bounds = kwargs["cu_seq_lens_q"]
+        state.bounds = kwargs["cu_seq_lens_q"]
+    if kwargs.get(SEGMENTS_KWARG) is not None:
+        state.segments = kwargs[SEGMENTS_KWARG]
+
+
+def _by_segments(module: nn.Module, x: torch.Tensor, segments: list, layout: str, where: str):
+    """Dynamic CP: (S_local, H) rows, pieces end to end, each over its own sub-group and
+    documents (models/segments.py) -> the layer's outputs, each piece by state passing over its
+    group (every member runs the same pieces in the same order, as attention's)."""
+    outs = []
+    for seg in segments:
+        info = resolve_group(seg.group)
+        rows = x[seg.start : seg.stop]
+        placement = local_placement(get_layout(layout), info, rows.shape[0], list(seg.cu_seqlens))
+        outs.append(run_state(module, rows, placement, info)[0])
+    if sum(o.shape[0] for o in outs) != x.shape[0]:
+        raise ValueError(f"{where}: {SEGMENTS_KWARG} cover {sum(o.shape[0] for o in outs)} "
+                         f"rows, the batch has {x.shape[0]}")  # fmt: skip
+    return torch.cat(outs)
 
 
 def _hidden(signature: inspect.Signature, args: tuple, kwargs: dict) -> inspect.BoundArguments:
@@ -221,6 +247,16 @@ def _before(module: nn.Module, args: tuple, kwargs: dict):
     extra = dict(bound.arguments.get(var_kw[0], {})) if var_kw else {}
     bounds = extra.get("cu_seq_lens_q", state.bounds)
     where = f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')})"
+    if state.segments is not None:  # dynamic CP: pieces over sub-groups
+        if state.schemes.get(id(module)) != "state":
+            raise ValueError(
+                f"{where}: dynamic CP runs a mixer piece by piece by state passing, and this "
+                f"layer runs {state.schemes.get(id(module))!r}; parallelize with "
+                f"mixer_scheme='auto' or 'state', or train with static CP"
+            )
+        local = _by_segments(module, x_local[0], state.segments, state.context.layout, where)
+        state.pending[id(module)] = ("done", local[None])
+        return _zero_call(signature, bound, x_local)
     if bounds is None:
         raise ValueError(
             f"{where}: the model was parallelized with ringattn.hf.parallelize but the batch has "
