@@ -53,6 +53,19 @@ def test_mixer_exact_at_cp3_and_cp4(pools, arch, world_size):
     _check(rows, f"{arch} at CP = {world_size}")
 
 
+STATE_AT_8 = ["qwen3_5_text", "bamba", "lfm2"]  # one family per mixer kind with a program
+
+
+@pytest.mark.parametrize("arch", STATE_AT_8)
+def test_state_passing_exact_at_cp8(pools, arch):
+    """W = 8: most ranks hold runs of a few tokens of each packed document (shorter than the
+    convolution's halo too), so the fold crosses many ranks per document."""
+    cases = [("zigzag", "ring", "packed"), ("striped", "ring", "packed"),
+             ("contiguous", "ring", "dense")]  # fmt: skip
+    rows = pools(8).run("workers_hf_hybrid:compare_cases", arch=arch, cases=cases)[0]
+    _check(rows, f"{arch} at CP = 8", cases)
+
+
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_deepseek_v4_with_its_router_loss(pools, world_size):
     """DeepSeek-V4 with output_router_logits: the load-balancing loss over the whole sequence

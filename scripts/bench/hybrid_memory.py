@@ -9,8 +9,9 @@ tokens, zigzag), one process and W gloo ranks run one forward of the loss under
 the bytes of the distinct storages kept, parameters excluded, are the activations the step holds
 at its peak (before backward frees them). The ratio is the largest rank's bytes over one
 process's (the issue 56 targets: <= 0.35 at W = 4, <= 0.2 at W = 8). The bytes each rank sends
-per mixer layer (forward and backward, mixers/hooks.py's `traffic`) are measured at S and 4S: a
-state-passing layer sends the same at both (summaries and halos), a gathering one 4x.
+per mixer layer (forward and backward, mixers/hooks.py's `traffic`) are measured at S and, at
+W = --bytes-world, at 4S: a state-passing layer sends the same at both (summaries and halos), a
+gathering one 4x.
 
 Nothing here is timed: the figures do not depend on the machine's load. Prints a table, writes
 JSON (machine, versions, command) to --json.
@@ -145,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq", type=int, default=2048, help="tokens S (the bytes also at 4S)")
     p.add_argument("--worlds", default="4,8", help="world sizes W")
     p.add_argument("--scheme", default="auto", help="mixer scheme: auto, state, heads, whole")
+    p.add_argument("--bytes-world", type=int, default=4,
+                   help="the world size at which the bytes are also measured at 4S")
     p.add_argument("--json", default="results/hybrid_memory_cpu.json", help="where results go")
     args = p.parse_args(argv)
 
@@ -154,14 +157,15 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.families.split(","):
         base = launch(single, 1, name, args.seq)[0]["bytes"]
         for w in (int(x) for x in args.worlds.split(",")):
-            got = launch(ranks, w, name, [args.seq, 4 * args.seq], args.scheme)
+            lengths = [args.seq, 4 * args.seq] if w == args.bytes_world else [args.seq]
+            got = launch(ranks, w, name, lengths, args.scheme)
             worst = max(r[f"bytes_{args.seq}"] for r in got.values())
-            sent = [got[0][f"sent_{args.seq}"], got[0][f"sent_{4 * args.seq}"]]
+            sent = [got[0].get(f"sent_{n}", 0) for n in (args.seq, 4 * args.seq)]
             rows.append({"family": name, "world_size": w, "seq_len": args.seq,
                          "schemes": got[0]["schemes"], "one_process_bytes": base,
                          "largest_rank_bytes": worst, "ratio": worst / base,
                          "sent_per_mixer_layer": sent,
-                         "sent_ratio_4s": sent[1] / sent[0] if sent[0] else None})  # fmt: skip
+                         "sent_ratio_4s": sent[1] / sent[0] if sent[0] and sent[1] else None})  # fmt: skip
             print(rows[-1], flush=True)
     print(f"{'family':>11} {'W':>2} {'scheme':>12} {'1-proc MB':>10} {'rank MB':>8} {'ratio':>6} "
           f"{'KB/layer S':>11} {'4S/S':>5}")  # fmt: skip
