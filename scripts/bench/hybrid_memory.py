@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
                          "schemes": got[0]["schemes"], "one_process_bytes": base,
                          "largest_rank_bytes": worst, "ratio": worst / base,
                          "sent_per_mixer_layer": sent,
-                         "sent_ratio_4s": sent[1] / sent[0] if sent[0] and sent[1] else None})  # fmt: skip
+                         "sent_ratio_4s": sent[1] / sent[0] if all(sent) else None})  # fmt: skip
             print(rows[-1], flush=True)
     print(f"{'family':>11} {'W':>2} {'scheme':>12} {'1-proc MB':>10} {'rank MB':>8} {'ratio':>6} "
           f"{'KB/layer S':>11} {'4S/S':>5}")  # fmt: skip
