@@ -109,6 +109,15 @@ def test_each_mixer_runs_the_scheme_asked_or_the_first_that_is_exact(
     assert got == want
 
 
+@pytest.mark.parametrize("arch", STATE_AT_8)
+def test_state_passing_exact_with_runs_cut_into_pieces(pools, arch):
+    """Runs cut into pieces of 2 tokens and more (each piece its own batch row and summary):
+    the fold over a rank's own pieces and the halos between them stay exact."""
+    cases = [("zigzag", "ring", "packed"), ("contiguous", "ring", "dense")]
+    rows = pools(2).run("workers_hf_hybrid:compare_cases", arch=arch, cases=cases, piece=2)[0]
+    _check(rows, f"{arch}, runs in pieces, at CP = 2", cases)
+
+
 @pytest.mark.parametrize("scheme", ["heads", "whole"])
 @pytest.mark.parametrize("arch", ["qwen3_5_text", "nemotron_h"])
 def test_the_other_schemes_stay_exact_when_asked_for(pools, arch, scheme):

@@ -365,12 +365,20 @@ def schemes(
 
 
 def compare_cases(
-    rank: int, world_size: int, *, arch: str, cases, scheme: str = "auto"
+    rank: int, world_size: int, *, arch: str, cases, scheme: str = "auto", piece: int = 0
 ) -> list | None:
-    """Rows (case, loss relative error, worst gradient error / its tensor's max |entry|, name)."""
-    rows = []
+    """Rows (case, loss relative error, worst gradient error / its tensor's max |entry|, name).
+    `piece` > 0: the state scheme cuts runs into pieces of that many tokens at least (runs.py's
+    MIN_PIECE), so that the tiny test sequences are cut too."""
+    from ringattn.integrations.hf.mixers import runs as runs_module
+
+    rows, saved = [], runs_module.MIN_PIECE
     for layout, strategy, kind in cases:
-        loss, grads = cp_loss_and_grads(arch, kind, layout, strategy, scheme)
+        runs_module.MIN_PIECE = piece or saved
+        try:
+            loss, grads = cp_loss_and_grads(arch, kind, layout, strategy, scheme)
+        finally:
+            runs_module.MIN_PIECE = saved
         if rank != 0:
             continue
         ref_loss, ref_grads = reference(arch, kind)

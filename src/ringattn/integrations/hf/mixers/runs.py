@@ -39,10 +39,18 @@ import torch
 from ringattn.comm import GroupInfo, all_gather_cat, reduce_scatter
 from ringattn.packing import Placement
 
+# a run longer than a rank's mean run length is cut into pieces of about that length, but never
+# below this (the chunked kernels pad every batch row to a multiple of their chunk of 64 tokens)
+MIN_PIECE = 64
+
 
 @dataclass(frozen=True)
 class Runs:
-    """The runs of every rank (global order) and this rank's, for one placement."""
+    """The runs of every rank (global order) and this rank's, for one placement.
+
+    A "run" here is one batch row: consecutive tokens of one document on one rank, a placement's
+    run cut into pieces where it is much longer than the rank's others (`runs_of`), so that one
+    long run beside many short ones (packed documents) does not pad every row to its length."""
 
     rank: int
     world_size: int
@@ -53,6 +61,7 @@ class Runs:
     # per local run: the runs before it in its document, (rank, index), in sequence order
     before: tuple[tuple[tuple[int, int], ...], ...]
     per_rank: int  # the most runs any rank holds (the gathered tensors' second dimension)
+    memo: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def rows(self) -> int:
@@ -64,84 +73,121 @@ class Runs:
     def longest(self) -> int:
         return max((length for _, length in self.local), default=1)
 
-    def _window(self, doc: int, end: int, width: int) -> list[int]:
+    def documents(self) -> dict[int, list[tuple[int, int, int, int]]]:
+        """Document -> its runs in sequence order, (rank, index, start, end)."""
+        if "docs" not in self.memo:
+            docs: dict[int, list[tuple[int, int, int, int]]] = {}
+            for r, k, doc, start, length in self.all:
+                docs.setdefault(doc, []).append((r, k, start, start + length))
+            self.memo["docs"] = docs
+        return self.memo["docs"]
+
+    def _window(self, parts: list, upto: int, width: int) -> list[int]:
         """Indices into the gathered tails (W x per_rank x width, flattened) of the `width`
-        tokens before global position `end` in document `doc`; -1 before the document's start."""
-        row = [-1] * width
-        for r, k, d, start, length in self.all:
-            if d != doc or start >= end:
-                continue
-            for j in range(width):
-                p = end - width + j
-                if start <= p < start + length:
-                    row[j] = (r * self.per_rank + k) * width + p - (start + length - width)
+        tokens before the end of `parts[upto - 1]` (a document's runs in order); -1 before the
+        document's start."""
+        row, j = [-1] * width, width - 1  # filled from the last slot backwards
+        for r, k, start, end in reversed(parts[:upto]):
+            for p in range(end - 1, max(start, end - width) - 1, -1):
+                if j < 0:
+                    return row
+                row[j] = (r * self.per_rank + k) * width + p - (end - width)
+                j -= 1
         return row
 
     def halo_index(self, width: int) -> torch.Tensor:
         """(rows, width) indices into the gathered tails flattened to (W x per_rank x width):
         halo slot j of local run i is the token `width - j` before the run's start; -1 where
         that token is before the document's start (the convolution's zero padding)."""
-        rows = [[-1] * width for _ in range(self.rows)]
-        for r, k, doc, start, _ in self.all:
-            if r == self.rank:
-                rows[k] = self._window(doc, start, width)
-        return torch.tensor(rows, dtype=torch.int64).reshape(self.rows, width)
-
-    def documents(self) -> dict[int, list[tuple[int, int, int]]]:
-        """Document -> its runs in sequence order, (rank, index, end)."""
-        docs: dict[int, list[tuple[int, int, int]]] = {}
-        for r, k, doc, start, length in self.all:
-            docs.setdefault(doc, []).append((r, k, start + length))
-        return docs
+        key = ("halo", width)
+        if key not in self.memo:
+            rows = [[-1] * width for _ in range(self.rows)]
+            for parts in self.documents().values():
+                for i, (r, k, _, _) in enumerate(parts):
+                    if r == self.rank:
+                        rows[k] = self._window(parts, i, width)
+            self.memo[key] = torch.tensor(rows, dtype=torch.int64).reshape(self.rows, width)
+        return self.memo[key]
 
     def end_index(self, width: int) -> dict[int, torch.Tensor]:
         """Document -> (width,) indices of its last `width` tokens in the gathered tails."""
-        return {
-            doc: torch.tensor(self._window(doc, runs[-1][2], width), dtype=torch.int64)
-            for doc, runs in self.documents().items()
-        }
+        key = ("end", width)
+        if key not in self.memo:
+            self.memo[key] = {
+                doc: torch.tensor(self._window(parts, len(parts), width), dtype=torch.int64)
+                for doc, parts in self.documents().items()
+            }
+        return self.memo[key]
+
+
+def _pieces(runs: tuple, floor: int) -> list[tuple[int, int, int, int]]:
+    """A rank's runs as (local start, length, global start, doc), each cut into pieces of about
+    the rank's mean run length (at least `floor` tokens)."""
+    total = sum(run.length for run in runs)
+    cap = max(floor, -(-total // max(1, len(runs))))
+    out = []
+    for run in runs:
+        n = -(-run.length // cap)
+        for j in range(n):  # n near-equal pieces
+            a, b = run.length * j // n, run.length * (j + 1) // n
+            out.append((run.local_start + a, b - a, run.global_start + a, run.doc))
+    return out
 
 
 def runs_of(placement: Placement, rank: int) -> Runs:
-    """The runs of `placement` (contiguous or zigzag: stride-1 runs only)."""
-    key = ("state_runs", rank)
+    """The runs of `placement` (contiguous or zigzag: stride-1 runs only), cut into pieces."""
+    key = ("state_runs", rank, MIN_PIECE)
     if key in placement.memo:
         return placement.memo[key]
-    everything = []
+    everything, local = [], ()
     for r in range(placement.world_size):
-        for i, run in enumerate(placement.runs[r]):
+        for run in placement.runs[r]:
             if run.stride != 1 and run.length > 1:
                 raise ValueError(
                     f"state passing needs runs of consecutive tokens; rank {r} holds tokens "
                     f"{run.global_start}, {run.global_start + run.stride}, ... (a strided layout)"
                 )
-            everything.append((r, i, run.doc, run.global_start, run.length))
+        pieces = _pieces(placement.runs[r], MIN_PIECE)
+        everything += [(r, i, doc, g, n) for i, (_, n, g, doc) in enumerate(pieces)]
+        if r == rank:
+            local = tuple((start, n) for start, n, _, _ in pieces)
     everything.sort(key=lambda entry: entry[3])
-    local = tuple((run.local_start, run.length) for run in placement.runs[rank])
-    before = []
-    for i in range(len(local)):
-        mine = next(e for e in everything if e[0] == rank and e[1] == i)
-        before.append(tuple((r, k) for r, k, d, s, _ in everything if d == mine[2] and s < mine[3]))
+    counts: dict[int, int] = {}
+    for entry in everything:
+        counts[entry[0]] = counts.get(entry[0], 0) + 1
+    before: list[tuple] = [() for _ in local]
+    seen: dict[int, list[tuple[int, int]]] = {}
+    for r, k, doc, _, _ in everything:  # in sequence order: what came before in each document
+        earlier = seen.setdefault(doc, [])
+        if r == rank:
+            before[k] = tuple(earlier)
+        earlier.append((r, k))
     runs = Runs(
         rank=rank,
         world_size=placement.world_size,
         all=tuple(everything),
         local=local,
         before=tuple(before),
-        per_rank=max(1, max(len(r) for r in placement.runs)),
+        per_rank=max([1, *(counts.get(r, 0) for r in range(placement.world_size))]),
     )
     placement.memo[key] = runs
     return runs
 
 
+def _row_index(runs: Runs) -> torch.Tensor:
+    """(rows, L_max) int64 on the host: the local row of each run's token, -1 for padding."""
+    if "rows" not in runs.memo:
+        index = torch.full((runs.rows, runs.longest), -1, dtype=torch.int64)
+        for i, (start, length) in enumerate(runs.local):
+            index[i, :length] = torch.arange(start, start + length)
+        runs.memo["rows"] = index
+    return runs.memo["rows"]
+
+
 def to_runs(x: torch.Tensor, runs: Runs) -> tuple[torch.Tensor, torch.Tensor]:
     """(S_local, ...) local rows -> (n_runs, L_max, ...) one row per run, right-padded with 0,
     and the (n_runs, L_max) bool mask of real tokens."""
-    longest = runs.longest
-    index = torch.full((runs.rows, longest), -1, dtype=torch.int64)
-    for i, (start, length) in enumerate(runs.local):
-        index[i, :length] = torch.arange(start, start + length)
-    index = index.to(x.device)
+    index = _row_index(runs).to(x.device)
     valid = index >= 0
     rows = x.index_select(0, index.clamp(min=0).flatten()).view(*index.shape, *x.shape[1:])
     mask = valid.view(*valid.shape, *([1] * (x.dim() - 1))).to(rows.dtype)
@@ -149,16 +195,12 @@ def to_runs(x: torch.Tensor, runs: Runs) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def from_runs(y: torch.Tensor, runs: Runs, local_len: int) -> torch.Tensor:
-    """(n_runs, L_max, ...) -> (S_local, ...): each run's real tokens back in local order."""
-    out = y.new_zeros(local_len, *y.shape[2:])
-    parts, where = [], []
-    for i, (start, length) in enumerate(runs.local):
-        parts.append(y[i, :length])
-        where.append(torch.arange(start, start + length))
-    if not parts:
-        return out
-    index = torch.cat(where).to(y.device)
-    return out.index_copy(0, index, torch.cat(parts))
+    """(n_runs, L_max, ...) -> (S_local, ...): each run's real tokens back in local order,
+    padding rows zero."""
+    index = _row_index(runs).flatten().to(y.device)
+    real = torch.nonzero(index >= 0).flatten()
+    flat = y.reshape(-1, *y.shape[2:]).index_select(0, real)
+    return y.new_zeros(local_len, *y.shape[2:]).index_copy(0, index[real], flat)
 
 
 class _GatherRuns(torch.autograd.Function):
@@ -254,7 +296,7 @@ def entering_states(
     if ex.keep:  # each document's state after its last run
         for doc, parts in runs.documents().items():
             state = torch.zeros_like(final[0])
-            for r, k, _ in parts:
+            for r, k, _, _ in parts:
                 state = apply(a_all[r, k], state) + b_all[r, k]
             ex.finals[doc] = state
     # every rank's graph must reach both gathers (their backward is a collective): a rank whose
