@@ -8,6 +8,7 @@ slot must then hold exactly the token `width - j` before its run (0 before the d
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -62,13 +63,11 @@ def test_halos_ends_and_fold_order_match_brute_force(monkeypatch, min_piece):
                     want = p + 1 if p >= 0 and doc_of[p] == doc_of[first] else 0
                     got = 0 if index[i, j] < 0 else int(flat[index[i, j], 0])
                     assert got == want, (layout, w, bounds, width, r, i, j)
-            for k, before in enumerate(rr.before):  # the runs before, in sequence order
-                starts = [next(e[3] for e in rr.all if e[0] == a and e[1] == b) for a, b in before]
-                mine = next(e for e in rr.all if e[0] == r and e[1] == k)
-                assert starts == sorted(starts) and all(s < mine[3] for s in starts)
-                docs = [next(e[2] for e in rr.all if e[0] == a and e[1] == b) for a, b in before]
-                assert set(docs) <= {mine[2]}
-                assert sum(1 for e in rr.all if e[2] == mine[2] and e[3] < mine[3]) == len(before)
+        for doc, parts in every[0].documents().items():  # the fold's order: by position
+            starts = [start for _, _, start, _ in parts]
+            assert starts == sorted(starts) and starts[0] == bounds[doc]
+            assert parts[-1][3] == bounds[doc + 1]
+            assert all(a[3] == b[2] for a, b in itertools.pairwise(parts))  # no gap or overlap
         for doc, index in every[0].end_index(width).items():
             end = bounds[doc + 1]
             got = [0 if i < 0 else int(flat[i, 0]) for i in index.tolist()]

@@ -27,6 +27,8 @@ import torch
 from ringattn.bench import record
 
 VOCAB = 128
+# nothing here is timed: a rank starved by a loaded machine is waited for, not killed
+STALL_S = 1800.0
 COMMON = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128,
           "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 1 << 16,
           "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}  # fmt: skip
@@ -155,10 +157,10 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = []
     for name in args.families.split(","):
-        base = launch(single, 1, name, args.seq)[0]["bytes"]
+        base = launch(single, 1, name, args.seq, stall_s=STALL_S)[0]["bytes"]
         for w in (int(x) for x in args.worlds.split(",")):
             lengths = [args.seq, 4 * args.seq] if w == args.bytes_world else [args.seq]
-            got = launch(ranks, w, name, lengths, args.scheme)
+            got = launch(ranks, w, name, lengths, args.scheme, stall_s=STALL_S)
             worst = max(r[f"bytes_{args.seq}"] for r in got.values())
             sent = [got[0].get(f"sent_{n}", 0) for n in (args.seq, 4 * args.seq)]
             rows.append({"family": name, "world_size": w, "seq_len": args.seq,

@@ -58,8 +58,6 @@ class Runs:
     all: tuple[tuple[int, int, int, int, int], ...]
     # this rank's runs: (local start, length)
     local: tuple[tuple[int, int], ...]
-    # per local run: the runs before it in its document, (rank, index), in sequence order
-    before: tuple[tuple[tuple[int, int], ...], ...]
     per_rank: int  # the most runs any rank holds (the gathered tensors' second dimension)
     memo: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -155,19 +153,11 @@ def runs_of(placement: Placement, rank: int) -> Runs:
     counts: dict[int, int] = {}
     for entry in everything:
         counts[entry[0]] = counts.get(entry[0], 0) + 1
-    before: list[tuple] = [() for _ in local]
-    seen: dict[int, list[tuple[int, int]]] = {}
-    for r, k, doc, _, _ in everything:  # in sequence order: what came before in each document
-        earlier = seen.setdefault(doc, [])
-        if r == rank:
-            before[k] = tuple(earlier)
-        earlier.append((r, k))
     runs = Runs(
         rank=rank,
         world_size=placement.world_size,
         all=tuple(everything),
         local=local,
-        before=tuple(before),
         per_rank=max([1, *(counts.get(r, 0) for r in range(placement.world_size))]),
     )
     placement.memo[key] = runs
@@ -287,17 +277,18 @@ def entering_states(
     runs = ex.runs
     a_all = ex.gather(transition)  # (W, per_rank, ...)
     b_all = ex.gather(final)
-    states = []
-    for i in range(runs.rows):
-        state = torch.zeros_like(final[0])
-        for r, k in runs.before[i] if i < len(runs.before) else ():
+    zero = torch.zeros_like(final[0])
+    states = [zero] * runs.rows
+    for doc, parts in runs.documents().items():  # one fold per document, in sequence order
+        local = [i for i, (r, *_) in enumerate(parts) if r == runs.rank]
+        if not (local or ex.keep):
+            continue
+        state = zero
+        for r, k, _, _ in parts if ex.keep else parts[: local[-1] + 1]:
+            if r == runs.rank:
+                states[k] = state  # what enters this rank's run
             state = apply(a_all[r, k], state) + b_all[r, k]
-        states.append(state)
-    if ex.keep:  # each document's state after its last run
-        for doc, parts in runs.documents().items():
-            state = torch.zeros_like(final[0])
-            for r, k, _, _ in parts:
-                state = apply(a_all[r, k], state) + b_all[r, k]
+        if ex.keep:  # each document's state after its last run
             ex.finals[doc] = state
     # every rank's graph must reach both gathers (their backward is a collective): a rank whose
     # runs all start documents reads no summary, so it is tied in with a zero
