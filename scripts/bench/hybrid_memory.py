@@ -148,8 +148,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq", type=int, default=2048, help="tokens S (the bytes also at 4S)")
     p.add_argument("--worlds", default="4,8", help="world sizes W")
     p.add_argument("--scheme", default="auto", help="mixer scheme: auto, state, heads, whole")
-    p.add_argument("--bytes-world", type=int, default=4,
-                   help="the world size at which the bytes are also measured at 4S")
+    p.add_argument(
+        "--bytes-world",
+        type=int,
+        default=4,
+        help="the world size at which the bytes are also measured at 4S",
+    )
     p.add_argument("--json", default="results/hybrid_memory_cpu.json", help="where results go")
     args = p.parse_args(argv)
 
