@@ -1,21 +1,21 @@
 """Hybrid models' recurrent and convolutional mixers under context parallelism.
 
-hooks.py   the allow-list of mixer classes, the refusal of any other token mixer, the choice
-           of scheme, and the two forward hooks that run each mixer exactly over the sharded
-           sequence
+hooks.py   the allow-list of mixer classes, the refusal of any other token mixer, and the
+           two forward hooks that run each mixer exactly over the sharded sequence
+choice.py  which scheme each layer runs: state, heads or whole
 state.py   the "state" scheme: each rank its own runs, from states passed between ranks
 runs.py    the runs each rank holds, their halos, and the exchange and fold of their states
+relayout.py  striped rows into zigzag's runs and back, for the state scheme
 heads.py   head-parallel twins: gated DeltaNet and Nemotron-H's Mamba2 split by heads
 comm.py    the rows in (all-gather) and out (reduce-scatter) of a mixer run on all tokens
 """
 
+from ringattn.integrations.hf.mixers.choice import SCHEMES, check_scheme
 from ringattn.integrations.hf.mixers.hooks import (
     MIXERS,
-    SCHEMES,
     STATE_ATTR,
     MixerState,
     _known,
-    check_scheme,
     find_mixers,
     has_mixers,
     install,

@@ -28,14 +28,17 @@ the group and each rank keeps its rows (`gather_rows`' reduce-scatter).
 
 This is the "whole" scheme. A mixer class that splits by heads (heads.py: gated DeltaNet,
 Nemotron-H's Mamba2) runs its heads' share instead, on the same gathered input, and the partial
-outputs are summed into each rank's rows by a reduce-scatter (`scatter_rows`).
+outputs are summed into each rank's rows by a reduce-scatter (`scatter_rows`). A mixer class with
+a state-passing program (state.py: Mamba2, gated DeltaNet, short convolutions) runs neither: the
+pre-hook computes this rank's rows' outputs from its own tokens and the states exchanged as
+fixed-size summaries, and the layer's own call runs on one zero token whose output `_after`
+replaces. `choose` picks per layer: state, else heads, else whole (or the one asked for where it
+can run exactly).
 
-Cost ("gather" in the planner): per mixer layer per rank, an all-gather of S x H activations and
-a reduce-scatter of their gradient; the mixer's compute and activations are those of the whole
-sequence on every rank (W times the work of one shard). It is exact for every layout (contiguous,
-zigzag's two runs, striped's runs of one token) and every W, and kernel-agnostic; the state-
-passing scheme (each rank runs only its own runs from entering states exchanged as fixed-size
-summaries, DESIGN.md section 13) is the faster path still to come for the popular mixers.
+Cost of "whole" ("gather" in the planner): per mixer layer per rank, an all-gather of S x H
+activations and a reduce-scatter of their gradient; the mixer's compute and activations are
+those of the whole sequence on every rank (W times the work of one shard). It is exact for every
+layout and every W, and kernel-agnostic.
 
 KV-cache decoding (generate, serve) carries these states per sequence instead: the layer stands
 aside here while inference/hf/mixer_states.py runs it.
@@ -59,9 +62,10 @@ from ringattn.integrations.hf.attention import (
     SEGMENTS_KWARG,
     _check_padding_mask,
 )
+from ringattn.integrations.hf.mixers.choice import choose
 from ringattn.integrations.hf.mixers.comm import gather_rows, scatter_rows
-from ringattn.integrations.hf.mixers.heads import HeadShare, splits
-from ringattn.integrations.hf.mixers.state import has_state, run_state
+from ringattn.integrations.hf.mixers.heads import HeadShare
+from ringattn.integrations.hf.mixers.state import run_segments, run_state
 from ringattn.integrations.hf.mixers.whole_attention import (
     WHOLE_ATTENTION,
     check_whole,
@@ -212,22 +216,6 @@ def _capture_inner(module: nn.Module, args: tuple, kwargs: dict) -> None:
         state.segments = kwargs[SEGMENTS_KWARG]
 
 
-def _by_segments(module: nn.Module, x: torch.Tensor, segments: list, layout: str, where: str):
-    """Dynamic CP: (S_local, H) rows, pieces end to end, each over its own sub-group and
-    documents (models/segments.py) -> the layer's outputs, each piece by state passing over its
-    group (every member runs the same pieces in the same order, as attention's)."""
-    outs = []
-    for seg in segments:
-        info = resolve_group(seg.group)
-        rows = x[seg.start : seg.stop]
-        placement = local_placement(get_layout(layout), info, rows.shape[0], list(seg.cu_seqlens))
-        outs.append(run_state(module, rows, placement, info)[0])
-    if sum(o.shape[0] for o in outs) != x.shape[0]:
-        raise ValueError(f"{where}: {SEGMENTS_KWARG} cover {sum(o.shape[0] for o in outs)} "
-                         f"rows, the batch has {x.shape[0]}")  # fmt: skip
-    return torch.cat(outs)
-
-
 def _hidden(signature: inspect.Signature, args: tuple, kwargs: dict) -> inspect.BoundArguments:
     bound = signature.bind_partial(*args, **kwargs)
     if "hidden_states" not in bound.arguments:
@@ -236,7 +224,9 @@ def _hidden(signature: inspect.Signature, args: tuple, kwargs: dict) -> inspect.
 
 
 def _before(module: nn.Module, args: tuple, kwargs: dict):
-    """Mixer pre-hook: this rank's rows -> the whole sequence, one row per document."""
+    """Mixer pre-hook: the layer's output for this rank's rows, by its scheme (state: here, from
+    exchanged states; heads: kept for `_after`), or its input made the whole sequence, one row
+    per document, for its own forward (whole)."""
     if getattr(module, vision.KV_STATE_ATTR, None) is not None:
         return None  # KV-cache decoding runs this layer (inference/hf/mixer_states.py)
     state: MixerState = getattr(module, STATE_ATTR)
@@ -247,21 +237,6 @@ def _before(module: nn.Module, args: tuple, kwargs: dict):
     extra = dict(bound.arguments.get(var_kw[0], {})) if var_kw else {}
     bounds = extra.get("cu_seq_lens_q", state.bounds)
     where = f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')})"
-    if state.segments is not None:  # dynamic CP: pieces over sub-groups
-        if state.schemes.get(id(module)) != "state":
-            raise ValueError(
-                f"{where}: dynamic CP runs a mixer piece by piece by state passing, and this "
-                f"layer runs {state.schemes.get(id(module))!r}; parallelize with "
-                f"mixer_scheme='auto' or 'state', or train with static CP"
-            )
-        local = _by_segments(module, x_local[0], state.segments, state.context.layout, where)
-        state.pending[id(module)] = ("done", local[None])
-        return _zero_call(signature, bound, x_local)
-    if bounds is None:
-        raise ValueError(
-            f"{where}: the model was parallelized with ringattn.hf.parallelize but the batch has "
-            f"no cu_seq_lens_q; build it with ringattn.hf.shard_batch (the same group and layout)"
-        )
     for name in _CACHE_ARGS:
         if bound.arguments.get(name) is not None and name != "cache_position":
             raise ValueError(
@@ -273,6 +248,21 @@ def _before(module: nn.Module, args: tuple, kwargs: dict):
     if x_local.dim() != 3 or x_local.shape[0] != 1:
         raise ValueError(
             f"{where}: expected hidden states (1, S_local, H), got {tuple(x_local.shape)}"
+        )
+    if state.segments is not None:  # dynamic CP: pieces over sub-groups
+        if state.schemes.get(id(module)) != "state":
+            raise ValueError(
+                f"{where}: dynamic CP runs a mixer piece by piece by state passing, and this "
+                f"layer runs {state.schemes.get(id(module))!r}; parallelize with "
+                f"mixer_scheme='auto' or 'state', or train with static CP"
+            )
+        local = run_segments(module, x_local[0], state.segments, state.context.layout)
+        state.pending[id(module)] = ("done", local[None])
+        return _zero_call(signature, bound, x_local)
+    if bounds is None:
+        raise ValueError(
+            f"{where}: the model was parallelized with ringattn.hf.parallelize but the batch has "
+            f"no cu_seq_lens_q; build it with ringattn.hf.shard_batch (the same group and layout)"
         )
     context = state.context
     mask = bound.arguments.get("attention_mask")
@@ -346,30 +336,6 @@ def _after(module: nn.Module, args: tuple, kwargs: dict, output):
     if isinstance(output, tuple):
         return (local, *(None for _ in output[1:]))
     return local
-
-
-SCHEMES = ("auto", "state", "heads", "whole")
-
-
-def check_scheme(scheme: str) -> None:
-    if scheme not in SCHEMES:
-        raise ValueError(f"unknown mixer scheme {scheme!r}; choose one of {list(SCHEMES)}")
-
-
-def choose(module: nn.Module, wanted: str, world_size: int) -> str:
-    """The scheme `module` runs: `wanted` where it can run exactly, else the first that can of
-    state (its class has a program in state.py; a striped layout's rows go through zigzag's
-    runs, relayout.py), heads (W divides its head groups) and whole (always)."""
-    can = {
-        "state": has_state(module),
-        "heads": splits(module, world_size),
-        "whole": True,
-    }
-    order = ["state", "heads", "whole"]
-    if wanted != "auto":
-        order.remove(wanted)
-        order.insert(0, wanted)
-    return next(scheme for scheme in order if can[scheme])
 
 
 def install(

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ringattn.comm import GroupInfo
+from ringattn.comm import GroupInfo, resolve_group
 from ringattn.integrations.hf.mixers.relayout import move_rows, moved_bytes, plan_move
 from ringattn.integrations.hf.mixers.runs import (
     Exchange,
@@ -52,6 +52,7 @@ from ringattn.integrations.hf.mixers.runs import (
 )
 from ringattn.layout import get_layout
 from ringattn.packing import Placement, place
+from ringattn.sharding import local_placement
 
 
 def _family(module: nn.Module, name: str) -> Callable:
@@ -257,3 +258,19 @@ def run_state(
         back, row_bytes, info.rank
     )
     return move_rows(out, back, info), exchange
+
+
+def run_segments(module: nn.Module, x: torch.Tensor, segments: list, layout: str) -> torch.Tensor:
+    """Dynamic CP: (S_local, H) rows, pieces end to end, each over its own sub-group and
+    documents (models/segments.py) -> the layer's outputs, each piece by state passing over its
+    group (every member runs the same pieces in the same order, as attention's)."""
+    outs = []
+    for seg in segments:
+        info = resolve_group(seg.group)
+        rows = x[seg.start : seg.stop]
+        placement = local_placement(get_layout(layout), info, rows.shape[0], list(seg.cu_seqlens))
+        outs.append(run_state(module, rows, placement, info)[0])
+    if sum(o.shape[0] for o in outs) != x.shape[0]:
+        raise ValueError(f"ringattn_segments cover {sum(o.shape[0] for o in outs)} rows, the "
+                         f"batch has {x.shape[0]}")  # fmt: skip
+    return torch.cat(outs)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from ringattn.api import STRATEGIES
-from ringattn.integrations.hf.mixers.hooks import check_scheme
+from ringattn.integrations.hf.mixers.choice import check_scheme
 from ringattn.layout import get_layout
 from ringattn.validate import check_names
 
