@@ -66,6 +66,8 @@ def test_deepseek_v4_with_its_router_loss(pools, world_size):
 
 
 GDN, SSD, CONV = "gated DeltaNet", "Mamba2 (SSD)", "short causal convolution"
+MAMBA1, LIGHTNING = "Mamba1 (selective scan)", "lightning attention"
+MAMBA1_STATE = {f"backbone.layers.{i}.mixer": (MAMBA1, "state") for i in (0, 1)}
 
 
 @pytest.mark.parametrize(
@@ -81,6 +83,11 @@ GDN, SSD, CONV = "gated DeltaNet", "Mamba2 (SSD)", "short causal convolution"
         ("bamba", 2, "zigzag", "heads", {"model.layers.0.mamba": (SSD, "state")}),
         ("lfm2", 2, "contiguous", "auto", {"model.layers.0.conv": (CONV, "state")}),
         ("lfm2", 2, "striped", "state", {"model.layers.0.conv": (CONV, "whole")}),
+        ("jamba", 2, "zigzag", "auto", {"model.layers.0.mamba": (MAMBA1, "state")}),
+        ("mamba", 3, "contiguous", "auto", MAMBA1_STATE),
+        ("falcon_mamba", 2, "zigzag", "auto", MAMBA1_STATE),
+        ("minimax", 2, "zigzag", "auto", {"model.layers.0.self_attn": (LIGHTNING, "state")}),
+        ("minimax", 2, "striped", "state", {"model.layers.0.self_attn": (LIGHTNING, "whole")}),
     ],
 )
 def test_each_mixer_runs_the_scheme_asked_or_the_first_that_is_exact(
@@ -103,12 +110,14 @@ def test_the_other_schemes_stay_exact_when_asked_for(pools, arch, scheme):
 
 
 @pytest.mark.parametrize("what", ["entering_state", "halo"])
-@pytest.mark.parametrize("arch", ["qwen3_5_text", "bamba", "lfm2"])
+@pytest.mark.parametrize("arch", ["qwen3_5_text", "bamba", "lfm2", "jamba", "minimax"])
 def test_a_wrong_entering_state_or_halo_is_caught(pools, arch, what):
     """The state scheme with zero entering states (or zero convolution halos) is far outside
     the gates: the exactness tests would see a scan or halo that went wrong."""
     if arch == "lfm2" and what == "entering_state":
         pytest.skip("a short convolution carries no recurrent state, only its halo")
+    if arch == "minimax" and what == "halo":
+        pytest.skip("lightning attention has no convolution, only its recurrent state")
     rows = pools(2).run("workers_hf_hybrid:mutated_state_errors", arch=arch, what=what)[0]
     ((_, loss, grad, _),) = rows
     assert loss > 100 * LOSS_RTOL or grad > 100 * GRAD_RTOL, (loss, grad)

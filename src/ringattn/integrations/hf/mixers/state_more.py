@@ -1,0 +1,121 @@
+"""More "state" programs (state.py): Mamba1's selective scan and MiniMax's lightning attention.
+
+Each re-runs the layer's own parameters on this rank's runs (one right-padded batch row per run),
+computes the recurrence from a zero state, and adds what the entering state contributes, which
+is linear in it:
+
+    Mamba1 (selective scan)    S_t = exp(A dt_t) * S_(t-1) + dt_t B_t x_t      (D, N) per channel
+                               A_run = exp(A sum dt)                           (D, N), elementwise
+                               y_t += sum_n C_t[n] exp(A cumsum(dt)_t)[d, n] S_in[d, n]
+    lightning attention        S_t = lambda S_(t-1) + k_t^T v_t                (K, V) per head
+                               lambda = exp(-slope) per head, A_run = lambda^L
+                               y_t += lambda^(t+1) q_t S_in           (t counted from the run start)
+
+The scan itself is the family's own `mamba_selective_scan` (mamba-ssm's selective_scan_fn where
+installed); lightning attention has no function of its own in transformers (its forward loops
+over blocks inline), so its block loop is restated here with the module's own decay buffers.
+Padding rows are identity steps (Mamba1: dt = 0; lightning: k = 0, and the run's final state is
+taken at its last real token), and the entering states come from runs.entering_states, the
+convolution halos from state._conv, as for the programs of state.py.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ringattn.integrations.hf.mixers import state
+
+# ---- Mamba1 (selective scan) -------------------------------------------------------------
+
+
+def _selective_scan(module, u, dt, A, B, C, valid, ex):
+    """Mamba1's scan of this rank's runs, each from its entering state, before the gate.
+
+    u and dt (n, D, L) (dt after softplus), A (D, N), B and C (n, N, L) -> (n, D, L) float32,
+    D's skip term included."""
+    dt = dt * valid[:, None, :].to(dt.dtype)  # padding: no decay, no write
+    y0, final = state._family(module, "mamba_selective_scan")(
+        u, dt, A, B, C, D=module.D.float(), z=None, delta_bias=None, delta_softplus=False,
+        return_last_state=True, use_mambapy=getattr(module, "use_mambapy", False),
+        use_associative_scan=getattr(module, "use_associative_scan", False),
+    )  # fmt: skip
+    log_decay = torch.cumsum(dt.float(), dim=-1)  # (n, D, L), times A below
+    transition = torch.exp(A[None] * log_decay[..., -1:])  # (n, D, N)
+    s_in = state.entering_states(transition, final.float(), ex, torch.mul)  # (n, D, N)
+    decay = torch.exp(A[None, :, None, :] * log_decay[..., None])  # (n, D, L, N)
+    carried = torch.einsum("ndls,nsl,nds->ndl", decay, C.float(), s_in)
+    return y0.float() + carried
+
+
+def mamba1(module, x, valid, ex):
+    """MambaMixer, FalconMambaMixer (RMS norms on dt, B, C) and JambaMambaMixer (the same,
+    with weights)."""
+    dtype = x.dtype
+    xs, gate = module.in_proj(x).chunk(2, dim=-1)  # (n, L, D) each
+    xs = state._conv(module, module.conv1d, xs, valid, ex, module.activation)
+    rank, size = module.time_step_rank, module.ssm_state_size
+    time_step, B, C = torch.split(module.x_proj(xs), [rank, size, size], dim=-1)
+    if hasattr(module, "dt_layernorm"):
+        time_step = module.dt_layernorm(time_step)
+        B, C = module.b_layernorm(B), module.c_layernorm(C)
+    if hasattr(module.config, "_is_quantized"):  # as the layer's forward calls a quantized Linear
+        time_step = (module.dt_proj(time_step) - module.dt_proj.bias).transpose(1, 2)
+    else:
+        time_step = module.dt_proj.weight @ time_step.transpose(1, 2)  # (n, D, L)
+    dt = F.softplus(time_step + module.dt_proj.bias.float().to(time_step.dtype)[:, None])
+    A = -torch.exp(module.A_log.float())  # (D, N)
+    y = _selective_scan(
+        module, xs.transpose(1, 2), dt, A, B.transpose(1, 2), C.transpose(1, 2), valid, ex
+    )
+    y = y * F.silu(gate.transpose(1, 2))  # (n, D, L)
+    return module.out_proj(y.transpose(1, 2).to(dtype))
+
+
+# ---- lightning attention (MiniMax) -------------------------------------------------------
+
+
+def _lightning_blocks(module, q, k, v):
+    """The layer's block loop from a zero state: q, k, v (n, H, L, K) -> (n, H, L, K)."""
+    n, heads, length, width = v.shape
+    size = module.block_size
+    kv = v.new_zeros(n, heads, width, width)
+    out = []
+    for start in range(0, length, size):
+        c = min(size, length - start)
+        qb, kb, vb = (t[:, :, start : start + c] for t in (q, k, v))
+        intra = ((qb @ kb.transpose(-1, -2)) * module.diagonal_decay[:, :, :c, :c]) @ vb
+        out.append((qb * module.query_decay[:, :c]) @ kv + intra)
+        kv = kv * torch.exp(-module.slope_rate * c) + (kb * module.key_decay[:, -c:]).mT @ vb
+    return torch.cat(out, dim=2)
+
+
+def lightning(module, x, valid, ex):
+    """MiniMaxLightningAttention: a linear attention whose state decays by exp(-slope) per head
+    and token; RMS norm, a sigmoid output gate and the out projection after it."""
+    n, length, _ = x.shape
+    heads, width = module.num_attention_heads, module.head_dim
+    qkv = module.act_fn(module.qkv_proj(x)).reshape(n, length, heads, 3 * width)
+    q, k, v = (t.transpose(1, 2) for t in torch.split(qkv, width, dim=3))  # (n, H, L, K)
+    k = k * valid[:, None, :, None].to(k.dtype)  # padding: no write
+    y0 = _lightning_blocks(module, q, k, v)
+    slope = module.slope_rate.view(1, heads, 1)
+    lengths = valid.sum(1)  # (n,)
+    positions = torch.arange(length, device=x.device)
+    age = (lengths[:, None] - 1 - positions[None]).clamp(min=0)  # (n, L): decay steps to the end
+    final = torch.einsum("nhl,nhlk,nhlv->nhkv", torch.exp(-slope * age[:, None]), k, v)
+    transition = torch.exp(-slope[..., 0] * lengths[:, None])  # (n, H)
+    s_in = state.entering_states(transition, final, ex, lambda a, s: a[:, None, None] * s)
+    carried = (q * torch.exp(-slope * (positions + 1))[..., None]) @ s_in  # (n, H, L, K)
+    y = (y0 + carried).transpose(1, 2).reshape(n, length, heads * width)
+    y = F.sigmoid(module.output_gate(x)) * module.norm(y)
+    return module.out_proj(y)
+
+
+# class name -> program, added to state.PROGRAMS
+PROGRAMS: dict[str, object] = {
+    "MambaMixer": mamba1,
+    "FalconMambaMixer": mamba1,
+    "JambaMambaMixer": mamba1,
+    "MiniMaxLightningAttention": lightning,
+}
