@@ -2,13 +2,15 @@
 
 Each family of issue 46 with a tiny random-weight config (initializer range 0.2): gated DeltaNet
 (Qwen3.5, Qwen3-Next, OLMo-hybrid), Mamba2/SSD (Nemotron-H, Falcon-H1, Granite 4.0 hybrid,
-Bamba, Zamba2, Mamba2), Mamba1 (Jamba, Mamba), short convolutions (LFM2), lightning attention
-(MiniMax) and Zaya's CCA projection (causal convolutions on queries and keys, values from the
-previous token). The loss summed over the CP group equals one process's (relative 1e-5) and the
-summed gradients its gradients (1e-4 of each tensor's largest entry), for the three layouts, one
-document and packed documents (the reference runs each document alone: the state starts from
-zero at each document start). A mutation of the mixers' input is caught, and a module ringattn
-does not know, or a hybrid model given to KV-cache decoding, is refused on every rank.
+Bamba, Zamba2, Mamba2), Mamba1 (Jamba, Mamba, FalconMamba), short convolutions (LFM2),
+lightning attention (MiniMax), Kimi delta attention (Kimi Linear, beside MLA attention whose
+value heads are narrower than its key heads) and Zaya's CCA projection (causal convolutions on
+queries and keys, values from the previous token). The loss summed over the CP group equals one
+process's (relative 1e-5) and the summed gradients its gradients (1e-4 of each tensor's largest
+entry), for the three layouts, one document and packed documents (the reference runs each
+document alone: the state starts from zero at each document start). A mutation of the mixers'
+input is caught, and a module ringattn does not know, or a hybrid model given to KV-cache
+decoding, is refused on every rank.
 """
 
 from __future__ import annotations
@@ -22,11 +24,11 @@ from ringattn.layout import LAYOUTS
 LOSS_RTOL, GRAD_RTOL = 1e-5, 1e-4
 FAMILIES = ["qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid", "nemotron_h",
             "falcon_h1", "granitemoehybrid", "bamba", "zamba2", "mamba2", "jamba", "mamba",
-            "falcon_mamba", "lfm2", "minimax", "zaya", "deepseek_v4"]  # fmt: skip
+            "falcon_mamba", "lfm2", "minimax", "zaya", "deepseek_v4", "kimi_linear"]  # fmt: skip
 # one family per mixer kind at the larger world sizes (each case is a full forward + backward);
 # the wide ones split their heads at W = 4 and run whole at W = 3
 PER_MIXER = ["qwen3_5_wide", "nemotron_h_wide", "jamba", "lfm2", "minimax", "zaya",
-             "deepseek_v4"]  # fmt: skip
+             "deepseek_v4", "kimi_linear"]  # fmt: skip
 CASES = [(layout, "ring", kind) for layout in LAYOUTS for kind in ("dense", "packed")]
 
 
@@ -66,7 +68,11 @@ def test_deepseek_v4_with_its_router_loss(pools, world_size):
 
 
 GDN, SSD, CONV = "gated DeltaNet", "Mamba2 (SSD)", "short causal convolution"
-MAMBA1, LIGHTNING = "Mamba1 (selective scan)", "lightning attention"
+MAMBA1, LIGHTNING, KDA = (
+    "Mamba1 (selective scan)",
+    "lightning attention",
+    "Kimi delta attention (KDA)",
+)
 MAMBA1_STATE = {f"backbone.layers.{i}.mixer": (MAMBA1, "state") for i in (0, 1)}
 
 
@@ -88,6 +94,7 @@ MAMBA1_STATE = {f"backbone.layers.{i}.mixer": (MAMBA1, "state") for i in (0, 1)}
         ("falcon_mamba", 2, "zigzag", "auto", MAMBA1_STATE),
         ("minimax", 2, "zigzag", "auto", {"model.layers.0.self_attn": (LIGHTNING, "state")}),
         ("minimax", 2, "striped", "state", {"model.layers.0.self_attn": (LIGHTNING, "whole")}),
+        ("kimi_linear", 2, "zigzag", "auto", {"model.layers.0.self_attn": (KDA, "state")}),
     ],
 )
 def test_each_mixer_runs_the_scheme_asked_or_the_first_that_is_exact(
@@ -110,7 +117,9 @@ def test_the_other_schemes_stay_exact_when_asked_for(pools, arch, scheme):
 
 
 @pytest.mark.parametrize("what", ["entering_state", "halo"])
-@pytest.mark.parametrize("arch", ["qwen3_5_text", "bamba", "lfm2", "jamba", "minimax"])
+@pytest.mark.parametrize(
+    "arch", ["qwen3_5_text", "bamba", "lfm2", "jamba", "minimax", "kimi_linear"]
+)
 def test_a_wrong_entering_state_or_halo_is_caught(pools, arch, what):
     """The state scheme with zero entering states (or zero convolution halos) is far outside
     the gates: the exactness tests would see a scan or halo that went wrong."""

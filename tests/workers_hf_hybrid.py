@@ -141,6 +141,24 @@ def config(arch: str):
             mamba_expand=1,
             mamba_dt_rank=4,
         )
+    if arch == "kimi_linear":  # KDA + NoPE MLA attention + MoE
+        return tf.KimiLinearConfig(
+            **{k: v for k, v in common.items() if k != "num_key_value_heads"},
+            num_hidden_layers=2,
+            layer_types=["linear_attention", "full_attention"],
+            mlp_layer_types=["dense", "sparse"],
+            num_key_value_heads=4,
+            kv_lora_rank=16,
+            qk_rope_head_dim=4,
+            qk_nope_head_dim=8,
+            v_head_dim=8,
+            linear_head_dim=8,
+            linear_num_heads=4,
+            linear_conv_kernel_dim=4,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+        )
     if arch == "lfm2":  # short convolutions + attention
         return tf.Lfm2Config(
             **common, num_hidden_layers=2, layer_types=["conv", "full_attention"], conv_L_cache=3

@@ -112,10 +112,49 @@ def lightning(module, x, valid, ex):
     return module.out_proj(y)
 
 
+# ---- Kimi delta attention (KDA) ----------------------------------------------------------
+
+
+def _kda_rule(module, q, k, v, g, beta, valid, ex):
+    """The delta rule with a per-channel decay over this rank's runs, from their entering states
+    (state.py's augmented identity: S (K, V + K) from [0 | I] gives B_run, A_run and q^T A):
+    q, k, v (n, L, H, K), g (n, L, H, K), beta (n, L, H) -> (n, L, H, V)."""
+    g = g * valid[..., None, None].to(g.dtype)  # padding: identity steps
+    beta = beta * valid[..., None].to(beta.dtype)
+    n, length, heads, width = v.shape
+    dk = k.shape[-1]
+    eye = torch.eye(dk, dtype=torch.float32, device=v.device).expand(n, heads, dk, dk)
+    start = torch.cat([eye.new_zeros(n, heads, dk, width), eye], dim=-1)  # [0 | I]
+    v_aug = torch.cat([v, v.new_zeros(n, length, heads, dk)], dim=-1)
+    out, final = state._family(module, "chunk_kimi_delta_attention")(
+        q, k, v_aug, g=g, beta=beta, initial_state=start, output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+    )  # fmt: skip
+    y0, carry = out[..., :width], out[..., width:]  # (n, L, H, V), (n, L, H, K)
+    s_in = state.entering_states(final[..., width:], final[..., :width], ex, torch.matmul)
+    carried = torch.einsum("nlhk,nhkv->nlhv", carry.to(s_in.dtype), s_in)
+    return y0 + carried.to(y0.dtype)
+
+
+def kimi_kda(module, x, valid, ex):
+    """KimiLinearDeltaAttention: q/k/v convolved, a per-channel forget gate, the gated norm."""
+    n, length, _ = x.shape
+    shape = (n, length, -1, module.head_dim)
+    mixed = torch.cat([module.q_proj(x), module.k_proj(x), module.v_proj(x)], dim=-1)
+    mixed = state._conv(module, module.conv1d, mixed, valid, ex, module.activation)
+    q, k, v = (t.reshape(shape) for t in torch.split(mixed, [module.qkv_dim] * 3, dim=-1))
+    g = module.forget_gate(x)  # (n, L, H, K)
+    beta = torch.sigmoid(module.b_proj(x))
+    core = _kda_rule(module, q, k, v, g, beta, valid, ex)
+    gate = module.g_b_proj(module.g_a_proj(x)).view(shape)
+    return module.o_proj(module.o_norm(core, gate).reshape(n, length, -1))
+
+
 # class name -> program, added to state.PROGRAMS
 PROGRAMS: dict[str, object] = {
     "MambaMixer": mamba1,
     "FalconMambaMixer": mamba1,
     "JambaMambaMixer": mamba1,
     "MiniMaxLightningAttention": lightning,
+    "KimiLinearDeltaAttention": kimi_kda,
 }
