@@ -2,7 +2,7 @@
 
 Each family of issue 46 with a tiny random-weight config (initializer range 0.2): gated DeltaNet
 (Qwen3.5, Qwen3-Next, OLMo-hybrid), Mamba2/SSD (Nemotron-H, Falcon-H1, Granite 4.0 hybrid,
-Bamba, Zamba2, Mamba2), Mamba1 (Jamba, Mamba, FalconMamba), short convolutions (LFM2),
+Bamba, Zamba2, Mamba2), Mamba1 (Jamba, Mamba, FalconMamba, Zamba), short convolutions (LFM2),
 lightning attention (MiniMax), Kimi delta attention (Kimi Linear, beside MLA attention whose
 value heads are narrower than its key heads) and Zaya's CCA projection (causal convolutions on
 queries and keys, values from the previous token). The loss summed over the CP group equals one
@@ -24,7 +24,8 @@ from ringattn.layout import LAYOUTS
 LOSS_RTOL, GRAD_RTOL = 1e-5, 1e-4
 FAMILIES = ["qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid", "nemotron_h",
             "falcon_h1", "granitemoehybrid", "bamba", "zamba2", "mamba2", "jamba", "mamba",
-            "falcon_mamba", "lfm2", "minimax", "zaya", "deepseek_v4", "kimi_linear"]  # fmt: skip
+            "falcon_mamba", "lfm2", "minimax", "zaya", "deepseek_v4", "kimi_linear",
+            "zamba"]  # fmt: skip
 # one family per mixer kind at the larger world sizes (each case is a full forward + backward);
 # the wide ones split their heads at W = 4 and run whole at W = 3
 PER_MIXER = ["qwen3_5_wide", "nemotron_h_wide", "jamba", "lfm2", "minimax", "zaya",
@@ -74,6 +75,8 @@ MAMBA1, LIGHTNING, KDA = (
     "Kimi delta attention (KDA)",
 )
 MAMBA1_STATE = {f"backbone.layers.{i}.mixer": (MAMBA1, "state") for i in (0, 1)}
+ZAMBA_STATE = {f"model.layers.{i}.{'mamba_decoder.' * (i % 2)}mamba": (MAMBA1, "state")
+               for i in range(4)}  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -91,6 +94,7 @@ MAMBA1_STATE = {f"backbone.layers.{i}.mixer": (MAMBA1, "state") for i in (0, 1)}
         ("lfm2", 2, "striped", "state", {"model.layers.0.conv": (CONV, "whole")}),
         ("jamba", 2, "zigzag", "auto", {"model.layers.0.mamba": (MAMBA1, "state")}),
         ("mamba", 3, "contiguous", "auto", MAMBA1_STATE),
+        ("zamba", 2, "zigzag", "auto", ZAMBA_STATE),
         ("falcon_mamba", 2, "zigzag", "auto", MAMBA1_STATE),
         ("minimax", 2, "zigzag", "auto", {"model.layers.0.self_attn": (LIGHTNING, "state")}),
         ("minimax", 2, "striped", "state", {"model.layers.0.self_attn": (LIGHTNING, "whole")}),
@@ -139,7 +143,7 @@ def test_a_mutated_mixer_input_is_caught(pools, arch):
     assert loss > 100 * LOSS_RTOL or grad > 100 * GRAD_RTOL, (loss, grad)
 
 
-DECODED = [f for f in FAMILIES if f not in ("minimax", "zamba2", "zaya", "deepseek_v4")]
+DECODED = [f for f in FAMILIES if f not in ("minimax", "zamba2", "zamba", "zaya", "deepseek_v4")]
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]]
 
 
@@ -174,6 +178,7 @@ def test_greedy_decoding_at_cp1_and_cp3(pools, arch, world_size):
         ("conv_leaf", r"Conv1d \(layer 0, module 'model.layers.0.mlp.extra'\) mixes tokens"),
         ("generate", r"MiniMaxLightningAttention .* keeps its lightning-attention cache"),
         ("generate_zamba2", r"model_type='zamba2'\): its shared attention block"),
+        ("generate_zamba", r"model_type='zamba'\): its shared attention block"),
         ("generate_zaya", r"ZayaCCAProjection .* keeps its convolution and delayed-value states"),
         ("generate_deepseek_v4", r"model_type='deepseek_v4'\): its compressed attention layers"),
         ("dropout_deepseek_v4", r"DeepseekV4Attention \(layer 1\): attention dropout 0.1"),
@@ -183,6 +188,7 @@ def test_greedy_decoding_at_cp1_and_cp3(pools, arch, world_size):
         "conv-leaf",
         "generate-minimax",
         "generate-zamba2",
+        "generate-zamba",
         "generate-zaya",
         "generate-deepseek_v4",
         "dropout-deepseek_v4",

@@ -126,6 +126,18 @@ def config(arch: str):
             num_mem_blocks=1,
             use_mem_rope=True,
         )
+    if arch == "zamba":  # Mamba1 in 2 heads; a shared attention block on [hidden, embeddings]
+        return tf.ZambaConfig(
+            **common,
+            num_hidden_layers=4,  # two hybrid layers: the block is shared (tied) between them
+            layers_block_type=["mamba", "hybrid", "mamba", "hybrid"],
+            n_mamba_heads=2,
+            mamba_d_state=8,
+            mamba_d_conv=4,
+            mamba_expand=2,
+            mamba_dt_rank=4,
+            attention_head_dim=8,
+        )
     if arch == "jamba":  # Mamba1 + attention + MoE
         return tf.JambaConfig(
             **common,
@@ -482,7 +494,7 @@ def refuse(rank: int, world_size: int, *, what: str) -> None:
         ringattn.hf.parallelize(model).train()
         model(**ringattn.hf.shard_batch(data("packed")))
     elif what.startswith("generate"):
-        arch = {"generate_zamba2": "zamba2", "generate_zaya": "zaya",
+        arch = {"generate_zamba2": "zamba2", "generate_zamba": "zamba", "generate_zaya": "zaya",
                 "generate_deepseek_v4": "deepseek_v4"}.get(what, "minimax")  # fmt: skip
         model = build(arch)
         ringattn.hf.generate(model, torch.tensor([[5, 6, 7, 8, 9]]), 4)

@@ -59,7 +59,7 @@ EXACT: dict[str, str] = {
     for name in (
         "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid", "nemotron_h",
         "falcon_h1", "granitemoehybrid", "bamba", "zamba2", "mamba2", "jamba", "mamba",
-        "falcon_mamba", "lfm2", "minimax", "zaya", "kimi_linear",
+        "falcon_mamba", "lfm2", "minimax", "zaya", "kimi_linear", "zamba",
     )
 } | {"deepseek_v4": _WHOLE}  # fmt: skip
 

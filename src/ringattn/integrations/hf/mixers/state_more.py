@@ -29,23 +29,28 @@ from ringattn.integrations.hf.mixers import state
 # ---- Mamba1 (selective scan) -------------------------------------------------------------
 
 
-def _selective_scan(module, u, dt, A, B, C, valid, ex):
-    """Mamba1's scan of this rank's runs, each from its entering state, before the gate.
+def _selective_scan(module, u, dt, A, B, C, D, valid, ex):
+    """Mamba1's scan of this rank's runs, each from its entering state, before the gate; one
+    call of the family's scan per head (Zamba's heads have their own x_proj, A and D; Mamba's
+    one head is all channels).
 
-    u and dt (n, D, L) (dt after softplus), A (D, N), B and C (n, N, L) -> (n, D, L) float32,
-    D's skip term included."""
-    dt = dt * valid[:, None, :].to(dt.dtype)  # padding: no decay, no write
-    y0, final = state._family(module, "mamba_selective_scan")(
-        u, dt, A, B, C, D=module.D.float(), z=None, delta_bias=None, delta_softplus=False,
-        return_last_state=True, use_mambapy=getattr(module, "use_mambapy", False),
-        use_associative_scan=getattr(module, "use_associative_scan", False),
-    )  # fmt: skip
-    log_decay = torch.cumsum(dt.float(), dim=-1)  # (n, D, L), times A below
-    transition = torch.exp(A[None] * log_decay[..., -1:])  # (n, D, N)
-    s_in = state.entering_states(transition, final.float(), ex, torch.mul)  # (n, D, N)
-    decay = torch.exp(A[None, :, None, :] * log_decay[..., None])  # (n, D, L, N)
-    carried = torch.einsum("ndls,nsl,nds->ndl", decay, C.float(), s_in)
-    return y0.float() + carried
+    u and dt (n, H, P, L) (dt after softplus), A (H, P, N), B and C (n, H, N, L), D (H, P)
+    -> (n, H, P, L) float32, D's skip term included."""
+    dt = dt * valid[:, None, None, :].to(dt.dtype)  # padding: no decay, no write
+    scan = state._family(module, "mamba_selective_scan")
+    y0, final = zip(*(
+        scan(u[:, h], dt[:, h], A[h], B[:, h], C[:, h], D=D[h].float(), z=None, delta_bias=None,
+             delta_softplus=False, return_last_state=True,
+             use_mambapy=getattr(module, "use_mambapy", False),
+             use_associative_scan=getattr(module, "use_associative_scan", False))
+        for h in range(u.shape[1])
+    ))  # fmt: skip
+    y0, final = torch.stack(y0, 1).float(), torch.stack(final, 1).float()  # final (n, H, P, N)
+    log_decay = torch.cumsum(dt.float(), dim=-1)  # (n, H, P, L), times A below
+    transition = torch.exp(A[None] * log_decay[..., -1:])  # (n, H, P, N)
+    s_in = state.entering_states(transition, final, ex, torch.mul)  # (n, H, P, N)
+    decay = torch.exp(A[None, :, :, None, :] * log_decay[..., None])  # (n, H, P, L, N)
+    return y0 + torch.einsum("nhpls,nhsl,nhps->nhpl", decay, C.float(), s_in)
 
 
 def mamba1(module, x, valid, ex):
@@ -66,10 +71,33 @@ def mamba1(module, x, valid, ex):
     dt = F.softplus(time_step + module.dt_proj.bias.float().to(time_step.dtype)[:, None])
     A = -torch.exp(module.A_log.float())  # (D, N)
     y = _selective_scan(
-        module, xs.transpose(1, 2), dt, A, B.transpose(1, 2), C.transpose(1, 2), valid, ex
-    )
+        module, xs.transpose(1, 2)[:, None], dt[:, None], A[None], B.transpose(1, 2)[:, None],
+        C.transpose(1, 2)[:, None], module.D[None], valid, ex,
+    )[:, 0]  # fmt: skip
     y = y * F.silu(gate.transpose(1, 2))  # (n, D, L)
     return module.out_proj(y.transpose(1, 2).to(dtype))
+
+
+def zamba_mamba(module, x, valid, ex):
+    """ZambaMambaMixer: Mamba1 in heads, each with its own x_proj, dt_proj, A and D; in_proj's
+    outputs interleave the scan input and the gate channel by channel."""
+    n, length, _ = x.shape
+    heads, width = module.n_mamba_heads, module.mamba_head_dim
+    projected = module.in_proj(x).view(n, length, -1, 2)  # (n, L, D, 2)
+    xs, gate = projected[..., 0], projected[..., 1]
+    xs = state._conv(module, module.conv1d, xs.contiguous(), valid, ex, module.activation)
+    hs = xs.transpose(1, 2).reshape(n, heads, width, length)  # (n, H, P, L)
+    params = (module.x_proj_weight[None] @ hs).transpose(-1, -2)  # (n, H, L, R + 2N)
+    rank, size = module.time_step_rank, module.ssm_state_size
+    time_step, B, C = torch.split(params, [rank, size, size], dim=-1)
+    time_step = module.dt_proj_weight[None] @ time_step.transpose(-1, -2)  # (n, H, P, L)
+    dt = F.softplus(time_step + module.dt_proj_bias.float().to(time_step.dtype)[..., None])
+    A = -torch.exp(module.A_log.float())  # (H, P, N)
+    y = _selective_scan(
+        module, hs, dt, A, B.transpose(-1, -2), C.transpose(-1, -2), module.D, valid, ex
+    )
+    y = y * F.silu(gate.transpose(1, 2).reshape(n, heads, width, length))
+    return module.out_proj(y.reshape(n, heads * width, length).transpose(1, 2).to(x.dtype))
 
 
 # ---- lightning attention (MiniMax) -------------------------------------------------------
@@ -155,6 +183,7 @@ PROGRAMS: dict[str, object] = {
     "MambaMixer": mamba1,
     "FalconMambaMixer": mamba1,
     "JambaMambaMixer": mamba1,
+    "ZambaMambaMixer": zamba_mamba,
     "MiniMaxLightningAttention": lightning,
     "KimiLinearDeltaAttention": kimi_kda,
 }
