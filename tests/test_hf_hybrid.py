@@ -56,6 +56,14 @@ def test_mixer_exact_at_cp3_and_cp4(pools, arch, world_size):
     _check(rows, f"{arch} at CP = {world_size}")
 
 
+def test_mamba1_entering_state_term_in_blocks(pools):
+    """Mamba1's entering-state term computed in blocks (as for runs longer than 512 tokens),
+    each recomputed in the backward: exact as in one block."""
+    cases = [("zigzag", "ring", "packed"), ("contiguous", "ring", "dense")]
+    rows = pools(2).run("workers_hf_hybrid:compare_small_blocks", arch="zamba", cases=cases)[0]
+    _check(rows, "zamba, blocks of 5 tokens, at CP = 2", cases)
+
+
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_deepseek_v4_with_its_router_loss(pools, world_size):
     """DeepSeek-V4 with output_router_logits: the load-balancing loss over the whole sequence

@@ -417,6 +417,18 @@ def compare_cases(
     return rows if rank == 0 else None
 
 
+def compare_small_blocks(rank: int, world_size: int, *, arch: str, cases) -> list | None:
+    """compare_cases with Mamba1's entering-state term in blocks of 5 tokens (512 by default:
+    every test run would be one block), each recomputed in the backward."""
+    from ringattn.integrations.hf.mixers import state_more
+
+    saved, state_more._BLOCK = state_more._BLOCK, 5
+    try:
+        return compare_cases(rank, world_size, arch=arch, cases=cases)
+    finally:
+        state_more._BLOCK = saved
+
+
 def _shift_tokens(module, args, kwargs):
     """A mutation: the mixer's input rows rolled by one token on each rank (every token's state
     entering from the wrong token), run before parallelize's own pre-hook."""

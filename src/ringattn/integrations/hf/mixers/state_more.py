@@ -1,4 +1,5 @@
-"""More "state" programs (state.py): Mamba1's selective scan and MiniMax's lightning attention.
+"""More "state" programs (state.py): Mamba1's selective scan, MiniMax's lightning attention
+and Kimi's delta attention (KDA).
 
 Each re-runs the layer's own parameters on this rank's runs (one right-padded batch row per run),
 computes the recurrence from a zero state, and adds what the entering state contributes, which
@@ -10,19 +11,23 @@ is linear in it:
     lightning attention        S_t = lambda S_(t-1) + k_t^T v_t                (K, V) per head
                                lambda = exp(-slope) per head, A_run = lambda^L
                                y_t += lambda^(t+1) q_t S_in           (t counted from the run start)
+    KDA                        the gated delta rule with a decay per key channel: state.py's
+                               augmented identity, [0 | I], through the family's chunked KDA
 
-The scan itself is the family's own `mamba_selective_scan` (mamba-ssm's selective_scan_fn where
-installed); lightning attention has no function of its own in transformers (its forward loops
-over blocks inline), so its block loop is restated here with the module's own decay buffers.
-Padding rows are identity steps (Mamba1: dt = 0; lightning: k = 0, and the run's final state is
-taken at its last real token), and the entering states come from runs.entering_states, the
-convolution halos from state._conv, as for the programs of state.py.
+The scans are the family's own functions (`mamba_selective_scan`, `chunk_kimi_delta_attention`:
+mamba-ssm's and flash-linear-attention's kernels where installed); lightning attention has no
+function of its own in transformers (its forward loops over blocks inline), so its block loop is
+restated here with the module's own decay buffers. Padding rows are identity steps (Mamba1:
+dt = 0; KDA: g = 0, beta = 0; lightning: k = 0, and the run's final state is taken at its last
+real token). The entering states come from `state.entering_states` and the convolution halos
+from `state._conv`, looked up on that module at call time as its own programs do.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from ringattn.integrations.hf.mixers import state
 
@@ -49,8 +54,25 @@ def _selective_scan(module, u, dt, A, B, C, D, valid, ex):
     log_decay = torch.cumsum(dt.float(), dim=-1)  # (n, H, P, L), times A below
     transition = torch.exp(A[None] * log_decay[..., -1:])  # (n, H, P, N)
     s_in = state.entering_states(transition, final, ex, torch.mul)  # (n, H, P, N)
-    decay = torch.exp(A[None, :, :, None, :] * log_decay[..., None])  # (n, H, P, L, N)
-    return y0 + torch.einsum("nhpls,nhsl,nhps->nhpl", decay, C.float(), s_in)
+    C = C.float()
+    carried = [
+        checkpoint(_carry, A, log_decay[..., a : a + _BLOCK], C[..., a : a + _BLOCK], s_in,
+                   use_reentrant=False)
+        for a in range(0, u.shape[-1], _BLOCK)
+    ]  # fmt: skip
+    return y0 + torch.cat(carried, dim=-1)
+
+
+# tokens per block of the entering state's term: its decay, (D, block, N), is made again in the
+# backward (torch.utils.checkpoint) instead of kept, as mamba-ssm's scan keeps no (D, L, N) either
+_BLOCK = 512
+
+
+def _carry(A, log_decay, C, s_in):
+    """What the entering state adds, sum_s C_t[s] exp(A cumsum(dt)_t)[:, s] S_in[:, s]:
+    A (H, P, N), log_decay (n, H, P, l), C (n, H, N, l), s_in (n, H, P, N) -> (n, H, P, l)."""
+    decay = torch.exp(A[None, :, :, None, :] * log_decay[..., None])  # (n, H, P, l, N)
+    return torch.einsum("nhpls,nhsl,nhps->nhpl", decay, C, s_in)
 
 
 def mamba1(module, x, valid, ex):
