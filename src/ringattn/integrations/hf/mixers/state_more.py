@@ -25,6 +25,8 @@ from `state._conv`, looked up on that module at call time as its own programs do
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
@@ -201,7 +203,7 @@ def kimi_kda(module, x, valid, ex):
 
 
 # class name -> program, added to state.PROGRAMS
-PROGRAMS: dict[str, object] = {
+PROGRAMS: dict[str, Callable] = {
     "MambaMixer": mamba1,
     "FalconMambaMixer": mamba1,
     "JambaMambaMixer": mamba1,
