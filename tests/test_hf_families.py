@@ -33,6 +33,18 @@ def test_listed_family_is_exact_at_cp2(pools, model_type):
     assert row["status"] == "exact", row
 
 
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "minicpm3"])
+def test_mla_with_value_heads_narrower_than_key_heads_is_exact(pools, model_type):
+    """MLA as released (DeepSeek-V3: keys 192 wide, values 128): ringattn.hf pads the values
+    with zero columns for the attention and cuts them off after (the survey's configs have both
+    16 wide)."""
+    row = pools(2).run(
+        "workers_hf_families:variant_case", model_type=model_type, layout="zigzag",
+        kind="packed", v_head_dim=8,
+    )[0]  # fmt: skip
+    assert row["status"] == "exact", row
+
+
 def test_every_listed_family_has_a_test():
     """Walk the allow-list: each family must be on a list that an equivalence test runs.
 

@@ -2,13 +2,15 @@
 
 Each family of issue 46 with a tiny random-weight config (initializer range 0.2): gated DeltaNet
 (Qwen3.5, Qwen3-Next, OLMo-hybrid), Mamba2/SSD (Nemotron-H, Falcon-H1, Granite 4.0 hybrid,
-Bamba, Zamba2, Mamba2), Mamba1 (Jamba, Mamba), short convolutions (LFM2), lightning attention
-(MiniMax) and Zaya's CCA projection (causal convolutions on queries and keys, values from the
-previous token). The loss summed over the CP group equals one process's (relative 1e-5) and the
-summed gradients its gradients (1e-4 of each tensor's largest entry), for the three layouts, one
-document and packed documents (the reference runs each document alone: the state starts from
-zero at each document start). A mutation of the mixers' input is caught, and a module ringattn
-does not know, or a hybrid model given to KV-cache decoding, is refused on every rank.
+Bamba, Zamba2, Mamba2), Mamba1 (Jamba, Mamba, FalconMamba, Zamba), short convolutions (LFM2),
+lightning attention (MiniMax), Kimi delta attention (Kimi Linear, beside MLA attention whose
+value heads are narrower than its key heads) and Zaya's CCA projection (causal convolutions on
+queries and keys, values from the previous token). The loss summed over the CP group equals one
+process's (relative 1e-5) and the summed gradients its gradients (1e-4 of each tensor's largest
+entry), for the three layouts, one document and packed documents (the reference runs each
+document alone: the state starts from zero at each document start). A mutation of the mixers'
+input is caught, and a module ringattn does not know, or a hybrid model given to KV-cache
+decoding, is refused on every rank.
 """
 
 from __future__ import annotations
@@ -22,11 +24,12 @@ from ringattn.layout import LAYOUTS
 LOSS_RTOL, GRAD_RTOL = 1e-5, 1e-4
 FAMILIES = ["qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid", "nemotron_h",
             "falcon_h1", "granitemoehybrid", "bamba", "zamba2", "mamba2", "jamba", "mamba",
-            "falcon_mamba", "lfm2", "minimax", "zaya", "deepseek_v4"]  # fmt: skip
+            "falcon_mamba", "lfm2", "minimax", "zaya", "deepseek_v4", "kimi_linear",
+            "zamba"]  # fmt: skip
 # one family per mixer kind at the larger world sizes (each case is a full forward + backward);
 # the wide ones split their heads at W = 4 and run whole at W = 3
 PER_MIXER = ["qwen3_5_wide", "nemotron_h_wide", "jamba", "lfm2", "minimax", "zaya",
-             "deepseek_v4"]  # fmt: skip
+             "deepseek_v4", "kimi_linear"]  # fmt: skip
 CASES = [(layout, "ring", kind) for layout in LAYOUTS for kind in ("dense", "packed")]
 
 
@@ -53,7 +56,7 @@ def test_mixer_exact_at_cp3_and_cp4(pools, arch, world_size):
     _check(rows, f"{arch} at CP = {world_size}")
 
 
-STATE_AT_8 = ["qwen3_5_text", "bamba", "lfm2"]  # one family per mixer kind with a program
+STATE_AT_8 = ["qwen3_5_text", "bamba", "lfm2", "jamba", "minimax", "kimi_linear"]  # one per kind
 
 
 @pytest.mark.parametrize("arch", STATE_AT_8)
@@ -64,6 +67,14 @@ def test_state_passing_exact_at_cp8(pools, arch):
              ("contiguous", "ring", "dense")]  # fmt: skip
     rows = pools(8).run("workers_hf_hybrid:compare_cases", arch=arch, cases=cases)[0]
     _check(rows, f"{arch} at CP = 8", cases)
+
+
+def test_mamba1_entering_state_term_in_blocks(pools):
+    """Mamba1's entering-state term computed in blocks (as for runs longer than 512 tokens),
+    each recomputed in the backward: exact as in one block."""
+    cases = [("zigzag", "ring", "packed"), ("contiguous", "ring", "dense")]
+    rows = pools(2).run("workers_hf_hybrid:compare_small_blocks", arch="zamba", cases=cases)[0]
+    _check(rows, "zamba, blocks of 5 tokens, at CP = 2", cases)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -79,7 +90,15 @@ def test_deepseek_v4_with_its_router_loss(pools, world_size):
 
 
 GDN, SSD, CONV = "gated DeltaNet", "Mamba2 (SSD)", "short causal convolution"
-LIGHT = "lightning attention"
+CCA = "CCA projection (causal convolution on q/k, v from the previous token)"
+MAMBA1, LIGHTNING, KDA = (
+    "Mamba1 (selective scan)",
+    "lightning attention",
+    "Kimi delta attention (KDA)",
+)
+MAMBA1_STATE = {f"backbone.layers.{i}.mixer": (MAMBA1, "state") for i in (0, 1)}
+ZAMBA_STATE = {f"model.layers.{i}.{'mamba_decoder.' * (i % 2)}mamba": (MAMBA1, "state")
+               for i in range(4)}  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -95,7 +114,14 @@ LIGHT = "lightning attention"
         ("bamba", 2, "zigzag", "heads", {"model.layers.0.mamba": (SSD, "state")}),
         ("lfm2", 2, "contiguous", "auto", {"model.layers.0.conv": (CONV, "state")}),
         ("lfm2", 2, "striped", "heads", {"model.layers.0.conv": (CONV, "state")}),
-        ("minimax", 2, "zigzag", "heads", {"model.layers.0.self_attn": (LIGHT, "whole")}),
+        ("jamba", 2, "zigzag", "auto", {"model.layers.0.mamba": (MAMBA1, "state")}),
+        ("mamba", 3, "contiguous", "auto", MAMBA1_STATE),
+        ("zamba", 2, "zigzag", "auto", ZAMBA_STATE),
+        ("falcon_mamba", 2, "zigzag", "auto", MAMBA1_STATE),
+        ("minimax", 2, "zigzag", "auto", {"model.layers.0.self_attn": (LIGHTNING, "state")}),
+        ("minimax", 2, "striped", "state", {"model.layers.0.self_attn": (LIGHTNING, "state")}),
+        ("zaya", 2, "zigzag", "state", {"model.layers.0.self_attn.qkv": (CCA, "whole")}),
+        ("kimi_linear", 2, "zigzag", "auto", {"model.layers.0.self_attn": (KDA, "state")}),
     ],
 )
 def test_each_mixer_runs_the_scheme_asked_or_the_first_that_is_exact(
@@ -127,12 +153,16 @@ def test_the_other_schemes_stay_exact_when_asked_for(pools, arch, scheme):
 
 
 @pytest.mark.parametrize("what", ["entering_state", "halo"])
-@pytest.mark.parametrize("arch", ["qwen3_5_text", "bamba", "lfm2"])
+@pytest.mark.parametrize(
+    "arch", ["qwen3_5_text", "bamba", "lfm2", "jamba", "minimax", "kimi_linear"]
+)
 def test_a_wrong_entering_state_or_halo_is_caught(pools, arch, what):
     """The state scheme with zero entering states (or zero convolution halos) is far outside
     the gates: the exactness tests would see a scan or halo that went wrong."""
     if arch == "lfm2" and what == "entering_state":
         pytest.skip("a short convolution carries no recurrent state, only its halo")
+    if arch == "minimax" and what == "halo":
+        pytest.skip("lightning attention has no convolution, only its recurrent state")
     rows = pools(2).run("workers_hf_hybrid:mutated_state_errors", arch=arch, what=what)[0]
     ((_, loss, grad, _),) = rows
     assert loss > 100 * LOSS_RTOL or grad > 100 * GRAD_RTOL, (loss, grad)
@@ -145,7 +175,7 @@ def test_a_mutated_mixer_input_is_caught(pools, arch):
     assert loss > 100 * LOSS_RTOL or grad > 100 * GRAD_RTOL, (loss, grad)
 
 
-DECODED = [f for f in FAMILIES if f not in ("minimax", "zamba2", "zaya", "deepseek_v4")]
+DECODED = [f for f in FAMILIES if f not in ("minimax", "zamba2", "zamba", "zaya", "deepseek_v4")]
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]]
 
 
@@ -180,6 +210,7 @@ def test_greedy_decoding_at_cp1_and_cp3(pools, arch, world_size):
         ("conv_leaf", r"Conv1d \(layer 0, module 'model.layers.0.mlp.extra'\) mixes tokens"),
         ("generate", r"MiniMaxLightningAttention .* keeps its lightning-attention cache"),
         ("generate_zamba2", r"model_type='zamba2'\): its shared attention block"),
+        ("generate_zamba", r"model_type='zamba'\): its shared attention block"),
         ("generate_zaya", r"ZayaCCAProjection .* keeps its convolution and delayed-value states"),
         ("generate_deepseek_v4", r"model_type='deepseek_v4'\): its compressed attention layers"),
         ("dropout_deepseek_v4", r"DeepseekV4Attention \(layer 1\): attention dropout 0.1"),
@@ -189,6 +220,7 @@ def test_greedy_decoding_at_cp1_and_cp3(pools, arch, world_size):
         "conv-leaf",
         "generate-minimax",
         "generate-zamba2",
+        "generate-zamba",
         "generate-zaya",
         "generate-deepseek_v4",
         "dropout-deepseek_v4",

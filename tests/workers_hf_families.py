@@ -29,6 +29,17 @@ def family_case(rank: int, world_size: int, *, model_type: str, layout: str, kin
     return survey.compare(reference, got)
 
 
+def variant_case(
+    rank: int, world_size: int, *, model_type: str, layout: str, kind: str, **overrides: object
+) -> dict:
+    """family_case for the family's tiny config with `overrides` (config fields) set."""
+    model = survey.build(model_type, **overrides)
+    reference = survey.reference(model, kind)
+    parallel = ringattn.hf.parallelize(survey._copy(model, model_type), layout=layout)
+    got = survey.cp_case(parallel, kind, layout, dist.group.WORLD)
+    return survey.compare(reference, got)
+
+
 def off_list_case(rank: int, world_size: int, *, model_type: str) -> None:
     """parallelize a tiny Llama whose config says `model_type` (off the list): must raise."""
     import transformers

@@ -126,6 +126,18 @@ def config(arch: str):
             num_mem_blocks=1,
             use_mem_rope=True,
         )
+    if arch == "zamba":  # Mamba1 in 2 heads; a shared attention block on [hidden, embeddings]
+        return tf.ZambaConfig(
+            **common,
+            num_hidden_layers=4,  # two hybrid layers: the block is shared (tied) between them
+            layers_block_type=["mamba", "hybrid", "mamba", "hybrid"],
+            n_mamba_heads=2,
+            mamba_d_state=8,
+            mamba_d_conv=4,
+            mamba_expand=2,
+            mamba_dt_rank=4,
+            attention_head_dim=8,
+        )
     if arch == "jamba":  # Mamba1 + attention + MoE
         return tf.JambaConfig(
             **common,
@@ -140,6 +152,24 @@ def config(arch: str):
             mamba_d_conv=4,
             mamba_expand=1,
             mamba_dt_rank=4,
+        )
+    if arch == "kimi_linear":  # KDA + NoPE MLA attention + MoE
+        return tf.KimiLinearConfig(
+            **{k: v for k, v in common.items() if k != "num_key_value_heads"},
+            num_hidden_layers=2,
+            layer_types=["linear_attention", "full_attention"],
+            mlp_layer_types=["dense", "sparse"],
+            num_key_value_heads=4,
+            kv_lora_rank=16,
+            qk_rope_head_dim=4,
+            qk_nope_head_dim=8,
+            v_head_dim=8,
+            linear_head_dim=8,
+            linear_num_heads=4,
+            linear_conv_kernel_dim=4,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
         )
     if arch == "lfm2":  # short convolutions + attention
         return tf.Lfm2Config(
@@ -394,6 +424,18 @@ def compare_cases(
     return rows if rank == 0 else None
 
 
+def compare_small_blocks(rank: int, world_size: int, *, arch: str, cases) -> list | None:
+    """compare_cases with Mamba1's entering-state term in blocks of 5 tokens (512 by default:
+    every test run would be one block), each recomputed in the backward."""
+    from ringattn.integrations.hf.mixers import state_more
+
+    saved, state_more._BLOCK = state_more._BLOCK, 5
+    try:
+        return compare_cases(rank, world_size, arch=arch, cases=cases)
+    finally:
+        state_more._BLOCK = saved
+
+
 def _shift_tokens(module, args, kwargs):
     """A mutation: the mixer's input rows rolled by one token on each rank (every token's state
     entering from the wrong token), run before parallelize's own pre-hook."""
@@ -471,7 +513,7 @@ def refuse(rank: int, world_size: int, *, what: str) -> None:
         ringattn.hf.parallelize(model).train()
         model(**ringattn.hf.shard_batch(data("packed")))
     elif what.startswith("generate"):
-        arch = {"generate_zamba2": "zamba2", "generate_zaya": "zaya",
+        arch = {"generate_zamba2": "zamba2", "generate_zamba": "zamba", "generate_zaya": "zaya",
                 "generate_deepseek_v4": "deepseek_v4"}.get(what, "minimax")  # fmt: skip
         model = build(arch)
         ringattn.hf.generate(model, torch.tensor([[5, 6, 7, 8, 9]]), 4)

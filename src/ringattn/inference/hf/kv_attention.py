@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+import torch.nn.functional as F
 
 import ringattn
 from ringattn.comm import GroupInfo, all_gather_async, wait
@@ -299,13 +300,18 @@ def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=N
     _check_call(module, query, key, attention_mask, dropout, kwargs)
     left = None if not sliding_window else sliding_window - 1
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    width = value.shape[-1]
+    if key.shape[-1] != width:  # MLA (DeepSeek, Kimi): zero columns on the narrower side, as
+        # ringattn.hf's training attention pads them; the cache holds the padded values
+        wide = max(key.shape[-1], width)
+        query, key, value = (F.pad(t, (0, wide - t.shape[-1])) for t in (query, key, value))
     softcap = kwargs.get("softcap")  # Gemma 2: every layer's scores capped alike
     out, lse = attend(state, module.layer_idx, query, key, value, left, scale, softcap,
                       type(module).__name__)  # fmt: skip
     sinks = kwargs.get("s_aux")
     if sinks is not None:
         out = out.float() * torch.sigmoid(lse - sinks.float().view(1, -1, 1)).unsqueeze(-1)
-    return out.to(query.dtype).transpose(1, 2).contiguous(), None  # (B, S, Hq, D)
+    return out[..., :width].to(query.dtype).transpose(1, 2).contiguous(), None  # (B, S, Hq, D)
 
 
 def register() -> None:

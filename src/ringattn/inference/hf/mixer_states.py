@@ -204,6 +204,7 @@ def _after(module: nn.Module, args: tuple, kwargs: dict, output):
 # families whose decoding the engine does not run (checked by tests/test_hf_hybrid.py)
 DECODE_REFUSED = {
     "zamba2": "its shared attention block runs at several depths under one layer index",
+    "zamba": "its shared attention block runs at several depths, with no layer index of its own",
     "deepseek_v4": (
         "its compressed attention layers keep window buffers, overlap states and pooled entries "
         "in their own cache layers (DeepseekV4CSACache, DeepseekV4HCACache), which ringattn's "

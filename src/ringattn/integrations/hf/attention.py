@@ -41,6 +41,7 @@ import weakref
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 import ringattn
 from ringattn.comm import all_gather_ints, resolve_group
@@ -212,11 +213,17 @@ def ringattn_attention(
             return attend_over(q, k, v, return_lse, context.group, kwargs["cu_seq_lens_q"])
         return _by_segments(attend_over, q, k, v, return_lse, segments)
 
+    width = value.shape[-1]
+    if key.shape[-1] != width:  # MLA (DeepSeek, Kimi): q/k and v head dims differ; zero columns
+        # on the narrower side change no score and no output column, and are cut off after
+        scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+        wide = max(key.shape[-1], width)
+        query, key, value = (F.pad(t, (0, wide - t.shape[-1])) for t in (query, key, value))
     if sinks is None:
         out = attend(query, key, value, False)
     else:
         out = _with_sinks(attend, query, key, value, sinks, scaling)
-    return out.transpose(1, 2).contiguous(), None  # (B, S_local, Hq, D)
+    return out[..., :width].transpose(1, 2).contiguous(), None  # (B, S_local, Hq, D)
 
 
 def _by_segments(attend_over, q, k, v, return_lse, segments):

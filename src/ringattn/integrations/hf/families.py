@@ -59,7 +59,7 @@ EXACT: dict[str, str] = {
     for name in (
         "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid", "nemotron_h",
         "falcon_h1", "granitemoehybrid", "bamba", "zamba2", "mamba2", "jamba", "mamba",
-        "falcon_mamba", "lfm2", "minimax", "zaya",
+        "falcon_mamba", "lfm2", "minimax", "zaya", "kimi_linear", "zamba",
     )
 } | {"deepseek_v4": _WHOLE}  # fmt: skip
 
@@ -82,7 +82,6 @@ REFUSED: dict[str, str] = {
     "doge": "a dense 4-D attention mask",
     "nemotron": "its attention does not pass the batch's document bounds on",
     "stablelm": "its attention does not pass the batch's document bounds on",
-    "kimi_linear": "its KDA layers have not been checked against one process yet",
     "recurrent_gemma": "its RG-LRU recurrence has no context-parallel path in ringattn",
     "lfm3": "its sequence mixers have not been checked against one process yet",
     "bailing_hybrid": "its linear-attention layers have no context-parallel path in ringattn",

@@ -228,6 +228,10 @@ PROGRAMS: dict[str, Callable] = {
     "Lfm2ShortConv": lfm2_short_conv,
     "Lfm2MoeShortConv": lfm2_short_conv,
 }
+# Mamba1 and lightning attention: state_more.py (it builds on this module's helpers)
+from ringattn.integrations.hf.mixers.state_more import PROGRAMS as _MORE
+
+PROGRAMS.update(_MORE)
 
 
 def has_state(module: nn.Module) -> bool:
