@@ -120,7 +120,13 @@ ZAMBA_STATE = {f"model.layers.{i}.{'mamba_decoder.' * (i % 2)}mamba": (MAMBA1, "
         ("falcon_mamba", 2, "zigzag", "auto", MAMBA1_STATE),
         ("minimax", 2, "zigzag", "auto", {"model.layers.0.self_attn": (LIGHTNING, "state")}),
         ("minimax", 2, "striped", "state", {"model.layers.0.self_attn": (LIGHTNING, "state")}),
-        ("zaya", 2, "zigzag", "state", {"model.layers.0.self_attn.qkv": (CCA, "whole")}),
+        (
+            "zaya",
+            2,
+            "zigzag",
+            "state",
+            {f"model.layers.{i}.self_attn.qkv_proj": (CCA, "whole") for i in (0, 1)},
+        ),
         ("kimi_linear", 2, "zigzag", "auto", {"model.layers.0.self_attn": (KDA, "state")}),
     ],
 )
