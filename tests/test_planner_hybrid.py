@@ -111,9 +111,8 @@ def test_heads_divides_the_compute_by_w_and_sends_the_library_bytes(w):
 
 
 def test_auto_prices_state_passing_where_the_library_has_it():
-    """auto is what the library runs: state passing for Mamba2, gated DeltaNet and short
-    convolutions at any cp; a kind without a program (mamba1) heads where it splits, else gather;
-    the library's names are accepted for the planner's."""
+    """auto is what the library runs: state passing for every mixer kind at any cp; the
+    library's names are accepted for the planner's."""
     from ringattn.planner.work import resolve_mixer_scheme
 
     nemotron = MixerShape("mamba2", 8, 48, 64, 2, head_parallel=True)
@@ -123,7 +122,8 @@ def test_auto_prices_state_passing_where_the_library_has_it():
     assert resolve_mixer_scheme(nemotron, "state", 4) == "state_passing"
     assert resolve_mixer_scheme(nemotron, "whole", 4) == "gather"
     jamba = MixerShape("mamba1", 64, 1, 16)
-    assert resolve_mixer_scheme(jamba, "auto", 2) == "gather"
+    assert resolve_mixer_scheme(jamba, "auto", 2) == "state_passing"
+    assert resolve_mixer_scheme(jamba, "whole", 2) == "gather"
 
 
 def test_auto_prices_what_the_library_runs(tmp_path, capsys):
@@ -157,20 +157,6 @@ def test_auto_prices_what_the_library_runs(tmp_path, capsys):
     assert not olmo.mixer.head_parallel
     assert resolve_mixer_scheme(olmo.mixer, "auto", 4) == "state_passing"
     assert resolve_mixer_scheme(olmo.mixer, "heads", 4) == "heads"  # a what-if
-
-
-def test_a_state_what_if_for_mamba1_is_noted(tmp_path, capsys):
-    path = _write(tmp_path, {**BASE, "model_type": "jamba", "attn_layer_period": 2,
-                             "attn_layer_offset": 1, "mamba_d_state": 16, "mamba_d_conv": 4,
-                             "mamba_expand": 2})  # fmt: skip
-    argv = ["plan", "--model", path, "--hardware", "h100", "--gpus", "2", "--cp", "2",
-            "--seq-len", "8192", "--tp", "1", "--pp", "1", "--strategy", "ring", "--layout",
-            "zigzag", "--json"]  # fmt: skip
-    assert main([*argv, "--mixer-scheme", "state"]) == 0
-    (plan,) = json.loads(capsys.readouterr().out)["plans"]
-    assert plan["train_note"] == (
-        "state mixer scheme: a what-if for mamba1, which the library runs whole at cp 2"
-    )
 
 
 def test_qwen35_prices_three_quarters_of_its_layers_as_mixers(tmp_path, capsys):

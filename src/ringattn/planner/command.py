@@ -24,7 +24,7 @@ import shlex
 from ringattn.planner.cost import PlanSpec
 from ringattn.planner.kernels import default_kernel
 from ringattn.planner.schedule import TRAINER_SCHEDULES
-from ringattn.planner.work import LIBRARY_NAMES, STATE_KINDS, resolve_mixer_scheme
+from ringattn.planner.work import LIBRARY_NAMES
 
 __all__ = ["train_command"]
 
@@ -63,12 +63,6 @@ def train_command(spec: PlanSpec) -> tuple[str, str | None]:
     run = spec.mixer_run
     if spec.model.mixer_layers and spec.cp > 1:  # at cp 1 every scheme is the same
         flags += ["--mixer-scheme", LIBRARY_NAMES[run]]
-        kind = spec.model.mixer.kind
-        if run == "state_passing" and kind not in STATE_KINDS:
-            fallback = LIBRARY_NAMES[resolve_mixer_scheme(spec.model.mixer, "auto", spec.cp,
-                                                          spec.tp)]  # fmt: skip
-            notes.append(f"state mixer scheme: a what-if for {kind}, which the library runs "
-                         f"{fallback} at cp {spec.cp}")  # fmt: skip
     if spec.fp8_attention:
         notes.append("fp8 attention: the trainer's attention is bf16")
     if spec.activation_checkpointing:

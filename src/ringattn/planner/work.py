@@ -253,6 +253,7 @@ MIXER_SCHEMES = ("gather", "heads", "state_passing")
                     each token's output (integrations/hf/mixers/state.py); a conv halo of K - 1
                     tokens per run from the previous run's owner. Bytes flat in S. Striped runs
                     are single tokens: an all-to-all lays the tokens out as runs and back.
+                    Every kind here has a program in the library (STATE_KINDS).
 """
 MIXER_CHOICES = ("auto", *MIXER_SCHEMES, "state", "whole")
 """--mixer-scheme: `auto` is what the library runs (state passing for every kind it has a
@@ -260,7 +261,7 @@ program for, STATE_KINDS; else heads where it splits the layer; else gather); `s
 `whole` are the library's names (ringattn.hf.parallelize's mixer_scheme) for state_passing and
 gather."""
 ALIASES = {"state": "state_passing", "whole": "gather"}
-STATE_KINDS = ("gated_deltanet", "mamba2", "short_conv")
+STATE_KINDS = ("gated_deltanet", "mamba2", "mamba1", "short_conv")
 """Mixer kinds the library runs by state passing (integrations/hf/mixers/state.py's PROGRAMS)."""
 LIBRARY_NAMES = {"state_passing": "state", "gather": "whole", "heads": "heads"}
 
@@ -280,8 +281,7 @@ def resolve_mixer_scheme(shape: MixerShape | None, scheme: str, world_size: int,
     """The scheme (MIXER_SCHEMES) a mixer layer of `shape` is priced under for `scheme`
     (MIXER_CHOICES): `auto` -> state_passing for the kinds the library passes states for, else
     heads when the library splits the layer (shape.head_parallel and W divides the key heads),
-    else gather. ValueError for `heads` where the heads do not split. state_passing for a kind
-    the library has no program for is a what-if (train_command notes it)."""
+    else gather. ValueError for `heads` where the heads do not split."""
     if scheme not in MIXER_CHOICES:
         raise ValueError(f"unknown mixer scheme {scheme!r}; choose one of "
                          f"{', '.join(MIXER_CHOICES)}")  # fmt: skip
