@@ -42,7 +42,7 @@ from torch import nn
 import ringattn
 from ringattn.inference.hf.kv_attention import STATE_ATTR, Decode, Extend, Fresh
 from ringattn.integrations.hf.mixers import MIXERS, _known
-from ringattn.integrations.hf.mixers.state import has_state, run_state
+from ringattn.integrations.hf.mixers.passing import has_state, run_state
 from ringattn.layout import get_layout
 from ringattn.sharding import local_placement
 

@@ -28,7 +28,7 @@ from torch import nn
 
 from ringattn.integrations.hf import mixers, moe, vision
 from ringattn.integrations.hf.experts import EXPERTS_ATTR
-from ringattn.integrations.hf.mixers.state import has_state
+from ringattn.integrations.hf.mixers.passing import has_state
 
 __all__ = ["refuse_dynamic"]
 

@@ -3,7 +3,9 @@
 hooks.py   the allow-list of mixer classes, the refusal of any other token mixer, and the
            two forward hooks that run each mixer exactly over the sharded sequence
 choice.py  which scheme each layer runs: state, heads or whole
-state.py   the "state" scheme: each rank its own runs, from states passed between ranks
+passing.py the "state" scheme's entry: which classes have a program, running one
+state.py   its programs for Mamba2, gated DeltaNet and short convolutions (state_more.py:
+           Mamba1, lightning attention, KDA), each rank its own runs from passed states
 runs.py    the runs each rank holds, their halos, and the exchange and fold of their states
 relayout.py  striped rows into zigzag's runs and back, for the state scheme
 heads.py   head-parallel twins: gated DeltaNet and Nemotron-H's Mamba2 split by heads

@@ -14,7 +14,7 @@ from __future__ import annotations
 from torch import nn
 
 from ringattn.integrations.hf.mixers.heads import splits
-from ringattn.integrations.hf.mixers.state import has_state
+from ringattn.integrations.hf.mixers.passing import has_state
 
 __all__ = ["SCHEMES", "check_scheme", "choose"]
 

@@ -65,7 +65,7 @@ from ringattn.integrations.hf.attention import (
 from ringattn.integrations.hf.mixers.choice import choose
 from ringattn.integrations.hf.mixers.comm import gather_rows, scatter_rows
 from ringattn.integrations.hf.mixers.heads import HeadShare
-from ringattn.integrations.hf.mixers.state import run_segments, run_state
+from ringattn.integrations.hf.mixers.passing import run_segments, run_state
 from ringattn.integrations.hf.mixers.whole_attention import (
     WHOLE_ATTENTION,
     check_whole,

@@ -39,8 +39,8 @@ class Move:
 
 def _owners(dst: Placement) -> tuple[torch.Tensor, torch.Tensor]:
     """(S,) the rank holding each global token in `dst`, and its local row there."""
-    owner = torch.full((dst.seq_len,), -1, dtype=torch.int64)
-    row = torch.full((dst.seq_len,), -1, dtype=torch.int64)
+    owner = torch.full((dst.seq_len,), -1, dtype=torch.int64, device="cpu")
+    row = torch.full((dst.seq_len,), -1, dtype=torch.int64, device="cpu")
     for d in range(dst.world_size):
         held = dst.global_indices(d)
         real = torch.nonzero(held >= 0).flatten()

@@ -104,7 +104,8 @@ class Runs:
                 for i, (r, k, _, _) in enumerate(parts):
                     if r == self.rank:
                         rows[k] = self._window(parts, i, width)
-            self.memo[key] = torch.tensor(rows, dtype=torch.int64).reshape(self.rows, width)
+            host = torch.tensor(rows, dtype=torch.int64, device="cpu")
+            self.memo[key] = host.reshape(self.rows, width)
         return self.memo[key]
 
     def end_index(self, width: int) -> dict[int, torch.Tensor]:
@@ -112,7 +113,7 @@ class Runs:
         key = ("end", width)
         if key not in self.memo:
             self.memo[key] = {
-                doc: torch.tensor(self._window(parts, len(parts), width), dtype=torch.int64)
+                doc: torch.tensor(self._window(parts, len(parts), width), device="cpu")
                 for doc, parts in self.documents().items()
             }
         return self.memo[key]
@@ -167,9 +168,9 @@ def runs_of(placement: Placement, rank: int) -> Runs:
 def _row_index(runs: Runs) -> torch.Tensor:
     """(rows, L_max) int64 on the host: the local row of each run's token, -1 for padding."""
     if "rows" not in runs.memo:
-        index = torch.full((runs.rows, runs.longest), -1, dtype=torch.int64)
+        index = torch.full((runs.rows, runs.longest), -1, dtype=torch.int64, device="cpu")
         for i, (start, length) in enumerate(runs.local):
-            index[i, :length] = torch.arange(start, start + length)
+            index[i, :length] = torch.arange(start, start + length, device="cpu")
         runs.memo["rows"] = index
     return runs.memo["rows"]
 

@@ -39,20 +39,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ringattn.comm import GroupInfo, resolve_group
-from ringattn.integrations.hf.mixers.relayout import move_rows, moved_bytes, plan_move
 from ringattn.integrations.hf.mixers.runs import (
     Exchange,
     entering_states,
-    from_runs,
     halos,
     keep_conv,
-    runs_of,
-    to_runs,
 )
-from ringattn.layout import get_layout
-from ringattn.packing import Placement, place
-from ringattn.sharding import local_placement
 
 
 def _family(module: nn.Module, name: str) -> Callable:
@@ -213,8 +205,7 @@ def lfm2_short_conv(module, x, valid, ex):
     return module.out_proj(y.contiguous())
 
 
-# class name -> (n_runs, L, hidden) runs -> (n_runs, L, hidden) outputs, from entering states
-PROGRAMS: dict[str, Callable] = {
+PROGRAMS: dict[str, Callable] = {  # this module's; passing.py adds state_more.py's
     "Mamba2Mixer": mamba2,
     "NemotronHMamba2Mixer": mamba2,
     "FalconH1Mixer": mamba2,
@@ -228,53 +219,3 @@ PROGRAMS: dict[str, Callable] = {
     "Lfm2ShortConv": lfm2_short_conv,
     "Lfm2MoeShortConv": lfm2_short_conv,
 }
-# Mamba1 and lightning attention: state_more.py (it builds on this module's helpers)
-from ringattn.integrations.hf.mixers.state_more import PROGRAMS as _MORE
-
-PROGRAMS.update(_MORE)
-
-
-def has_state(module: nn.Module) -> bool:
-    """True when `module`'s class runs by state passing."""
-    return type(module).__name__ in PROGRAMS
-
-
-def run_state(
-    module: nn.Module, x: torch.Tensor, placement: Placement, info: GroupInfo, keep: bool = False
-) -> tuple[torch.Tensor, Exchange]:
-    """(S_local, H) this rank's rows -> (S_local, H) the layer's outputs by state passing, and
-    the call's Exchange (bytes sent; with `keep`, each document's final states). A striped
-    layout's rows go to the zigzag placement of the same documents and back (relayout.py)."""
-    runs_placement = placement
-    if any(run.stride != 1 for runs in placement.runs for run in runs):
-        runs_placement = place(get_layout("zigzag"), info.world_size, placement.bounds)
-        there = plan_move(placement, runs_placement, info.rank)
-        back = plan_move(runs_placement, placement, info.rank)
-        x = move_rows(x, there, info)
-    exchange = Exchange(runs_of(runs_placement, info.rank), info, keep=keep)
-    rows, valid = to_runs(x, exchange.runs)  # (n_runs, L, H)
-    y = PROGRAMS[type(module).__name__](module, rows, valid, exchange)
-    out = from_runs(y, exchange.runs, runs_placement.local_len)
-    if runs_placement is placement:
-        return out, exchange
-    row_bytes = x.shape[-1] * x.element_size()
-    exchange.sent += moved_bytes(there, row_bytes, info.rank) + moved_bytes(
-        back, row_bytes, info.rank
-    )
-    return move_rows(out, back, info), exchange
-
-
-def run_segments(module: nn.Module, x: torch.Tensor, segments: list, layout: str) -> torch.Tensor:
-    """Dynamic CP: (S_local, H) rows, pieces end to end, each over its own sub-group and
-    documents (models/segments.py) -> the layer's outputs, each piece by state passing over its
-    group (every member runs the same pieces in the same order, as attention's)."""
-    outs = []
-    for seg in segments:
-        info = resolve_group(seg.group)
-        rows = x[seg.start : seg.stop]
-        placement = local_placement(get_layout(layout), info, rows.shape[0], list(seg.cu_seqlens))
-        outs.append(run_state(module, rows, placement, info)[0])
-    if sum(o.shape[0] for o in outs) != x.shape[0]:
-        raise ValueError(f"ringattn_segments cover {sum(o.shape[0] for o in outs)} rows, the "
-                         f"batch has {x.shape[0]}")  # fmt: skip
-    return torch.cat(outs)

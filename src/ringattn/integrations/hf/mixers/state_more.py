@@ -98,6 +98,8 @@ def mamba1(module, x, valid, ex):
         module, xs.transpose(1, 2)[:, None], dt[:, None], A[None], B.transpose(1, 2)[:, None],
         C.transpose(1, 2)[:, None], module.D[None], valid, ex,
     )[:, 0]  # fmt: skip
+    for doc, final in ex.finals.items():  # a prefill's: transformers' cache holds (D, N)
+        ex.finals[doc] = final[0]
     y = y * F.silu(gate.transpose(1, 2))  # (n, D, L)
     return module.out_proj(y.transpose(1, 2).to(dtype))
 
@@ -202,7 +204,7 @@ def kimi_kda(module, x, valid, ex):
     return module.o_proj(module.o_norm(core, gate).reshape(n, length, -1))
 
 
-# class name -> program, added to state.PROGRAMS
+# class name -> program (passing.py merges these with state.py's)
 PROGRAMS: dict[str, Callable] = {
     "MambaMixer": mamba1,
     "FalconMambaMixer": mamba1,
