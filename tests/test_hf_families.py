@@ -89,3 +89,29 @@ def test_a_family_off_the_list_is_refused_on_every_rank(pools, model_type, match
         "workers_hf_families:off_list_case", model_type=model_type, match=match,
         exc_type=ValueError,
     )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("config", "other_modality"),
+    [("DbrxConfig", False), ("MptConfig", False), ("LlamaConfig", False),
+     ("LlavaConfig", True), ("Qwen2VLConfig", True)],
+)  # fmt: skip
+def test_decoder_sub_configs_are_no_other_modality(config, other_modality):
+    """DBRX's attn_config / ffn_config and MPT's attn_config configure the text decoder's own
+    layers: such a model is a text model, refused or accepted by families.py for its own reason,
+    never as a vision-language model."""
+    import transformers
+
+    from ringattn.integrations.hf import vision
+
+    assert vision.has_other_modality(getattr(transformers, config)()) is other_modality
+
+
+def test_mpt_is_refused_for_its_attention(pools):
+    """MPT's own tiny model (MptForCausalLM): refused on every rank because its attention does
+    not go through AttentionInterface (what the survey saw with the list lifted), not as a VLM."""
+    pools(2).run_expect_error(
+        "workers_hf_families:refused_case", model_type="mpt", exc_type=ValueError,
+        match=r"model_type='mpt'\) is refused by ringattn.hf: its attention does not go through "
+              r"transformers' AttentionInterface",
+    )  # fmt: skip

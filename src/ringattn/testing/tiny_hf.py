@@ -40,6 +40,8 @@ from collections.abc import Callable
 
 import torch
 
+from ringattn.integrations.hf import vision
+
 HIDDEN = 64
 HEADS = 4
 HEAD_DIM = 16
@@ -310,7 +312,7 @@ def describe(config: object) -> str:
     experts = next((getattr(text, n) for n in _EXPERTS if getattr(text, n, None)), None)
     if experts:
         parts.append(f"{experts} experts")
-    if any(key != "text_config" for key in getattr(config, "sub_configs", {}) or {}):
+    if vision.has_other_modality(config):
         parts.append("vision tower kept")
     return ", ".join(parts)
 
