@@ -94,10 +94,13 @@ def tiny_config(model_type: str):
     settings = SETTINGS.get(model_type, {})
     config = tiny_hf.tiny_config(defaults, settings)
     nope, rope = (getattr(config, n, None) for n in ("qk_nope_head_dim", "qk_rope_head_dim"))
-    if isinstance(nope, int) and isinstance(rope, int) and config.v_head_dim != nope + rope:
-        # ringattn.hf takes k and v of one width and refuses MLA's unequal ones (DeepSeek-V3:
+    mla = isinstance(nope, int) and isinstance(rope, int)
+    qk = nope + rope if mla else getattr(config, "head_dim", None)
+    v = getattr(config, "v_head_dim", None)
+    if isinstance(qk, int) and isinstance(v, int) and v != qk:
+        # ringattn.hf takes k and v of one width and refuses unequal ones (DeepSeek-V3's MLA:
         # 192 vs 128) with a ValueError; the survey checks the rest of the family at v = qk
-        config = tiny_hf.tiny_config(defaults, {**settings, "v_head_dim": nope + rope})
+        config = tiny_hf.tiny_config(defaults, {**settings, "v_head_dim": qk})
     return config
 
 
