@@ -171,6 +171,7 @@ def test_tiny_config_keeps_the_layer_pattern(model_type, overrides, key, expecte
         # equal to v as in GLM-4.7-Flash (256, 256)
         ("deepseek_v3", {"qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16}),
         ("glm4_moe_lite", {"qk_nope_head_dim": 24, "qk_rope_head_dim": 8, "v_head_dim": 32}),
+        ("mimo_v2_flash", {"head_dim": 16, "v_head_dim": 11}),  # 192 vs 128, scaled together
     ],
 )  # fmt: skip
 def test_tiny_config_shrinks_the_older_field_names(model_type, expected):

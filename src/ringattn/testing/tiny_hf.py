@@ -118,29 +118,33 @@ def _width(name: str, value: int) -> int | None:
     return None
 
 
-def _shrink_mla(d: dict) -> None:
-    """MLA's three widths scaled together (rope part -> HEAD_DIM / 2), so that qk = nope + rope
-    equals v where the full model's do (GLM-4.7-Flash: 256 = 256) and differs where they differ
-    (DeepSeek-V3: 192 vs 128)."""
-    names = ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
-    if all(isinstance(d.get(n), int) and d[n] > 0 for n in names):
-        scale = max(1, d["qk_rope_head_dim"] // (HEAD_DIM // 2))
-        for name in names:
-            d[name] = max(1, d[name] // scale)
+_MLA = ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+
+
+def _shrink_value_width(d: dict, full: dict) -> None:
+    """v's width scaled with q and k's, so that it equals theirs where the full model's does
+    and differs where it differs: MLA's three widths together (rope part -> HEAD_DIM / 2;
+    GLM-4.7-Flash: qk 256 = v 256, DeepSeek-V3: 192 vs 128), or v_head_dim with head_dim
+    (MiMo-V2-Flash: 192 vs 128 -> 16 vs 11)."""
+    if all(isinstance(full.get(n), int) and full[n] > 0 for n in _MLA):
+        scale = max(1, full["qk_rope_head_dim"] // (HEAD_DIM // 2))
+        for name in _MLA:
+            d[name] = max(1, full[name] // scale)
+    elif all(isinstance(full.get(n), int) and full[n] > 0 for n in ("head_dim", "v_head_dim")):
+        d["v_head_dim"] = max(1, round(full["v_head_dim"] * d["head_dim"] / full["head_dim"]))
 
 
 def _shrink_widths(d: dict) -> None:
     # MLA (DeepSeek): head_dim is the rotary part's width, and must stay so
     rotary_head = d.get("head_dim") is not None and d.get("head_dim") == d.get("qk_rope_head_dim")
-    mla = {n: d[n] for n in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim") if n in d}
+    full = dict(d)
     for name, value in list(d.items()):
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             continue
         new = _width(name, value)
         if new is not None and not _is_heads(name):
             d[name] = min(value, new) if name not in _HIDDEN_NAMES else new
-    d.update(mla)
-    _shrink_mla(d)
+    _shrink_value_width(d, full)
     if rotary_head:
         d["head_dim"] = d["qk_rope_head_dim"]
 
