@@ -1,5 +1,5 @@
-"""TRL's SFTTrainer with ringattn's context parallelism: packed chats, assistant-only loss, any
-sliding window, launched like any Trainer script.
+"""TRL's SFTTrainer with ringattn's context parallelism: packed chats, loss on the assistant's
+turns, any sliding window, launched like any Trainer script.
 
     torchrun --standalone --nproc-per-node 2 examples/trl_sft_context_parallel.py         # cp 2
     torchrun --standalone --nproc-per-node 4 examples/trl_sft_context_parallel.py --cp 2  # 2 x 2
@@ -12,6 +12,11 @@ with gloo in seconds; `--model DIR` is any local causal-LM directory with a chat
 tokenizer, `--data FILE` a .jsonl of {"messages": [{"role": ..., "content": ...}, ...]} rows. The
 only lines that differ from a plain SFTTrainer script are marked `# ringattn`. Everything else
 (DDP or FSDP, gradient accumulation, checkpoints, logging) is the Trainer's.
+
+The loss covers the assistant's turns only. TRL's `assistant_only_loss` needs a chat template that
+marks them with `{% generation %}`; most templates (SmolLM2's ChatML, Llama's) have no markers,
+so for those each chat becomes one prompt-completion row per assistant turn (the turns before it
+are the prompt) and TRL's `completion_only_loss` supervises the completions: the same tokens.
 """
 
 from __future__ import annotations
@@ -67,6 +72,32 @@ def tiny_chats(n: int = 64) -> datasets.Dataset:
     return datasets.Dataset.from_list(rows)
 
 
+def loss_on_assistant_turns(tokenizer, data: datasets.Dataset) -> tuple[datasets.Dataset, dict]:
+    """(dataset, SFTConfig keywords) putting the loss on the assistant's turns (see the top)."""
+    from trl.chat_template_utils import has_generation_markers
+
+    if has_generation_markers(tokenizer.chat_template or ""):
+        return data, {"assistant_only_loss": True}
+    rows = [
+        {"prompt": messages[:i], "completion": [message]}
+        for messages in data["messages"]
+        for i, message in enumerate(messages)
+        if message["role"] == "assistant" and i > 0
+    ]
+    if not rows:
+        raise ValueError(
+            f"none of the {len(data)} chats has an assistant turn after its first message, so "
+            f"there is nothing to train on; give chats of user and assistant turns"
+        )
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(
+            "[example] the chat template has no {% generation %} markers: completion-only loss, "
+            f"one prompt-completion row per assistant turn ({len(rows)} rows)",
+            flush=True,
+        )
+    return datasets.Dataset.from_list(rows), {"completion_only_loss": True}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="a local causal-LM directory (default: a tiny Llama)")
@@ -90,10 +121,11 @@ def main() -> None:
     data = (
         datasets.load_dataset("json", data_files=args.data)["train"] if args.data else tiny_chats()
     )
+    data, loss = loss_on_assistant_turns(tokenizer, data)
     config = trl.SFTConfig(
         output_dir=args.out, max_steps=args.steps, per_device_train_batch_size=args.batch_size,
         learning_rate=1e-3, logging_steps=1, report_to="none", save_strategy="no",
-        packing=True, max_length=args.max_length, assistant_only_loss=True,
+        packing=True, max_length=args.max_length, **loss,
         use_cpu=not torch.cuda.is_available(), bf16=torch.cuda.is_available(),
     )  # fmt: skip
     peft_config = None

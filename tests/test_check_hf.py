@@ -155,3 +155,28 @@ def test_tiny_config_keeps_the_layer_pattern(model_type, overrides, key, expecte
     assert tiny.hidden_size == tiny_hf.HIDDEN and tiny.vocab_size == tiny_hf.VOCAB
     assert tiny.initializer_range == tiny_hf.INIT_RANGE
     json.dumps(tiny.to_dict())  # a plain config: it saves and loads like any other
+
+
+@pytest.mark.parametrize(
+    ("model_type", "expected"),
+    [
+        ("gpt2", {"n_embd": tiny_hf.HIDDEN, "n_layer": 2, "n_head": tiny_hf.HEADS}),
+        ("bart", {"d_model": tiny_hf.HIDDEN, "encoder_layers": 2, "decoder_layers": 2,
+                  "encoder_ffn_dim": tiny_hf.FFN}),
+        ("xlnet", {"d_model": tiny_hf.HIDDEN, "d_head": tiny_hf.HEAD_DIM, "n_layer": 2,
+                   "d_inner": tiny_hf.FFN}),  # its own check: d_head = d_model / n_head
+        ("gemma4_text", {"num_hidden_layers": 6}),  # its per_layer_config keyed "05", "11"...
+        ("hunyuan_v1_dense", {"head_dim": tiny_hf.HEAD_DIM}),  # None by default
+        # MLA's widths scaled together: qk = nope + rope unlike v as in DeepSeek-V3 (192, 128),
+        # equal to v as in GLM-4.7-Flash (256, 256)
+        ("deepseek_v3", {"qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16}),
+        ("glm4_moe_lite", {"qk_nope_head_dim": 24, "qk_rope_head_dim": 8, "v_head_dim": 32}),
+        ("mimo_v2_flash", {"head_dim": 16, "v_head_dim": 11}),  # 192 vs 128, scaled together
+    ],
+)  # fmt: skip
+def test_tiny_config_shrinks_the_older_field_names(model_type, expected):
+    """The names the family survey shrinks too (one shrinker for both): widths that do not say
+    _size or _dim, an encoder's layer count, layer-keyed dicts; the tiny config then builds."""
+    tiny = tiny_hf.tiny_config(tf.AutoConfig.for_model(model_type))
+    assert {key: getattr(tiny, key) for key in expected} == expected
+    tiny_hf.build(tiny)

@@ -101,3 +101,77 @@ def test_a_family_off_the_list_is_refused_on_every_rank(pools, model_type, match
         "workers_hf_families:off_list_case", model_type=model_type, match=match,
         exc_type=ValueError,
     )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("config", "other_modality"),
+    [("DbrxConfig", False), ("MptConfig", False), ("LlamaConfig", False),
+     ("LlavaConfig", True), ("Qwen2VLConfig", True)],
+)  # fmt: skip
+def test_decoder_sub_configs_are_no_other_modality(config, other_modality):
+    """DBRX's attn_config / ffn_config and MPT's attn_config configure the text decoder's own
+    layers: such a model is a text model, refused or accepted by families.py for its own reason,
+    never as a vision-language model."""
+    import transformers
+
+    from ringattn.integrations.hf import vision
+
+    assert vision.has_other_modality(getattr(transformers, config)()) is other_modality
+
+
+def test_mpt_is_refused_for_its_attention(pools):
+    """MPT's own tiny model (MptForCausalLM): refused on every rank because its attention does
+    not go through AttentionInterface (what the survey saw with the list lifted), not as a VLM."""
+    pools(2).run_expect_error(
+        "workers_hf_families:refused_case", model_type="mpt", exc_type=ValueError,
+        match=r"model_type='mpt'\) is refused by ringattn.hf: its attention does not go through "
+              r"transformers' AttentionInterface",
+    )  # fmt: skip
+
+
+def _survey() -> dict:
+    import json
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "results" / "family_survey.json"
+    return json.loads(path.read_text())
+
+
+def test_every_refusal_in_the_survey_names_the_reason_of_the_lists():
+    """results/family_survey.json: each family the survey saw refused by the lists was refused
+    with the reason they give it (families.REFUSED for a text model, vision.py's for a VLM), and
+    one on neither list with the message for its kind: a text model (DBRX, MPT) is never refused
+    as a vision-language one. A refusal by ringattn's own checks (Llama 4's chunked attention)
+    never meets a family listed as exact. DBRX is exact; MPT refused for its attention."""
+    import re
+
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from ringattn.integrations.hf import vision
+
+    found = _survey()
+    assert found["families"]["dbrx"]["status"] == "exact"
+    problems = []
+    for key, row in found["families"].items():
+        if row["status"] != "refused":
+            continue
+        for case, outcome in row["cases"].items():
+            if outcome["status"] != "refused":
+                continue
+            error = outcome["error"]
+            named = re.search(r"\(config\.model_type='([^']+)'\)", error)
+            if named is None:  # a check inside parallelize, before the lists
+                if key in EXACT or CONFIG_MAPPING[key]().get_text_config().model_type in EXACT:
+                    problems.append(f"{key} {case}: listed as exact, refused: {error}")
+                continue
+            model_type = named.group(1)
+            reason = REFUSED.get(model_type) or vision._REFUSED.get(model_type)
+            if reason is None:  # on neither list: refused for its kind
+                multimodal = vision.has_other_modality(CONFIG_MAPPING[key]())
+                reason = ("has not been checked against one device" if multimodal
+                          else "is not on ringattn.hf's list")  # fmt: skip
+            if reason not in error:
+                problems.append(f"{key} {case}: {error!r} does not name {reason!r}")
+    assert not problems, "\n".join(problems)
+    mpt = found["families"]["mpt"]["cases"]["zigzag/dense"]
+    assert mpt["status"] == "refused" and REFUSED["mpt"] in mpt["error"]

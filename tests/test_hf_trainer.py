@@ -339,3 +339,77 @@ def test_example_runs_launched(tmp_path, launcher):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "[example] world 2 = dp 1 x cp 2; losses [" in proc.stdout, proc.stdout[-2000:]
     transformers.AutoModelForCausalLM.from_pretrained(out)
+
+
+# SmolLM2's ChatML template, verbatim: no {% generation %} markers, as most templates
+SMOLLM2_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
+    "Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + "
+    "message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def _example_module():
+    import importlib.util
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = os.path.join(root, "examples", "trl_sft_context_parallel.py")
+    spec = importlib.util.spec_from_file_location("trl_sft_context_parallel", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_example_loss_on_assistant_turns_without_markers():
+    """Without markers each assistant turn is one prompt-completion row (the turns before it as
+    the prompt) and TRL's completion-only loss is asked for; with markers the chats stay whole."""
+    example = _example_module()
+    chats = example.tiny_chats(3)  # 1, 2 and 3 assistant turns
+    _, tokenizer = example.tiny_model_and_tokenizer()
+    marked = example.loss_on_assistant_turns(tokenizer, chats)
+    assert marked == (chats, {"assistant_only_loss": True})
+    tokenizer.chat_template = SMOLLM2_TEMPLATE
+    rows, loss = example.loss_on_assistant_turns(tokenizer, chats)
+    assert loss == {"completion_only_loss": True}
+    assert len(rows) == 6
+    last = chats[2]["messages"]
+    assert rows[5]["prompt"] == last[:6] and rows[5]["completion"] == [last[6]]
+    assert all(r["completion"][0]["role"] == "assistant" for r in rows)
+    with pytest.raises(ValueError, match="none of the 1 chats has an assistant turn"):
+        one = [{"messages": [{"role": "user", "content": "hi"}]}]
+        example.loss_on_assistant_turns(tokenizer, example.datasets.Dataset.from_list(one))
+
+
+def test_example_runs_with_a_chatml_template_without_markers(tmp_path):
+    """--model DIR whose tokenizer has SmolLM2's template (no markers): the example says it falls
+    back to completion-only loss, trains 2 steps at cp 2 under torchrun, and saves."""
+    import os
+    import subprocess
+    import sys
+
+    example = _example_module()
+    model, tokenizer = example.tiny_model_and_tokenizer()
+    tokenizer.chat_template = SMOLLM2_TEMPLATE
+    model_dir, out = str(tmp_path / "model"), str(tmp_path / "out")
+    model.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.join(root, "src")}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+               os.path.join(root, "examples", "trl_sft_context_parallel.py"),
+               "--model", model_dir, "--steps", "2", "--out", out]  # fmt: skip
+    proc = subprocess.run(
+        command, env=env, capture_output=True, text=True, timeout=600, check=False
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    said = [line for line in proc.stdout.splitlines() if "no {% generation %} markers" in line]
+    assert said == [
+        (
+            "[example] the chat template has no {% generation %} markers: completion-only loss, "
+            "one prompt-completion row per assistant turn (127 rows)"  # 64 chats of 1-3 turns
+        )
+    ], proc.stdout[-2000:]
+    assert "[example] world 2 = dp 1 x cp 2; losses [" in proc.stdout, proc.stdout[-2000:]

@@ -12,11 +12,11 @@ import copy
 import torch
 import torch.distributed as dist
 from torch._dynamo.backends.registry import lookup_backend
-from torch.distributed.device_mesh import init_device_mesh
 
 import ringattn
 import ringattn.hf
 import workers_hf as hf
+from ringattn.comm import group_cache
 from ringattn.integrations.hf import attention as hf_attention
 from ringattn.models.config import ModelConfig
 from ringattn.models.decoder import Transformer, set_context_parallel
@@ -44,15 +44,10 @@ def graph_breaks(fn, *args, **kwargs) -> tuple[int, list[str]]:
     return report.graph_break_count, [str(r.reason)[:300] for r in report.break_reasons]
 
 
-_SOLO: list = []
-
-
 def solo_group() -> dist.ProcessGroup:
     """A group of this rank alone: the one-process reference (None would mean the world)."""
-    if not _SOLO:
-        groups = [dist.new_group([r]) for r in range(dist.get_world_size())]  # collective
-        _SOLO.append(groups[dist.get_rank()])
-    return _SOLO[0]
+    groups = [group_cache.new_group([r]) for r in range(dist.get_world_size())]  # collective
+    return groups[dist.get_rank()]
 
 
 def _summed_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -264,17 +259,12 @@ def hf_layouts_case(
     return breaks, reasons, rows
 
 
-_MESHES: dict = {}
-
-
 def _group(strategy: str):
     """The default group, or for "hybrid" a 2-D ("ring", "ulysses") mesh of the world."""
     if strategy != "hybrid":
         return None
-    if "hybrid" not in _MESHES:
-        shape = (dist.get_world_size() // 2, 2)
-        _MESHES["hybrid"] = init_device_mesh("cpu", shape, mesh_dim_names=("ring", "ulysses"))
-    return _MESHES["hybrid"]
+    shape = (dist.get_world_size() // 2, 2)
+    return group_cache.device_mesh("cpu", shape, ("ring", "ulysses"))  # once per pool process
 
 
 def padding_mask_case(rank, world_size, *, strategy="ring", zero_on_rank=-1, compiled=False):

@@ -6,7 +6,7 @@ import torch
 
 import ringattn.hf
 import workers_hf
-from ringattn.comm import resolve_group
+from ringattn.comm import group_cache, resolve_group
 from ringattn.inference.hf.batching import GREEDY, Request
 from ringattn.inference.hf.generate import NonFiniteLogits, decode_loop
 from ringattn.inference.session import TurnStats
@@ -47,11 +47,9 @@ def tensor_parallel(rank: int, world_size: int, arch: str, prompts: list, new: i
     """cp = W / tp ranks x tp: a ragged greedy batch and a follow-up turn; this rank's cache."""
     import copy
 
-    from torch.distributed.device_mesh import init_device_mesh
-
     from ringattn.integrations.hf.tensor_parallel import tensor_parallel as split
 
-    mesh = init_device_mesh("cpu", (world_size // tp, tp), mesh_dim_names=("cp", "tp"))
+    mesh = group_cache.device_mesh("cpu", (world_size // tp, tp), ("cp", "tp"))
     model = split(copy.deepcopy(workers_hf.build(arch)), mesh["tp"])
     cp, tp_group = mesh["cp"].get_group(), mesh["tp"].get_group()
     out, stats = ringattn.hf.generate(

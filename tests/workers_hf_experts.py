@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 import ringattn.hf
+from ringattn.comm import group_cache
 from ringattn.integrations.hf.experts import EXPERTS_ATTR
 from workers_hf import VOCAB, data
 from workers_hf_moe import build
@@ -31,7 +32,7 @@ def _blocks(size: int) -> object:
         return dist.group.WORLD
     mine = None
     for start in range(0, world, size):
-        group = dist.new_group(list(range(start, start + size)))
+        group = group_cache.new_group(range(start, start + size))  # once per pool process
         if start <= rank < start + size:
             mine = group
     return mine

@@ -40,6 +40,11 @@ def variant_case(
     return survey.compare(reference, got)
 
 
+def refused_case(rank: int, world_size: int, *, model_type: str) -> None:
+    """parallelize the family's own tiny model (the survey's build): must raise its reason."""
+    ringattn.hf.parallelize(survey.build(model_type), group=dist.group.WORLD)
+
+
 def off_list_case(rank: int, world_size: int, *, model_type: str) -> None:
     """parallelize a tiny Llama whose config says `model_type` (off the list): must raise."""
     import transformers

@@ -4,12 +4,13 @@
     PYTHONPATH=src python scripts/tools/family_survey.py --families llama opt
 
 For each model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES: a tiny config (the config class's
-defaults shrunk by field name, layer patterns cut to one layer of each kind, plus FIXES below),
-seeded random float32 weights (constant tensors such as norms get noise too, so they matter),
-then four cases at cp 2 (gloo): layouts zigzag and contiguous x a dense one-document batch and a
-packed batch (documents 11, 1, 18, 7 by position_ids restarting at 0). The reference is the same
-model in one process with eager attention: the whole sequence (dense), or each document run alone,
-its loss sum taken over the whole batch's supervised-token count (packed). The gates are those of
+defaults through ringattn.testing.tiny_hf, the shrinker `ringattn check --hf` uses, with the
+family's SETTINGS below), seeded random float32 weights (constant tensors such as norms get noise
+too, so they matter), then four cases at cp 2 (gloo): layouts zigzag and contiguous x a dense
+one-document batch and a packed batch (documents 11, 1, 18, 7 by position_ids restarting at 0).
+The reference is the same model in one process with eager attention: the whole sequence (dense),
+or each document run alone, its loss sum taken over the whole batch's supervised-token count
+(packed). The gates are those of
 tests/workers_hf.py: loss relative error <= 1e-5; every gradient's max error <= 1e-4 x that
 tensor's max |entry| (the CP side's loss and gradients summed over the ranks).
 
@@ -43,8 +44,6 @@ import torch
 
 DOCS = (11, 1, 18, 7)  # a one-token document, and one longer than every sliding window
 SEQ_LEN = sum(DOCS)
-VOCAB = 128
-WINDOW = 6
 LAYOUTS = ("zigzag", "contiguous")
 KINDS = ("dense", "packed")
 LOSS_TOL, GRAD_TOL = 1e-5, 1e-4
@@ -54,47 +53,11 @@ LOSS_TOL, GRAD_TOL = 1e-5, 1e-4
 ZERO_GRAD = 1e-3
 GROUP_TIMEOUT_S = 30
 
-# int fields by name -> tiny value (None: keep); the generic part of the shrinking
-_HIDDEN = ("hidden_size", "d_model", "n_embd", "n_embed", "embed_dim", "emb_dim", "embedding_size",
-           "word_embed_proj_dim", "attention_hidden_size", "lru_width", "input_embedding_size",
-           "output_embedding_size", "dim")  # fmt: skip
-_LAYERS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "decoder_layers",
-           "encoder_layers", "num_decoder_layers", "num_encoder_layers")  # fmt: skip
-_HEADS = ("num_attention_heads", "n_head", "n_heads", "num_heads", "decoder_attention_heads",
-          "encoder_attention_heads", "num_decoder_attention_heads", "num_encoder_attention_heads",
-          "attention_heads", "swa_num_attention_heads", "index_n_heads")  # fmt: skip
-_KV_HEADS = ("num_key_value_heads", "num_kv_heads", "num_query_groups", "swa_num_key_value_heads",
-             "multi_query_group_num")  # fmt: skip
-_SIZES = {
-    **dict.fromkeys(("head_dim", "attention_head_dim", "kv_channels", "d_head", "dim_head",
-                     "attention_head_size", "swa_head_dim", "index_head_dim", "qk_head_dim",
-                     "v_head_dim", "kv_lora_rank", "o_lora_rank", "linear_head_dim"), 16),
-    **dict.fromkeys(("qk_rope_head_dim", "qk_nope_head_dim"), 8),
-    "q_lora_rank": 32,
-    **dict.fromkeys(("intermediate_size", "ffn_dim", "n_inner", "decoder_ffn_dim",
-                     "encoder_ffn_dim", "d_ff", "dff", "dim_ff", "ffn_hidden_size", "d_inner",
-                     "feed_forward_size", "intermediate_size_mlp", "dense_intermediate_size"), 64),
-    **dict.fromkeys(("moe_intermediate_size", "shared_expert_intermediate_size",
-                     "shared_experts_intermediate_size", "shared_intermediate_size",
-                     "moe_shared_expert_intermediate_size", "expert_ffn_hidden_size"), 32),
-    **dict.fromkeys(("vocab_size", "unpadded_vocab_size", "decoder_vocab_size",
-                     "vocab_size_per_layer_input"), VOCAB),
-    **dict.fromkeys(("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len",
-                     "max_target_positions", "max_source_positions"), 128),
-    "hidden_size_per_layer_input": 8,
-}  # fmt: skip
-_AT_MOST = {
-    **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"), 4),
-    **dict.fromkeys(("num_experts_per_tok", "num_experts_per_token", "moe_topk", "moe_k",
-                     "top_k"), 2),
-    **dict.fromkeys(("n_shared_experts", "num_shared_experts", "moe_num_shared_experts",
-                     "n_group", "num_expert_group", "topk_group", "first_k_dense_replace"), 1),
-}  # fmt: skip
-_WINDOWS = ("sliding_window", "sliding_window_size", "attention_window_size", "window_size",
-            "local_attention_window_len")  # fmt: skip
-
-# per-family fixes applied after the generic shrinking: {model_type: {field: value}}
-FIXES: dict[str, dict] = {
+# A family's own settings, set on its tiny config before it is rebuilt: where its default config
+# is no working model (dots1 has no experts, nemotron no kv heads, cohere_compass_text no RoPE for
+# its layer type, DBRX's attn_config no rope_theta), and where the survey wants a feature to
+# matter at the tiny scale (attention softcapping at 0.3: at 50 it would not change a score)
+SETTINGS: dict[str, dict] = {
     "big_bird": {"attention_type": "original_full"},  # block-sparse needs long sequences
     "reformer": {
         "is_decoder": True,
@@ -107,9 +70,6 @@ FIXES: dict[str, dict] = {
         "attn_config": {"kv_n_heads": 2, "attn_pdrop": 0.0, "rope_theta": 10000.0, "clip_qkv": 8.0},
         "ffn_config": {"ffn_hidden_size": 64, "moe_num_experts": 4, "moe_top_k": 2},
     },
-    "gemma3n_text": {"num_kv_shared_layers": 0},
-    # attention logit softcapping at the scale of the tiny model's scores (50 would not matter;
-    # 0.3 moves gemma2's gradients by 39 % of scale, far outside the gates)
     "gemma2": {"attn_logit_softcapping": 0.3},
     "vaultgemma": {"attn_logit_softcapping": 0.3},
     "dots1": {
@@ -124,133 +84,24 @@ FIXES: dict[str, dict] = {
 }
 
 
-def _layer_count(d: dict) -> int | None:
-    for key in _LAYERS:
-        if isinstance(d.get(key), int) and d[key] > 0:
-            return d[key]
-    return None
-
-
-def _pick_layers(d: dict, layers: int) -> list[int]:
-    """The layers to keep: the first of each kind in every per-layer list (at least 2)."""
-    keep = {0}
-    for value in d.values():
-        if isinstance(value, (list, str)) and len(value) == layers and layers > 1:
-            seen = {}
-            for i, kind in enumerate(value):
-                seen.setdefault(repr(kind), i)
-            keep |= set(seen.values())
-        elif isinstance(value, dict) and _layer_keys(value, layers):
-            keep |= set(_layer_keys(value, layers)[:1])
-        elif _is_index_list(value, layers):
-            keep.add(value[0])
-            outside = [i for i in range(layers) if i not in value]
-            keep |= set(outside[:1])
-    if len(keep) < 2:
-        keep.add(1)
-    return sorted(keep)
-
-
-def _is_index_list(value: object, layers: int) -> bool:
-    return (isinstance(value, list) and 0 < len(value) < layers
-            and all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < layers
-                    for i in value))  # fmt: skip
-
-
-def _layer_keys(value: dict, layers: int) -> list[int]:
-    """A dict keyed by layer index (per_layer_config: ints or "05"), its indices; else []."""
-    keys = [int(k) if isinstance(k, int) or (isinstance(k, str) and k.isdigit()) else -1
-            for k in value]  # fmt: skip
-    return keys if keys and all(0 <= k < layers for k in keys) else []
-
-
-def shrink(d: dict) -> dict:
-    """A tiny version of one config's dict (sub-configs shrunk recursively)."""
-    d = dict(d)
-    layers = _layer_count(d)
-    keep = _pick_layers(d, layers) if layers else None
-    heads = next((d[k] for k in _HEADS if isinstance(d.get(k), int)), None)
-    for key, value in list(d.items()):
-        if isinstance(value, dict) and "model_type" in value:
-            d[key] = shrink(value)
-            continue
-        if keep is not None and isinstance(value, (list, str)) and len(value) == layers:
-            picked = [value[i] for i in keep]
-            d[key] = "".join(picked) if isinstance(value, str) else picked
-            continue
-        if keep is not None and isinstance(value, dict) and _layer_keys(value, layers):
-            d[key] = {
-                _like(k, keep.index(i)): shrink(value[k])
-                if isinstance(value[k], dict)
-                else value[k]
-                for k, i in zip(value, _layer_keys(value, layers))
-                if i in keep
-            }
-            continue
-        if keep is not None and _is_index_list(value, layers):
-            d[key] = [keep.index(i) for i in value if i in keep]
-            continue
-        if isinstance(value, bool):
-            continue
-        if isinstance(value, float) and ("dropout" in key or "pdrop" in key or "jitter" in key
-                                         or key.endswith("layerdrop")):  # fmt: skip
-            d[key] = 0.0
-        elif key in ("initializer_range", "init_std", "embedding_initializer_range"):
-            d[key] = 0.1
-        elif not isinstance(value, int):
-            continue
-        elif key in _HIDDEN:
-            d[key] = 64
-        elif key in _LAYERS:
-            d[key] = len(keep) if keep else 2
-        elif key in _HEADS:
-            d[key] = 4
-        elif key in _KV_HEADS:
-            d[key] = value if value == 1 else (2 if heads and value < heads else 4)
-        elif key in _SIZES:
-            d[key] = _SIZES[key]
-        elif key in _AT_MOST:
-            d[key] = min(value, _AT_MOST[key])
-        elif key in _WINDOWS:
-            d[key] = WINDOW
-        elif key.endswith(("token_id", "token_index")) and value >= VOCAB:
-            d[key] = VOCAB - 1 - sum(map(ord, key)) % 28  # ids 100..127, never in the data
-    if "qk_rope_head_dim" in d and "head_dim" in d:  # MLA: RoPE covers qk_rope_head_dim only
-        d["head_dim"] = d["qk_rope_head_dim"]
-    if "head_dim" in d and d["head_dim"] is None and heads:
-        d["head_dim"] = 16
-    if isinstance(d.get("rotary_dim"), int):
-        d["rotary_dim"] = 8
-    experts = any(isinstance(d.get(k), int) and d[k] > 1 for k in _AT_MOST if "experts" in k)
-    if experts and "num_experts_per_tok" in d and d["num_experts_per_tok"] is None:
-        d["num_experts_per_tok"] = 2
-    for key in ("eos_token_id", "bos_token_id", "pad_token_id"):
-        if isinstance(d.get(key), list):
-            d[key] = [i if i < VOCAB else VOCAB - 1 for i in d[key]]
-    rope = d.get("rope_parameters") or d.get("rope_scaling")
-    if isinstance(rope, dict) and "mrope_section" in rope:
-        rope["mrope_section"] = [2, 3, 3]  # sums to head_dim / 2
-    d["output_router_logits"] = False
-    d["use_cache"] = False
-    return d
-
-
-def _like(key: object, index: int) -> object:
-    return index if isinstance(key, int) else str(index).zfill(len(key))
-
-
 def tiny_config(model_type: str):
+    """The family's default config through ringattn.testing.tiny_hf, with its SETTINGS."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    cls = CONFIG_MAPPING[model_type]
-    try:
-        defaults = cls().to_dict()
-    except Exception:  # defaults that do not validate: start from the fix table alone
-        defaults = {"model_type": model_type}
-    d = shrink(defaults)
-    d.update(FIXES.get(model_type, {}))
-    d.pop("transformers_version", None)
-    return cls.from_dict(d)
+    from ringattn.testing import tiny_hf
+
+    defaults = CONFIG_MAPPING[model_type]()  # defaults that do not validate: build-failed
+    settings = SETTINGS.get(model_type, {})
+    config = tiny_hf.tiny_config(defaults, settings)
+    nope, rope = (getattr(config, n, None) for n in ("qk_nope_head_dim", "qk_rope_head_dim"))
+    mla = isinstance(nope, int) and isinstance(rope, int)
+    qk = nope + rope if mla else getattr(config, "head_dim", None)
+    v = getattr(config, "v_head_dim", None)
+    if isinstance(qk, int) and isinstance(v, int) and v != qk:
+        # ringattn.hf takes k and v of one width and refuses unequal ones (DeepSeek-V3's MLA:
+        # 192 vs 128) with a ValueError; the survey checks the rest of the family at v = qk
+        config = tiny_hf.tiny_config(defaults, {**settings, "v_head_dim": qk})
+    return config
 
 
 def build(model_type: str, **overrides: object) -> torch.nn.Module:

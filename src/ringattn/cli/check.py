@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from ringattn.api import STRATEGIES, attention, positions, shard
+from ringattn.comm import group_cache
 from ringattn.kernels import BACKENDS
 from ringattn.layout import LAYOUTS
 from ringattn.runtime.launch import LaunchError, init_distributed, launch, running_under_torchrun
@@ -40,9 +41,6 @@ HEAD_SHAPES = {"MHA": (4, 4), "GQA": (4, 2), "MQA": (4, 1)}
 QUANTITIES = ("out", "lse", "dq", "dk", "dv")
 DTYPES = ("float64", "float32", "bfloat16", "float16")
 STATUSES = ("PASS", "FAIL", "N/A", "SKIP")
-_MESHES: dict[
-    tuple, object
-] = {}  # one DeviceMesh per shape per process: creating one is a collective
 
 
 @dataclass
@@ -169,15 +167,10 @@ def _run_case(cfg, row: Row, full, expected, baseline, dtype, device, group) -> 
 def _hybrid_mesh(device: torch.device, world_size: int, num_heads: int):
     """A ("ulysses", "ring") DeviceMesh: the ulysses size divides the heads, the shape is as square
     as that allows (ties go to the larger ulysses size, which communicates less)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
     sizes = [u for u in range(1, world_size + 1) if world_size % u == 0 and num_heads % u == 0]
     ulysses = min(sizes, key=lambda u: (abs(u - world_size // u), -u))
     shape = (ulysses, world_size // ulysses)
-    key = (device.type, shape)
-    if key not in _MESHES:
-        _MESHES[key] = init_device_mesh(device.type, shape, mesh_dim_names=("ulysses", "ring"))
-    return _MESHES[key]
+    return group_cache.device_mesh(device.type, shape, ("ulysses", "ring"))  # once per process
 
 
 def _baseline(full, expected: ref.Result, causal: bool) -> dict[str, ref.Errors]:

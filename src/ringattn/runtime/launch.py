@@ -21,7 +21,7 @@ Nothing listens beyond loopback. torchrun's c10d rendezvous and the workers' env
 TCPStores, which bind every interface, unauthenticated. A local launch needs neither: the agent
 rendezvouses through a FileStore in a private run directory (mode 0700), the ranks join their
 process group through another file there, and gloo is pinned to the loopback interface. Multi-node
-runs use torchrun itself (its rendezvous, documented in docs/cluster.md).
+runs use torchrun itself (its rendezvous, documented in docs/cluster-faults.md).
 
 A rank that freezes (stopped, hung) is named within `stall_s` seconds: see heartbeat.py (and
 peer_heartbeat.py under torchrun). A SIGTERM to the launcher is forwarded by the agent to every

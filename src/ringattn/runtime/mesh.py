@@ -38,6 +38,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ringattn.comm import group_cache
+
 __all__ = [
     "DIMS",
     "Mesh",
@@ -122,8 +124,6 @@ def build_mesh(
     dp, cp = degrees(world_size, dp, cp, tp, pp)
     if not dist.is_initialized():
         return Mesh(1, 1, 0, 0, None, None)
-    from torch.distributed.device_mesh import init_device_mesh
-
     if ulysses:
         if cp % ulysses:
             raise ValueError(f"--ulysses {ulysses} does not divide cp={cp}; pick a divisor of {cp}")
@@ -132,7 +132,7 @@ def build_mesh(
     else:
         cp_dims, shape = ("cp",), (pp, dp, cp, tp)
     names = ("pp", "dp", *cp_dims, "tp")
-    mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
+    mesh = group_cache.device_mesh(device.type, shape, names)  # once per process
     cp_group = mesh[cp_dims]
     if ulysses:
         cp_rank = mesh.get_local_rank("ring") * ulysses + mesh.get_local_rank("ulysses")

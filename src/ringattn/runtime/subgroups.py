@@ -1,16 +1,19 @@
 """Dynamic CP's sub-groups of every cp row, created once at start-up and reused every step.
 
 `new_group` is collective over the whole world and slow (a rendezvous per group), so all of them
-are made when the run is built: for every dp row d and every size g = 1, 2, 4, ..., cp, the
-aligned blocks j = 0 .. cp/g - 1 of ranks d*cp + j*g .. d*cp + j*g + g - 1 (schedule.py's
-groups). Size cp is the mesh's own cp group. Every rank calls `new_group` for every group, in
-the same order, as torch.distributed requires; a rank keeps the handles of the groups it is in.
+are made when the run is built, and once per process (comm/group_cache.py keeps them for the next
+run): for every dp row d and every size g = 1, 2, 4, ..., cp, the aligned blocks
+j = 0 .. cp/g - 1 of ranks d*cp + j*g .. d*cp + j*g + g - 1 (schedule.py's groups). Size cp is
+the mesh's own cp group. Every rank calls `new_group` for every group, in the same order, as
+torch.distributed requires; a rank keeps the handles of the groups it is in.
 With one process every group is None (attention runs locally).
 """
 
 from __future__ import annotations
 
 import torch.distributed as dist
+
+from ringattn.comm import group_cache
 
 __all__ = ["SubGroups", "build_sub_groups", "sizes_of"]
 
@@ -52,7 +55,7 @@ def build_sub_groups(dp: int, cp: int, cp_group: object, cp_rank: int) -> SubGro
         for d in range(dp):
             for j in range(cp // g):
                 ranks = list(range(d * cp + j * g, d * cp + j * g + g))
-                group = dist.new_group(ranks)
+                group = group_cache.new_group(ranks)
                 if me in ranks:
                     mine[g] = group
     return SubGroups(cp_rank, mine)

@@ -1,7 +1,8 @@
 """A transformers config shrunk to a tiny width, keeping what makes the model what it is.
 
 `ringattn check --hf` runs a real model family through context parallelism on a CPU in seconds,
-so it takes the family's config and keeps its *structure* while dropping its *size*:
+and the family survey (scripts/tools/family_survey.py) every family transformers registers, so
+both take the family's config and keep its *structure* while dropping its *size*:
 
     kept                                        shrunk
     ----                                        ------
@@ -17,14 +18,11 @@ so it takes the family's config and keeps its *structure* while dropping its *si
                                                 windows (sliding, chunked attention) -> 8
                                                   tokens: shorter than the documents checked
 
-1. Layers. Each layer gets a signature: its entry in every per-layer list (a list of length
-   num_hidden_layers), whether it is in every layer-index list (increasing ints below that
-   count), and where it falls in every period (jamba's `attn_layer_period`/`_offset`,
-   `decoder_sparse_step`, `first_k_dense_replace`...). The kept layers are the shortest prefix
-   that shows every signature (at least 2 layers), and the lists are re-indexed to them.
+1. Layers: the shortest prefix that shows every kind of layer (tiny_layers.py).
 2. Widths. Every int whose name says it is a width (`*_size`, `*_dim`, `*heads`, `*_rank`,
-   `*state*`) is set to a small value by its kind; names that are not widths (kernels, patches,
-   windows, chunks, blocks, positions) keep theirs.
+   `*state*`, and the older names: GPT-2's `n_embd`, BART's `d_model`, `d_ff`, `d_head`...) is
+   set to a small value by its kind; names that are not widths (kernels, patches, windows,
+   chunks, blocks, positions) keep theirs.
 3. Constraints. A short table of fixes restores what the config's own checks need
    (`FIXES`: a Mamba layer's heads x head dim = expand x hidden, a multimodal RoPE's sections
    summing to half the head dim, ...), keyed by the fields present rather than by family.
@@ -40,6 +38,9 @@ from collections.abc import Callable
 
 import torch
 
+from ringattn.integrations.hf import vision
+from ringattn.testing.tiny_layers import LAYER_COUNTS, keep_layers
+
 HIDDEN = 64
 HEADS = 4
 HEAD_DIM = 16
@@ -48,86 +49,29 @@ RANK = 16
 WINDOW = 8
 _WINDOWS = ("sliding_window", "attention_chunk_size")
 VOCAB = 256
-MAX_LAYERS = 8
 MAX_EXPERTS = 16
 INIT_RANGE = 0.1
 """initializer_range of the tiny model: large enough that every layer changes the loss."""
 SPECIAL_IDS = 16
 """The top ids of the tiny vocabulary are kept for special tokens (image, pad, bos, eos...)."""
 
-_LAYER_COUNTS = ("num_hidden_layers", "num_layers", "n_layer", "depth")
-_LAYER_LISTS = ("layer_types", "layers_block_type", "hybrid_override_pattern")
 _NOT_WIDTH = re.compile(
     r"conv|kernel|patch|chunk|window|block_size|merge|position|image_size|cache|temporal|"
     r"vocab|batch|max_|bucket|num_labels|multiple_of"
 )
+# widths by name where the name does not say "_size" or "_dim" (GPT-2's n_embd, BART's d_model)
+_HIDDEN_NAMES = ("hidden_size", "d_model", "n_embd", "n_embed", "embed_dim", "emb_dim",
+                 "embedding_size", "word_embed_proj_dim", "lru_width", "input_embedding_size",
+                 "output_embedding_size", "dim")  # fmt: skip
+_FFN_NAMES = ("d_ff", "n_inner", "dff", "dim_ff", "d_inner", "feed_forward_size")
+_HEAD_DIM_NAMES = ("d_head", "dim_head", "attention_head_size")
+_VOCABS = ("vocab_size", "unpadded_vocab_size", "decoder_vocab_size", "vocab_size_per_layer_input")
 _EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 _TOP_K = ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "top_k")
 
 
 def _is_heads(name: str) -> bool:
     return name.endswith("heads") or name in ("n_head", "num_query_groups")
-
-
-def _signatures(d: dict, count: int, per_layer: list[str], indexed: list[str]) -> list[tuple]:
-    """One hashable signature per layer (module docstring, step 1)."""
-    periods = []
-    for name, value in d.items():
-        if not isinstance(value, int) or isinstance(value, bool) or value < 2:
-            continue
-        if name.endswith("_period"):
-            offset = d.get(name.removesuffix("_period") + "_offset", 0) or 0
-            periods.append(lambda i, p=value, o=offset: i % p == o % p)
-        elif name.endswith(("_step", "_interval", "_freq")):
-            periods.append(lambda i, p=value: (i + 1) % p == 0)
-    if isinstance(d.get("first_k_dense_replace"), int):
-        periods.append(lambda i, k=d["first_k_dense_replace"]: i >= k)
-    sets = [set(d[name]) for name in indexed]
-    return [
-        (
-            tuple(repr(d[name][i]) for name in per_layer),
-            tuple(i in s for s in sets),
-            tuple(f(i) for f in periods),
-        )
-        for i in range(count)
-    ]
-
-
-def _keep_layers(d: dict) -> None:
-    """Cut the layers to the shortest prefix showing each kind of layer, in place."""
-    key = next((k for k in _LAYER_COUNTS if isinstance(d.get(k), int)), None)
-    if key is not None:
-        count = d[key]
-    else:  # Nemotron-H: the count is a property, the length of its layer list
-        lists = [d[k] for k in _LAYER_LISTS if isinstance(d.get(k), (list, str))]
-        if not lists:
-            return
-        count = len(lists[0])
-    per_layer, indexed = [], []
-    for name, value in d.items():
-        if isinstance(value, (list, str)) and len(value) == count and name != key:
-            if isinstance(value, str) and "pattern" not in name:
-                continue  # a string of that length by chance, not a per-layer pattern
-            items = list(value)
-            if all(isinstance(x, int) for x in items) and items == sorted(set(items)):
-                indexed.append(name)  # 0..count-1: an index list and a per-layer list alike
-            else:
-                per_layer.append(name)
-        elif (isinstance(value, list) and value and all(isinstance(x, int) for x in value)
-              and value == sorted(set(value)) and value[-1] < count
-              and re.search(r"layer|idx|indices|ids|indexes", name)):  # fmt: skip
-            indexed.append(name)
-    signatures = _signatures(d, count, per_layer, indexed)
-    first_seen = sorted({s: i for i, s in reversed(list(enumerate(signatures)))}.values())
-    prefix = max(first_seen[-1] + 1 if first_seen else 1, min(2, count))  # 2: layers compose
-    keep = list(range(prefix)) if prefix <= MAX_LAYERS else first_seen
-    if key is not None:
-        d[key] = len(keep)
-    for name in per_layer:
-        kept = [d[name][i] for i in keep]
-        d[name] = "".join(kept) if isinstance(d[name], str) else kept
-    for name in indexed:
-        d[name] = [keep.index(i) for i in d[name] if i in keep]
 
 
 def _shrink_heads(d: dict) -> None:
@@ -151,15 +95,19 @@ def _shrink_heads(d: dict) -> None:
 
 def _width(name: str, value: int) -> int | None:
     """The tiny value of one int field, or None to keep it (module docstring, step 2)."""
-    if name == "hidden_size":
+    if name in _HIDDEN_NAMES:
         return HIDDEN
     if _NOT_WIDTH.search(name):
         return None
-    if "intermediate" in name or "ffn" in name or name in ("d_ff", "n_inner"):
+    if "intermediate" in name or "ffn" in name or name in _FFN_NAMES:
         return FFN
-    if "rope" in name and "dim" in name:
+    if ("rope" in name or "rotary" in name) and "dim" in name:
         return HEAD_DIM // 2
-    if "head_dim" in name or name.endswith(("_d_head", "headdim", "kv_channels")):
+    if (
+        "head_dim" in name
+        or name in _HEAD_DIM_NAMES
+        or name.endswith(("_d_head", "headdim", "kv_channels"))
+    ):
         return HEAD_DIM
     if "state" in name and name.endswith(("_size", "_state", "_dim")):
         return RANK
@@ -170,15 +118,33 @@ def _width(name: str, value: int) -> int | None:
     return None
 
 
+_MLA = ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+
+
+def _shrink_value_width(d: dict, full: dict) -> None:
+    """v's width scaled with q and k's, so that it equals theirs where the full model's does
+    and differs where it differs: MLA's three widths together (rope part -> HEAD_DIM / 2;
+    GLM-4.7-Flash: qk 256 = v 256, DeepSeek-V3: 192 vs 128), or v_head_dim with head_dim
+    (MiMo-V2-Flash: 192 vs 128 -> 16 vs 11)."""
+    if all(isinstance(full.get(n), int) and full[n] > 0 for n in _MLA):
+        scale = max(1, full["qk_rope_head_dim"] // (HEAD_DIM // 2))
+        for name in _MLA:
+            d[name] = max(1, full[name] // scale)
+    elif all(isinstance(full.get(n), int) and full[n] > 0 for n in ("head_dim", "v_head_dim")):
+        d["v_head_dim"] = max(1, round(full["v_head_dim"] * d["head_dim"] / full["head_dim"]))
+
+
 def _shrink_widths(d: dict) -> None:
     # MLA (DeepSeek): head_dim is the rotary part's width, and must stay so
     rotary_head = d.get("head_dim") is not None and d.get("head_dim") == d.get("qk_rope_head_dim")
+    full = dict(d)
     for name, value in list(d.items()):
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             continue
         new = _width(name, value)
         if new is not None and not _is_heads(name):
-            d[name] = min(value, new) if name != "hidden_size" else new
+            d[name] = min(value, new) if name not in _HIDDEN_NAMES else new
+    _shrink_value_width(d, full)
     if rotary_head:
         d["head_dim"] = d["qk_rope_head_dim"]
 
@@ -245,10 +211,25 @@ def _fix_misc(d: dict) -> None:
         d["out_hidden_size"] = HIDDEN
     if "attention_hidden_size" in d and isinstance(d["attention_hidden_size"], int):  # Zamba2
         d["attention_hidden_size"] = 2 * HIDDEN
+    if "head_dim" in d and d["head_dim"] is None and d.get("num_attention_heads"):
+        d["head_dim"] = HEAD_DIM  # Hunyuan, Ministral: None, which their attention cannot take
+    if isinstance(d.get("hidden_size_per_layer_input"), int) and d["hidden_size_per_layer_input"]:
+        d["hidden_size_per_layer_input"] = HEAD_DIM // 2  # Gemma 3n's per-layer embeddings
+    if isinstance(d.get("num_kv_shared_layers"), int):  # the cut layers no longer share caches
+        d["num_kv_shared_layers"] = 0
+    experts = any(isinstance(d.get(n), int) and d[n] > 1 for n in _EXPERTS)
+    if experts and "num_experts_per_tok" in d and d["num_experts_per_tok"] is None:
+        d["num_experts_per_tok"] = 2
 
 
 FIXES: tuple[Callable[[dict], None], ...] = (_fix_mamba, _fix_rope, _fix_misc)
 """Applied to every (sub-)config dict after the generic shrinking, in order."""
+
+
+def _shrink_entry(d: dict) -> None:
+    """A layer's own overrides (Gemma 4's per_layer_config entries): heads and widths only."""
+    _shrink_heads(d)
+    _shrink_widths(d)
 
 
 def _shrink(d: dict) -> dict:
@@ -256,24 +237,26 @@ def _shrink(d: dict) -> dict:
     for value in d.values():
         if isinstance(value, dict) and "model_type" in value:
             _shrink(value)
-    _keep_layers(d)
+    keep_layers(d, _shrink_entry)
     _shrink_heads(d)
     _shrink_widths(d)
     _shrink_experts(d)
     for fix in FIXES:
         fix(d)
     for name, value in list(d.items()):
-        if ("dropout" in name or "jitter" in name) and isinstance(value, float):
+        if isinstance(value, float) and re.search(r"dropout|pdrop|jitter|layerdrop$", name):
             d[name] = 0.0
     for name in _WINDOWS:
         if isinstance(d.get(name), int) and d[name] > WINDOW:
             d[name] = WINDOW
-    if "initializer_range" in d:
-        d["initializer_range"] = INIT_RANGE
+    for name in ("initializer_range", "init_std", "embedding_initializer_range"):
+        if isinstance(d.get(name), float):
+            d[name] = INIT_RANGE
     if "output_router_logits" in d:  # a batch-wide loss term: the reference runs per document
         d["output_router_logits"] = False
-    if isinstance(d.get("vocab_size"), int):
-        d["vocab_size"] = VOCAB
+    for name in _VOCABS:
+        if isinstance(d.get(name), int):
+            d[name] = VOCAB
     return d
 
 
@@ -289,10 +272,15 @@ def _special_ids(d: dict, taken: dict[int, int]) -> None:
                 d[name] = new if isinstance(value, list) else new[0]
 
 
-def tiny_config(config: object) -> object:
-    """A tiny copy of a transformers `config` (module docstring); the config itself is unchanged."""
+def tiny_config(config: object, overrides: dict | None = None) -> object:
+    """A tiny copy of a transformers `config` (module docstring); the config itself is unchanged.
+
+    `overrides` {field: value} are set on the shrunk dict before the config's class rebuilds it
+    (a sub-config as a dict): a caller's own choices, such as a family whose default config is
+    no working model (the family survey's SETTINGS)."""
     d = _shrink(config.to_dict())
     _special_ids(d, {})
+    d.update(overrides or {})
     tiny = type(config).from_dict(d)
     tiny.use_cache = False
     return tiny
@@ -301,7 +289,7 @@ def tiny_config(config: object) -> object:
 def describe(config: object) -> str:
     """One line: model type, width, layers and their kinds, experts."""
     text = config.get_text_config()
-    count = next((getattr(text, k) for k in _LAYER_COUNTS if hasattr(text, k)), "?")
+    count = next((getattr(text, k) for k in LAYER_COUNTS if hasattr(text, k)), "?")
     kinds = next((getattr(text, k) for k in ("layer_types", "layers_block_type")
                   if isinstance(getattr(text, k, None), list)), None)  # fmt: skip
     parts = [f"{config.model_type}: hidden {getattr(text, 'hidden_size', '?')}, {count} layers"]
@@ -310,7 +298,7 @@ def describe(config: object) -> str:
     experts = next((getattr(text, n) for n in _EXPERTS if getattr(text, n, None)), None)
     if experts:
         parts.append(f"{experts} experts")
-    if any(key != "text_config" for key in getattr(config, "sub_configs", {}) or {}):
+    if vision.has_other_modality(config):
         parts.append("vision tower kept")
     return ", ".join(parts)
 

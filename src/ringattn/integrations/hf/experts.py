@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ringattn.comm import GroupInfo, exchange_counts, exchange_rows, resolve_group
+from ringattn.comm import GroupInfo, exchange_counts, exchange_rows, group_cache, resolve_group
 
 __all__ = ["EXPERTS_ATTR", "ExpertShard", "check_ep", "experts_modules", "shard_experts",
            "split_experts"]  # fmt: skip
@@ -139,10 +139,9 @@ def split_experts(model: torch.nn.Module, ep: int, device: torch.device) -> obje
     if ep == 1:
         return None
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
 
     world = dist.get_world_size()
-    mesh = init_device_mesh(device.type, (world // ep, ep), mesh_dim_names=("edp", "ep"))
+    mesh = group_cache.device_mesh(device.type, (world // ep, ep), ("edp", "ep"))
     shard_experts(model, mesh["ep"])
     return mesh["ep"]
 

@@ -41,18 +41,18 @@ EXACT: dict[str, str] = {
     for name in (
         "afmoe", "apertus", "arcee", "aria_text", "axk1", "beam", "bert", "bert-generation",
         "biogpt", "bitnet", "cohere", "cohere2", "cohere2_moe", "cohere_compass_text", "ctrl",
-        "cwm", "deepseek_v2", "deepseek_v3", "diffllama", "dots1", "electra", "emu3_text_model",
-        "ernie", "ernie4_5", "ernie4_5_moe", "exaone4", "exaone_moe", "flex_olmo", "flint", "fuyu",
-        "gemma", "gemma2", "gemma3_text", "gemma3n_text", "gemma4_text", "gemma4_unified_text",
-        "glm", "glm4", "glm4_moe", "glm4_moe_lite", "gpt2", "gpt_bigcode", "gpt_neox",
-        "gpt_oss", "granite", "granite_swa", "granitemoe", "granitemoe_swa",
-        "granitemoeshared", "helium", "hrm_text", "hunyuan_v1_dense", "hunyuan_v1_moe", "hy_v3",
-        "hyperclovax", "internlm3", "iquestcoder", "jais2", "jetmoe", "kolibri1", "laguna",
-        "llama", "longcat_flash", "mellum", "mimo_v2_flash", "minicpm3", "minimax_m2",
-        "minimax_m3_vl_text", "ministral", "ministral3", "mistral", "mixtral", "mllama_text_model",
-        "modernbert-decoder", "nanochat", "olmo", "olmo2", "olmo3", "olmoe", "opt", "persimmon",
-        "phi", "phi3", "phimoe", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "roc_bert", "seed_oss",
-        "smollm3", "solar_open", "starcoder2", "vaultgemma", "youtu",
+        "cwm", "dbrx", "deepseek_v2", "deepseek_v3", "diffllama", "dots1", "electra",
+        "emu3_text_model", "ernie", "ernie4_5", "ernie4_5_moe", "exaone4", "exaone_moe",
+        "flex_olmo", "flint", "fuyu", "gemma", "gemma2", "gemma3_text", "gemma3n_text",
+        "gemma4_text", "gemma4_unified_text", "glm", "glm4", "glm4_moe", "glm4_moe_lite", "gpt2",
+        "gpt_bigcode", "gpt_neox", "gpt_oss", "granite", "granite_swa", "granitemoe",
+        "granitemoe_swa", "granitemoeshared", "helium", "hrm_text", "hunyuan_v1_dense",
+        "hunyuan_v1_moe", "hy_v3", "hyperclovax", "internlm3", "iquestcoder", "jais2", "jetmoe",
+        "kolibri1", "laguna", "llama", "longcat_flash", "mellum", "mimo_v2_flash", "minicpm3",
+        "minimax_m2", "minimax_m3_vl_text", "ministral", "ministral3", "mistral", "mixtral",
+        "mllama_text_model", "modernbert-decoder", "nanochat", "olmo", "olmo2", "olmo3", "olmoe",
+        "opt", "persimmon", "phi", "phi3", "phimoe", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe",
+        "roc_bert", "seed_oss", "smollm3", "solar_open", "starcoder2", "vaultgemma", "youtu",
     )
 } | {
     name: _HYBRID
@@ -68,9 +68,10 @@ _POSITIONS = "it computes positions inside the model from the shard (learned pos
 _INDEXER = "its sparse-attention indexer reads a dense mask ringattn does not build"
 REFUSED: dict[str, str] = {
     **{name: _NOT_INTERFACE for name in (
-        "big_bird", "bloom", "codegen", "cpmant", "falcon", "gpt_neo", "gpt_neox_japanese",
-        "gptj", "megatron-bert", "mvp", "openai-gpt", "prophetnet", "rembert", "roformer", "rwkv",
-        "trocr", "xglm", "xlm", "xlnet")},
+        "big_bird", "bloom", "codegen", "cpmant", "falcon", "gpt_neo", "gpt_neox_japanese", "gptj",
+        "megatron-bert", "mpt", "mvp", "openai-gpt", "prophetnet", "rembert", "roformer", "rwkv",
+        "trocr", "xglm", "xlm", "xlnet",
+    )},
     **{name: _POSITIONS for name in (
         "bart", "mbart", "marian", "pegasus", "blenderbot", "blenderbot-small", "plbart",
         "whisper", "bigbird_pegasus", "roberta", "camembert", "xlm-roberta", "xlm-roberta-xl",

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import torch
 
+from ringattn.comm import group_cache
+
 __all__ = ["check_tensor_parallel", "split_cp_tp", "tensor_parallel"]
 
 _STYLES = ("colwise", "rowwise", "replicated_with_grad_allreduce")
@@ -82,8 +84,6 @@ def split_cp_tp(model: torch.nn.Module, tp: int, world_size: int, device: torch.
     holds the whole model per rank while loading.)"""
     if tp == 1:
         return None, None
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh(device.type, (world_size // tp, tp), mesh_dim_names=("cp", "tp"))
+    mesh = group_cache.device_mesh(device.type, (world_size // tp, tp), ("cp", "tp"))
     tensor_parallel(model, mesh["tp"])
     return mesh["cp"].get_group(), mesh["tp"].get_group()

@@ -54,12 +54,23 @@ MULTIMODAL_KEYS = (
     "mm_token_type_ids",
     "image_sizes",
 )
+DECODER_PARTS = ("attn_config", "ffn_config")  # sub-configs of a text decoder's layers
 KV_STATE_ATTR = "ringattn_kv_state"  # generate.py's per-call state (the decoder reads it)
 
 
 def is_multimodal(model: torch.nn.Module) -> bool:
-    """True for a composite config with a non-text part (vision_config, audio_config, ...)."""
-    return any(key != "text_config" for key in getattr(model.config, "sub_configs", {}) or {})
+    """True for a model whose config has a non-text part (`has_other_modality`)."""
+    return has_other_modality(model.config)
+
+
+def has_other_modality(config: object) -> bool:
+    """True for a composite config with a non-text part (vision_config, audio_config, ...).
+
+    Sub-configs that configure the text decoder's own layers (`DECODER_PARTS`: DBRX's attn_config
+    and ffn_config, MPT's attn_config) are no other modality: such a model is a text model, and
+    its family is checked by families.py (which names its real reason when it refuses one)."""
+    sub_configs = getattr(config, "sub_configs", {}) or {}
+    return any(key != "text_config" and key not in DECODER_PARTS for key in sub_configs)
 
 
 def check_family(model: torch.nn.Module) -> None:

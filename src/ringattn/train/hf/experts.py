@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ringattn.comm import group_cache
 from ringattn.integrations.hf.experts import experts_modules, shard_experts
 
 __all__ = ["ExpertParallel", "expert_parallel"]
@@ -33,11 +34,11 @@ class ExpertParallel:
     """The expert mesh of one run and what the trainer needs from it (see the module docstring)."""
 
     def __init__(self, ep: int, device: torch.device) -> None:
-        from torch.distributed.device_mesh import DeviceMesh
-
         world = dist.get_world_size()
         ranks = torch.arange(world, device="cpu").view(world // ep, ep).t()  # (ep, edp)
-        self.mesh = DeviceMesh(device.type, ranks, mesh_dim_names=("ep", "edp"))
+        self.mesh = group_cache.device_mesh(
+            device.type, (ep, world // ep), ("ep", "edp"), ranks=ranks
+        )  # made once per process
         self.ep = ep
         self.names: set[str] = set()
 

@@ -6,8 +6,10 @@
         dp 0  r0     r1      <- one batch, its tokens sharded over r0 and r1
         dp 1  r2     r3      <- another batch
 
-Every rank calls `dist.new_group` for every cp row in the same order (torch's rule for creating
-groups), then keeps its own row. One process without torch.distributed is W = 1 (cp must be 1).
+Every rank asks for every cp row's group in the same order (torch's rule for creating groups),
+then keeps its own row; the groups are made once per process (comm/group_cache.py), so a second
+Trainer reuses the first one's instead of holding a second set. One process without
+torch.distributed is W = 1 (cp must be 1).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from ringattn.api import STRATEGIES
+from ringattn.comm import group_cache
 from ringattn.integrations.hf.mixers.choice import check_scheme
 from ringattn.layout import get_layout
 from ringattn.validate import check_names
@@ -104,7 +107,7 @@ def split_world(config: ContextParallelConfig) -> Split:
     dp = world // config.cp
     mine = None
     for row in range(dp):  # every rank creates every group, in the same order
-        group = dist.new_group(list(range(row * config.cp, (row + 1) * config.cp)))
+        group = group_cache.new_group(range(row * config.cp, (row + 1) * config.cp))
         if row == rank // config.cp:
             mine = group
     return Split(dp, config.cp, rank // config.cp, rank % config.cp, mine)
