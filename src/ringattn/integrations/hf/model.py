@@ -26,9 +26,10 @@ from __future__ import annotations
 
 from ringattn.api import STRATEGIES
 from ringattn.comm import resolve_group
-from ringattn.integrations.hf import experts, families, mixers, moe, vision
+from ringattn.integrations.hf import experts, families, mixers, moe, tiled, vision
 from ringattn.integrations.hf.attention import ATTENTION_NAME, CONTEXT_ATTR, CPContext, register
 from ringattn.layout import get_layout
+from ringattn.models.tiled import check_tile
 from ringattn.validate import check_names
 
 
@@ -41,6 +42,7 @@ def parallelize(
     backend: str = "auto",
     router_group: object = None,
     expert_group: object = None,
+    tiled_mlp: int = 0,
 ) -> object:
     """Make `model`'s attention exact over a sequence sharded across `group`; returns `model`.
 
@@ -59,6 +61,10 @@ def parallelize(
     every rank holds every expert), each MoE layer's experts are split over that group and
     every token goes to the rank holding its expert and back (experts.py). The expert count
     must be divisible by the group's size. Expert weights become this rank's slice (same names).
+
+    Tiled MLP: with `tiled_mlp=T` (tokens), each allow-listed MLP and experts module runs over
+    this rank's rows in tiles of T, each recomputed in backward (tiled.py; exact); a
+    feed-forward module off that list is refused by name. 0 (the default) leaves them whole.
     """
     get_layout(layout)
     check_names(strategy, STRATEGIES, backend)
@@ -87,6 +93,9 @@ def parallelize(
     text_root = model.get_decoder() if multimodal else model
     found_mixers = mixers.find_mixers(text_root)  # refuses an unknown token mixer, changes nothing
     resolve_group(router_group)
+    check_tile(tiled_mlp)
+    if tiled_mlp:
+        tiled.tiled_modules(text_root)  # refuses a feed-forward off the allow-list, changes nothing
     register()
     context = CPContext(group, layout, strategy, backend)
     for module in model.modules():
@@ -104,6 +113,7 @@ def parallelize(
     if expert_group is not None:
         experts.shard_experts(model, expert_group)  # checks every layer before it changes any
     moe.install(model, group if router_group is None else router_group)
+    tiled.install_tiled_mlp(text_root, tiled_mlp)
     if multimodal:
         vision.install(model)
     return model

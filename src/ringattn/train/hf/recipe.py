@@ -40,6 +40,7 @@ from ringattn.integrations.hf.loss import logits_loss, loss_sum
 from ringattn.integrations.hf.model import parallelize as hf_parallelize
 from ringattn.integrations.hf.moe import ROUTER_ATTR, aux_share
 from ringattn.integrations.hf.source import load_config, load_model, load_tokenizer, model_source
+from ringattn.integrations.hf.tiled import tiled_modules
 from ringattn.models.parallelize import parallelize
 from ringattn.runtime.extras import require
 from ringattn.runtime.flags import check_choice
@@ -89,6 +90,10 @@ def check(cfg: TrainConfig, cp: int) -> None:
     check_probe(cfg)  # --eval-niah-every: a needle prompt fits --seq-len
     if cfg.dynamic_cp:  # hybrid, vision-language, MoE router loss: refused by name (dynamic.py)
         check_model(cfg)
+    if cfg.tiled_mlp:  # a feed-forward off the allow-list, refused by name (a weightless build)
+        with torch.device("meta"):
+            meta = load_model(model_source(cfg.hf), pretrained=False, config=extended_config(cfg))
+        tiled_modules(meta)
 
 
 def dataset(cfg: TrainConfig) -> PackedDocuments | PackedConversations:
@@ -150,7 +155,7 @@ def parallelize_hf(model: nn.Module, mesh: Mesh, cfg: TrainConfig) -> nn.Module:
     # a MoE router's statistics over the whole global batch: every dp x cp rank's tokens
     world = dist.group.WORLD if dist.is_initialized() else None
     hf_parallelize(model.model, mesh.cp_group, layout=cfg.layout, strategy=cfg.strategy,
-                            router_group=world)  # fmt: skip
+                   router_group=world, tiled_mlp=cfg.tiled_mlp)  # fmt: skip
     if cfg.activation_checkpointing:
         hf = model.model  # transformers >= 5.x renamed gradient_ to activation_checkpointing_enable
         enable = getattr(hf, "activation_checkpointing_enable", None)

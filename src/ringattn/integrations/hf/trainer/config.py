@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from ringattn.api import STRATEGIES
 from ringattn.layout import get_layout
+from ringattn.models.tiled import check_tile
 from ringattn.validate import check_names
 
 __all__ = ["ContextParallelConfig", "Split", "split_world"]
@@ -40,6 +41,9 @@ class ContextParallelConfig:
     """Rows of logits at a time in the training loss of transformers.Trainer (chunked.py): -1
     picks them from the vocabulary (256 MiB of float32 logits), 0 keeps the model's own whole
     logits."""
+    tiled_mlp: int = 0
+    """Tokens per tile of each MLP and experts module (integrations/hf/tiled.py): only one
+    tile's intermediates alive, each tile recomputed in backward, the same loss; 0: untiled."""
     dynamic: bool = False
     """Dynamic CP (dynamic.py): each training step, the documents of every dp row's batch get a
     group of 1, 2, ... cp ranks and are placed over dp x cp by planned cost (short ones alone,
@@ -49,6 +53,7 @@ class ContextParallelConfig:
         if not isinstance(self.cp, int) or isinstance(self.cp, bool) or self.cp < 1:
             raise ValueError(f"ContextParallelConfig(cp={self.cp!r}): cp must be an int >= 1")
         get_layout(self.layout)
+        check_tile(self.tiled_mlp, "ContextParallelConfig(tiled_mlp)")
         if not isinstance(self.loss_chunk, int) or isinstance(self.loss_chunk, bool):
             raise TypeError(f"ContextParallelConfig(loss_chunk={self.loss_chunk!r}): an int "
                              f"(-1: from the vocabulary, 0: whole logits, > 0: rows)")  # fmt: skip
