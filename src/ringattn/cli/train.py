@@ -28,7 +28,8 @@ __all__ = ["add_arguments", "add_demo_command", "add_train_command", "config_fro
 MODEL = ("model", "dim", "layers", "heads", "kv_heads", "hf", "rope_scaling",
          "max_position_embeddings")  # fmt: skip
 PARALLELISM = ("nproc", "cp", "dp", "tp", "pp", "ep", "microbatches", "pp_schedule", "strategy",
-               "ulysses", "layout", "dynamic_cp", "activation_checkpointing", "compile",
+               "ulysses", "layout", "dynamic_cp", "activation_checkpointing",
+               "offload_activations", "compile",
                "compile_backend", "loss_chunk", "tiled_mlp", "dtype", "timeout_s",
                "stall_s")  # fmt: skip
 DATA = ("data", "token_cache", "seq_len", "batch_size", "keys", "copies", "noisy", "steps", "lr",

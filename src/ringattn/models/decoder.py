@@ -28,6 +28,8 @@ loss.py; the tensor and pipeline plans are models/tensor_parallel.py and pipelin
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -37,6 +39,7 @@ from ringattn import attention
 from ringattn.models.config import ModelConfig
 from ringattn.models.loss import auto_chunk, chunked_cross_entropy
 from ringattn.models.norm import RMSNorm
+from ringattn.models.offload import ActivationOffload
 from ringattn.models.rope import apply_rope, rope_angles
 from ringattn.models.segments import Segment, attend_segments
 from ringattn.models.tiled import check_tile, tiled_rows
@@ -136,6 +139,8 @@ class Transformer(nn.Module):
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         # memory levers, set from outside like the context-parallel options
         self.checkpoint_blocks = False  # recompute each block in backward instead of saving it
+        # with checkpoint_blocks: keep each block's input in host memory (models/offload.py)
+        self.offload_activations = False
         # tokens per chunk of the output projection + loss (0 = one chunk): loss.py's rule
         self.loss_chunk = auto_chunk(cfg.vocab_size)
         self.reset_parameters()
@@ -162,9 +167,11 @@ class Transformer(nn.Module):
         """
         cos, sin = rope_angles(positions, self.cfg.head_dim, self.cfg.rope_theta)  # (S, D/2)
         x = self.tok_embeddings(tokens)  # (B, S, dim)
+        offload = ActivationOffload() if self.offload_activations else nullcontext()
         for layer in self.layers:
             if self.checkpoint_blocks and torch.is_grad_enabled():
-                x = checkpoint(layer, x, cos, sin, use_reentrant=False)
+                with offload:  # sees the checkpoint's saved inputs only (models/offload.py)
+                    x = checkpoint(layer, x, cos, sin, use_reentrant=False)
             else:
                 x = layer(x, cos, sin)
         x = self.norm(x)

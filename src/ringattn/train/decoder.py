@@ -1,7 +1,7 @@
 """`DECODER`: the training recipe of our decoder (models/), over the whole pp x dp x cp x tp mesh.
 
 build         models/decoder.py's Transformer of --model and its overrides, with --loss-chunk
-              and --tiled-mlp
+              and --tiled-mlp, --offload-activations
 parallelize   models/parallelize.py: CP attention (--layout, --strategy), TP, PP stages
               (--pp-schedule, --microbatches), FSDP2 in --dtype, activation checkpointing
 check         the flags only this model can refuse: its heads and tokens against --tp, its
@@ -36,6 +36,7 @@ def decoder_of(mcfg: ModelConfig, cfg: TrainConfig) -> Transformer:
     model = Transformer(mcfg)
     model.loss_chunk = resolve_chunk(cfg.loss_chunk, mcfg.vocab_size)
     set_tiled_mlp(model, cfg.tiled_mlp)
+    model.offload_activations = cfg.offload_activations  # used with checkpoint_blocks
     return model
 
 

@@ -39,6 +39,7 @@ from ringattn.integrations.hf.experts import check_ep
 from ringattn.integrations.hf.loss import logits_loss, loss_sum
 from ringattn.integrations.hf.model import parallelize as hf_parallelize
 from ringattn.integrations.hf.moe import ROUTER_ATTR, aux_share
+from ringattn.integrations.hf.offload import offload_activations
 from ringattn.integrations.hf.source import load_config, load_model, load_tokenizer, model_source
 from ringattn.integrations.hf.tiled import tiled_modules
 from ringattn.models.parallelize import parallelize
@@ -160,6 +161,8 @@ def parallelize_hf(model: nn.Module, mesh: Mesh, cfg: TrainConfig) -> nn.Module:
         hf = model.model  # transformers >= 5.x renamed gradient_ to activation_checkpointing_enable
         enable = getattr(hf, "activation_checkpointing_enable", None)
         (enable or hf.gradient_checkpointing_enable)({"use_reentrant": False})
+        if cfg.offload_activations:  # the checkpointed layer inputs to host memory
+            offload_activations(hf)
     param_dtype = None if cfg.dtype == "float32" else getattr(torch, cfg.dtype)
     if cfg.ep > 1:  # the experts' own FSDP2 units first: the blocks' then leave them out
         from torch.distributed.fsdp import MixedPrecisionPolicy
