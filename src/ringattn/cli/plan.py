@@ -11,6 +11,7 @@ import json
 import os
 import sys
 
+from ringattn.cli.plan_max_seq import add_max_seq_arguments, apply_levers, prepare, run_max_seq
 from ringattn.planner.calibrate import (
     DEFAULT_PATH,
     calibrate,
@@ -117,6 +118,7 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--activation-checkpointing", action="store_true",
                    help="recompute each block in backward")  # fmt: skip
+    add_max_seq_arguments(p)  # --max-seq and the memory levers (plan_max_seq.py)
     p.add_argument("--json", action="store_true", help='print one JSON object {"plans": [...]}')
     p.add_argument("--tflops", type=float, default=None, help="override peak bf16 TFLOP/s")
     p.add_argument("--intra-bw", type=float, default=None, help="override NVLink GB/s")
@@ -243,7 +245,10 @@ def run_plan(args: argparse.Namespace) -> int:
                              f"{args.strategy} is not priced: give --strategy ring or leave it "
                              "out")  # fmt: skip
         args.strategy = "ring"
-    job = _job(args, calibration)
+    prepare(args)
+    job = apply_levers(_job(args, calibration), args)
+    if args.max_seq:
+        return run_max_seq(args, job)
     plans = search(job)
     fitting = [p for p in plans if p["fits"]]
     shown = sorted(fitting or plans, key=rank_key)

@@ -86,6 +86,14 @@ class Job:
     """MoE: expert-parallel degree (fixed, not searched)."""
     mixer_scheme: str = "auto"
     """Hybrid models: how mixer layers run under CP (work.MIXER_CHOICES; fixed, not searched)."""
+    tiled_mlp: int = 0
+    """Tokens per tile of the tiled MLP (0: untiled)."""
+    offload_activations: bool = False
+    """The checkpointed layer inputs in host memory (with activation_checkpointing)."""
+    offload_states: bool = False
+    """What-if: model states in host memory (cost.PlanSpec.offload_states)."""
+    loss_chunk: int = 4096
+    """Tokens per chunk of the output projection + loss (cost.PlanSpec.loss_chunk)."""
 
 
 def _divisors(n: int) -> list[int]:
@@ -147,6 +155,11 @@ def check_plan(spec: PlanSpec) -> PlanSpec:
                 f"--ep {spec.ep} must be a multiple of cp={spec.cp} dividing dp x cp "
                 f"= {shards} (experts fold onto whole cp groups and part of dp)"
             )
+    if spec.tiled_mlp and spec.tp > 1:  # the trainer's --tiled-mlp runs with tp 1
+        raise ValueError(f"--tiled-mlp runs with tp 1 (the trainer refuses it with --tp); got "
+                         f"tp={spec.tp}")  # fmt: skip
+    if spec.offload_activations and spec.pp > 1:
+        raise ValueError(f"--offload-activations runs with pp 1; got pp={spec.pp}")
     if m.mixer_layers:  # ValueError for a scheme this cp and tp cannot run
         resolve_mixer_scheme(m.mixer, spec.mixer_scheme, spec.cp, spec.tp)
     if spec.dtype == "fp8" and not spec.hw.fp8_tflops:
@@ -250,6 +263,10 @@ def _candidates(job: Job):
                     attention_tflops=job.attention_tflops,
                     ep=job.ep,
                     mixer_scheme=job.mixer_scheme,
+                    tiled_mlp=job.tiled_mlp,
+                    offload_activations=job.offload_activations,
+                    offload_states=job.offload_states,
+                    loss_chunk=job.loss_chunk,
                 )
 
 
