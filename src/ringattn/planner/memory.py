@@ -76,7 +76,7 @@ def host_bytes(spec: PlanSpec) -> float:
     layers = -(-m.n_layers // spec.pp)
     tokens = spec.micro_batch * (spec.seq_len // spec.cp)
     host = 0.0
-    if spec.offload_activations and spec.activation_checkpointing:
+    if spec.offload_activations and spec.activation_checkpointing and not spec.hw.is_cpu:
         in_flight = kept_microbatches(spec.pp_schedule, spec.pp, spec.pipe_microbatches,
                                       spec.virtual)  # fmt: skip
         host += in_flight * layers * tokens * m.dim / spec.tp * spec.elem_bytes
@@ -153,8 +153,9 @@ def memory_bytes(spec: PlanSpec) -> dict:
     kept_block = (block - mlp) * e * tokens if spec.tiled_mlp else block * e * tokens
     in_flight = kept_microbatches(spec.pp_schedule, spec.pp, spec.pipe_microbatches, spec.virtual)
     if spec.activation_checkpointing:
-        # offloaded: the checkpoint in use and the one being prefetched stay on the device
-        held = min(layers, 2) if spec.offload_activations else layers
+        # offloaded: the checkpoint in use and the one being prefetched stay on the device (on
+        # cpu the host is the device: the copies live in the same memory, nothing is saved)
+        held = min(layers, 2) if spec.offload_activations and not spec.hw.is_cpu else layers
         kept = held * tokens * m.dim / spec.tp * e + per_block
     else:
         kept = layers * kept_block
