@@ -59,3 +59,24 @@ def test_bad_tiled_mlp_settings_are_refused():
 
     with pytest.raises(ValueError, match=r"ContextParallelConfig\(tiled_mlp\)=-1"):
         ringattn.hf.ContextParallelConfig(cp=1, tiled_mlp=-1)
+
+
+def test_hf_train_tiled_experts_over_ep2_equals_one_process(pools, tmp_path):
+    """`train --hf --ep 2 --tiled-mlp` on a MoE model (cp 2, checkpointed): the experts module
+    of each rank runs over the rows the expert exchange brought it, in tiles; losses and aux
+    losses equal one untiled process's."""
+    pytest.importorskip("transformers")
+    import torch
+
+    from test_hf_experts import _train_options
+
+    options = {**_train_options(tmp_path), "steps": 2, "lr": 2.0, "optimizer": "sgd",
+               "checkpoint_every": -1}  # fmt: skip
+    want = pools(1).run("workers_hf_experts:train", {**options, "out_dir": str(tmp_path / "one")},
+                        timeout=600)[0]  # fmt: skip
+    got = pools(2).run("workers_hf_experts:train", {**options, "cp": 2, "ep": 2, "tiled_mlp": 3,
+                       "activation_checkpointing": True, "out_dir": str(tmp_path / "ep2")},
+                       timeout=600)[0]  # fmt: skip
+    torch.testing.assert_close(torch.tensor(got["history"], dtype=torch.float64),
+                               torch.tensor(want["history"], dtype=torch.float64),
+                               rtol=1e-5, atol=0)  # fmt: skip

@@ -145,6 +145,8 @@ def install_tiled_mlp(model: nn.Module, tile: int) -> int:
             continue  # already tiled (parallelize called twice): keep the first wrapper
         forward = module.forward
         signature = inspect.signature(forward)
-        module.forward = functools.partial(_tiled_forward, forward, signature, tile, module)
+        wrapped = functools.partial(_tiled_forward, forward, signature, tile, module)
+        wrapped.__signature__ = signature  # hooks that bind the arguments (experts.py) see them
+        module.forward = wrapped
         setattr(module, TILE_ATTR, tile)
     return len(found)
