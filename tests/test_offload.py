@@ -1,4 +1,4 @@
-"""Activation offload (models/offload.py, integrations/hf/offload.py): the checkpointed layer
+"""Activation offload (models/offload.py, integrations/hf/levers/offload.py): the checkpointed layer
 inputs, and only those, go to host memory; training is unchanged (on CPU bitwise: the path copies
 and copies back). The GPU case (pinned memory, side-stream prefetch, lower device peak) runs where
 CUDA is."""
@@ -68,7 +68,7 @@ def _hf_llama(checkpointing: bool):
 
 
 def test_hf_offload_changes_nothing(monkeypatch):
-    from ringattn.integrations.hf.offload import offload_activations
+    from ringattn.integrations.hf.levers.offload import offload_activations
 
     model = _hf_llama(True)
     offloaded = copy.deepcopy(model)
@@ -90,7 +90,7 @@ def test_hf_offload_changes_nothing(monkeypatch):
 
 
 def test_offload_without_checkpointing_is_refused():
-    from ringattn.integrations.hf.offload import offload_activations
+    from ringattn.integrations.hf.levers.offload import offload_activations
     from ringattn.train.config import TrainConfig, validate
 
     with pytest.raises(ValueError, match="enable gradient checkpointing first"):

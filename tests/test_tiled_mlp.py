@@ -1,4 +1,4 @@
-"""Tiled MLP (models/tiled.py, integrations/hf/tiled.py) is exact and saves less.
+"""Tiled MLP (models/tiled.py, integrations/hf/levers/tiled.py) is exact and saves less.
 
 - the core: a row-wise function over tiles that do not divide the rows equals the whole call in
   float64 (outputs, input and parameter gradients), with several row-aligned inputs (an int one
@@ -107,7 +107,7 @@ def test_hf_tiled_with_activation_checkpointing_at_cp2(pools):
 
 
 def _families() -> list[str]:
-    from ringattn.integrations.hf.tiled import DENSE, EXPERTS
+    from ringattn.integrations.hf.levers.tiled import DENSE, EXPERTS
 
     return sorted(set(DENSE.values()) | set(EXPERTS.values()))
 
@@ -117,7 +117,7 @@ def test_every_listed_class_is_row_wise_fp64(model_type):
     """Each class on the allow-lists is tiled in its family's tiny model (found and wrapped) and
     every feed-forward unit there equals its untiled twin in float64."""
     pytest.importorskip("transformers")
-    from ringattn.integrations.hf.tiled import DENSE, EXPERTS
+    from ringattn.integrations.hf.levers.tiled import DENSE, EXPERTS
     from workers_tiled import family_case
 
     row = family_case(model_type)

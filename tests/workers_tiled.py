@@ -20,7 +20,7 @@ sys.path.insert(
 
 import family_survey as survey
 
-from ringattn.integrations.hf.tiled import FEED_FORWARD_NAMES, TILE_ATTR, install_tiled_mlp
+from ringattn.integrations.hf.levers.tiled import FEED_FORWARD_NAMES, TILE_ATTR, install_tiled_mlp
 
 
 def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:

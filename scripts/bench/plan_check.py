@@ -165,7 +165,7 @@ def published_table() -> str:
 def max_seq_table(path: str | None = None, argv: list[str] | None = None) -> str:
     """The longest sequences published (ALST, FPDT) beside `ringattn plan --max-seq`'s, with and
     without the model-state offload what-if; written to `path` (JSON) when given."""
-    from ringattn.planner.max_seq import check_published_max_seq
+    from ringattn.planner.max_seq.search import check_published_max_seq
 
     runs = {"with model-state offload": check_published_max_seq(True),
             "ringattn's own (no model-state offload)": check_published_max_seq(False)}  # fmt: skip

@@ -11,7 +11,6 @@ import json
 import os
 import sys
 
-from ringattn.cli.plan_max_seq import add_max_seq_arguments, apply_levers, prepare, run_max_seq
 from ringattn.planner.calibrate import (
     DEFAULT_PATH,
     calibrate,
@@ -21,6 +20,12 @@ from ringattn.planner.calibrate import (
 from ringattn.planner.dynamic_cp.lengths import parse_lengths
 from ringattn.planner.dynamic_cp.predict import dynamic_table, fixed_costs, predict_dynamic
 from ringattn.planner.hardware import get_hardware
+from ringattn.planner.max_seq.report import (
+    add_max_seq_arguments,
+    apply_levers,
+    prepare,
+    run_max_seq,
+)
 from ringattn.planner.models import get_model
 from ringattn.planner.search import (
     PLAN_MARGIN,
@@ -118,7 +123,7 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--activation-checkpointing", action="store_true",
                    help="recompute each block in backward")  # fmt: skip
-    add_max_seq_arguments(p)  # --max-seq and the memory levers (plan_max_seq.py)
+    add_max_seq_arguments(p)  # --max-seq and the memory levers (planner/max_seq/report.py)
     p.add_argument("--json", action="store_true", help='print one JSON object {"plans": [...]}')
     p.add_argument("--tflops", type=float, default=None, help="override peak bf16 TFLOP/s")
     p.add_argument("--intra-bw", type=float, default=None, help="override NVLink GB/s")

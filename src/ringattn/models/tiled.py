@@ -19,7 +19,7 @@ parameter, as from the untiled module. Exact: only the summation order of the we
 differs from the untiled module (the float32 gate of the tests is 1e-6 relative).
 
 `fn` must be row-wise and deterministic (no dropout in training: the recompute would draw other
-numbers); the allow-lists in models/decoder.py (our SwiGLU) and integrations/hf/tiled.py
+numbers); the allow-lists in models/decoder.py (our SwiGLU) and integrations/hf/levers/tiled.py
 (transformers' MLP and experts classes) say which modules are. Inputs are tensors whose first
 dimension is the rows (an experts module's hidden states, top-k indices and weights); the
 output's first dimension is the rows too.

@@ -52,6 +52,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ringattn.planner.hardware import Hardware
+from ringattn.planner.max_seq.levers import lever_seconds
 from ringattn.planner.models import ModelSpec
 from ringattn.planner.schedule import bubble_slots
 from ringattn.planner.work import StepWork, allgather_work, group_ring_steps, mixer_work
@@ -97,14 +98,9 @@ class PlanSpec:
     """Overrides the kernel's plateau rates, forward and backward TFLOP/s."""
     mixer_scheme: str = "auto"
     """Hybrid models: how the mixer layers run under CP (work.MIXER_CHOICES; `mixer_run`)."""
-    tiled_mlp: int = 0
-    """Tokens per tile of the tiled MLP (the trainer's --tiled-mlp; 0: untiled)."""
-    offload_activations: bool = False
-    """With activation checkpointing: the checkpointed layer inputs in host memory."""
-    offload_states: bool = False
-    """What-if (not run by ringattn): the model states (weights, float32 master, gradients,
-    AdamW moments) in host memory but the layers in use, as DeepSpeed's ZeRO-3 with parameter
-    and optimizer offload (what a single-GPU ALST run of an 8B model needs)."""
+    tiled_mlp: int = 0  # tokens per tile of the tiled MLP (0: untiled; max_seq/levers.py)
+    offload_activations: bool = False  # the checkpointed layer inputs in host memory
+    offload_states: bool = False  # what-if: weights, optimizer states in host memory (ZeRO-3)
 
     @property
     def mixer_run(self) -> str:
@@ -313,15 +309,7 @@ def step_time(spec: PlanSpec) -> dict:
     tp_s = hw.transfer_s(tp_bytes, spec.spans_nodes(spec.tp), 4) if spec.tp > 1 else 0.0
     fwd = mm_f + ew_f + att_f
     bwd = 2 * mm_f + 2 * ew_f + att_b + (fwd if spec.activation_checkpointing else 0)
-    if spec.tiled_mlp and tokens > spec.tiled_mlp:  # each tile's MLP forward again in backward
-        mlp = m.top_k * (m.expert_hidden or m.hidden_dim) if m.experts else m.hidden_dim
-        rows = min(tokens, spec.tiled_mlp)
-        bwd += hw.matmul_s(6 * tokens * m.dim * mlp / spec.tp, rows, m.dim, dtype, threads) * slow
-    offload_s = 0.0
-    if spec.offload_activations and spec.activation_checkpointing:  # one layer's checkpoint
-        # out in forward, back in backward, on a side stream: exposed only beyond that compute
-        copy = tokens * m.dim / spec.tp * spec.elem_bytes / (hw.host_link_gbs * 1e9)
-        offload_s = max(0.0, copy - fwd) + max(0.0, copy - bwd)
+    bwd, offload_s = lever_seconds(spec, tokens, fwd, bwd, threads, slow)  # + the tiles' recompute
     ep_s = _dispatch_s(spec, tokens)  # (forward, backward) of one MoE layer, exposed
     exposed_layer = att_f_exp + att_b_exp + 2 * tp_s + sum(ep_s) + offload_s
     if spec.activation_checkpointing:
@@ -393,7 +381,6 @@ def step_time(spec: PlanSpec) -> dict:
         "mixer_s": mb * layers * (mix_f[0] + mix_f[1] + mix_b[0] + mix_b[1]),
         "mixer_exposed_comm_s": mb * layers * (mix_f[1] + mix_b[1]),
         "mixer_bytes_per_layer": mix_bytes,
-        "offload_exposed_s": mb * layers * offload_s,
     }
 
 

@@ -26,8 +26,9 @@ from __future__ import annotations
 
 from ringattn.api import STRATEGIES
 from ringattn.comm import resolve_group
-from ringattn.integrations.hf import experts, families, mixers, moe, tiled, vision
+from ringattn.integrations.hf import experts, families, mixers, moe, vision
 from ringattn.integrations.hf.attention import ATTENTION_NAME, CONTEXT_ATTR, CPContext, register
+from ringattn.integrations.hf.levers import tiled
 from ringattn.layout import get_layout
 from ringattn.models.tiled import check_tile
 from ringattn.validate import check_names
@@ -63,7 +64,7 @@ def parallelize(
     must be divisible by the group's size. Expert weights become this rank's slice (same names).
 
     Tiled MLP: with `tiled_mlp=T` (tokens), each allow-listed MLP and experts module runs over
-    this rank's rows in tiles of T, each recomputed in backward (tiled.py; exact); a
+    this rank's rows in tiles of T, each recomputed in backward (levers/tiled.py; exact); a
     feed-forward module off that list is refused by name. 0 (the default) leaves them whole.
     """
     get_layout(layout)

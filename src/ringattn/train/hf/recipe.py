@@ -36,12 +36,12 @@ import torch.distributed as dist
 from torch import nn
 
 from ringattn.integrations.hf.experts import check_ep
+from ringattn.integrations.hf.levers.offload import offload_activations
+from ringattn.integrations.hf.levers.tiled import tiled_modules
 from ringattn.integrations.hf.loss import logits_loss, loss_sum
 from ringattn.integrations.hf.model import parallelize as hf_parallelize
 from ringattn.integrations.hf.moe import ROUTER_ATTR, aux_share
-from ringattn.integrations.hf.offload import offload_activations
 from ringattn.integrations.hf.source import load_config, load_model, load_tokenizer, model_source
-from ringattn.integrations.hf.tiled import tiled_modules
 from ringattn.models.parallelize import parallelize
 from ringattn.runtime.extras import require
 from ringattn.runtime.flags import check_choice

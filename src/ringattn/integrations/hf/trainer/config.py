@@ -42,7 +42,7 @@ class ContextParallelConfig:
     picks them from the vocabulary (256 MiB of float32 logits), 0 keeps the model's own whole
     logits."""
     tiled_mlp: int = 0
-    """Tokens per tile of each MLP and experts module (integrations/hf/tiled.py): only one
+    """Tokens per tile of each MLP and experts module (integrations/hf/levers/tiled.py): only one
     tile's intermediates alive, each tile recomputed in backward, the same loss; 0: untiled."""
     dynamic: bool = False
     """Dynamic CP (dynamic.py): each training step, the documents of every dp row's batch get a

@@ -1,10 +1,10 @@
-"""`ringattn plan --max-seq`: the longest sequence each plan trains, and its memory by kind.
+"""`ringattn plan --max-seq`'s flags and printing (cli/plan.py calls them; the search is search.py).
 
     ringattn plan --model llama3-8b --hardware h100 --gpus 8 --max-seq \\
         --activation-checkpointing --tiled-mlp --offload-activations [--json]
 
-The flags added to `plan` here (--max-seq, --tiled-mlp [TOKENS], --offload-activations,
---offload-states) and the printing; the search is planner/max_seq.py. `--json` gives one object:
+The flags added to `plan` here: --max-seq, --tiled-mlp [TOKENS], --offload-activations,
+--offload-states (the last three price the levers in every plan). `--json` gives one object:
 {"max_seq": the best plan's, "plans": [... each with its "max_seq" ...], "by_technique": [...]}.
 """
 
@@ -14,8 +14,8 @@ import argparse
 import json
 from dataclasses import replace
 
-from ringattn.planner.max_seq import by_technique, max_seq_plans
-from ringattn.planner.search import Job, check_plan
+from ringattn.planner.max_seq.search import by_technique, max_seq_plans
+from ringattn.planner.search import Job, _candidates, check_plan
 
 __all__ = ["add_max_seq_arguments", "apply_levers", "run_max_seq"]
 
@@ -110,8 +110,6 @@ def run_max_seq(args: argparse.Namespace, job: Job) -> int:
 
 
 def _spec_of(job: Job, plan: dict):
-    from ringattn.planner.search import _candidates
-
     for spec in _candidates(replace(job, seq_len=plan["seq_len"], dp=plan["dp"], cp=plan["cp"],
                                     tp=plan["tp"], pp=plan["pp"], strategy=plan["strategy"],
                                     layout=plan["layout"])):  # fmt: skip

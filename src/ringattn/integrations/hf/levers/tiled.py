@@ -95,8 +95,8 @@ def tiled_modules(model: nn.Module) -> list[tuple[str, nn.Module, str]]:
         if name not in covered:
             raise ValueError(
                 f"tiled_mlp: the experts module {type(module).__name__} ({name}) is not on "
-                f"ringattn's tiled-MLP allow-list (integrations/hf/tiled.py: transformers MLP and "
-                f"experts classes proven row-wise); train this model with tiled_mlp=0"
+                f"ringattn's tiled-MLP allow-list (transformers MLP and experts classes proven "
+                f"row-wise, integrations/hf/levers/tiled.py); use tiled_mlp=0 for this model"
             )
     for layer_name, layer in _decoder_layers(model):
         for child_name, child in layer.named_children():
@@ -107,8 +107,8 @@ def tiled_modules(model: nn.Module) -> list[tuple[str, nn.Module, str]]:
             if not inner:
                 raise ValueError(
                     f"tiled_mlp: {type(child).__name__} ({path}) is not on ringattn's tiled-MLP "
-                    f"allow-list (integrations/hf/tiled.py: transformers MLP and experts classes "
-                    f"proven row-wise); train this model with tiled_mlp=0"
+                    f"allow-list (transformers MLP and experts classes proven row-wise, "
+                    f"integrations/hf/levers/tiled.py); use tiled_mlp=0 for this model"
                 )
     return found
 
