@@ -53,6 +53,19 @@ def test_mixer_exact_at_cp3_and_cp4(pools, arch, world_size):
     _check(rows, f"{arch} at CP = {world_size}")
 
 
+STATE_AT_8 = ["qwen3_5_text", "bamba", "lfm2"]  # one family per mixer kind with a program
+
+
+@pytest.mark.parametrize("arch", STATE_AT_8)
+def test_state_passing_exact_at_cp8(pools, arch):
+    """W = 8: most ranks hold runs of a few tokens of each packed document (shorter than the
+    convolution's halo too), so the fold crosses many ranks per document."""
+    cases = [("zigzag", "ring", "packed"), ("striped", "ring", "packed"),
+             ("contiguous", "ring", "dense")]  # fmt: skip
+    rows = pools(8).run("workers_hf_hybrid:compare_cases", arch=arch, cases=cases)[0]
+    _check(rows, f"{arch} at CP = 8", cases)
+
+
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_deepseek_v4_with_its_router_loss(pools, world_size):
     """DeepSeek-V4 with output_router_logits: the load-balancing loss over the whole sequence
@@ -65,20 +78,64 @@ def test_deepseek_v4_with_its_router_loss(pools, world_size):
     _check(rows, f"deepseek_v4 with its router loss at CP = {world_size}", cases)
 
 
+GDN, SSD, CONV = "gated DeltaNet", "Mamba2 (SSD)", "short causal convolution"
+LIGHT = "lightning attention"
+
+
 @pytest.mark.parametrize(
-    ("arch", "world_size", "want"),
+    ("arch", "world_size", "layout", "scheme", "want"),
     [
-        ("qwen3_5_text", 2, {"model.layers.0.linear_attn": ("gated DeltaNet", "heads")}),
-        ("qwen3_next", 2, {"model.layers.0.linear_attn": ("gated DeltaNet", "heads")}),
-        ("nemotron_h", 2, {"model.layers.0.mixer": ("Mamba2 (SSD)", "heads")}),
-        ("qwen3_5_wide", 4, {"model.layers.0.linear_attn": ("gated DeltaNet", "heads")}),
-        ("qwen3_5_wide", 3, {"model.layers.0.linear_attn": ("gated DeltaNet", "whole")}),
-        ("bamba", 2, {"model.layers.0.mamba": ("Mamba2 (SSD)", "whole")}),
-        ("lfm2", 2, {"model.layers.0.conv": ("short causal convolution", "whole")}),
+        ("qwen3_5_text", 2, "zigzag", "auto", {"model.layers.0.linear_attn": (GDN, "state")}),
+        ("qwen3_5_text", 2, "striped", "auto", {"model.layers.0.linear_attn": (GDN, "state")}),
+        ("qwen3_5_text", 2, "zigzag", "heads", {"model.layers.0.linear_attn": (GDN, "heads")}),
+        ("qwen3_next", 2, "contiguous", "whole", {"model.layers.0.linear_attn": (GDN, "whole")}),
+        ("nemotron_h", 2, "zigzag", "auto", {"model.layers.0.mixer": (SSD, "state")}),
+        ("qwen3_5_wide", 3, "striped", "heads", {"model.layers.0.linear_attn": (GDN, "state")}),
+        ("qwen3_5_wide", 3, "zigzag", "heads", {"model.layers.0.linear_attn": (GDN, "state")}),
+        ("bamba", 2, "zigzag", "heads", {"model.layers.0.mamba": (SSD, "state")}),
+        ("lfm2", 2, "contiguous", "auto", {"model.layers.0.conv": (CONV, "state")}),
+        ("lfm2", 2, "striped", "heads", {"model.layers.0.conv": (CONV, "state")}),
+        ("minimax", 2, "zigzag", "heads", {"model.layers.0.self_attn": (LIGHT, "whole")}),
     ],
 )
-def test_each_mixer_runs_head_parallel_where_its_heads_divide(pools, arch, world_size, want):
-    assert pools(world_size).run("workers_hf_hybrid:schemes", arch=arch)[0] == want
+def test_each_mixer_runs_the_scheme_asked_or_the_first_that_is_exact(
+    pools, arch, world_size, layout, scheme, want
+):
+    """state where the class has a program (a striped layout's rows go through runs), else
+    heads where W divides the head groups, else whole; one asked for but impossible falls back
+    in that order, and `schemes` says which ran."""
+    got = pools(world_size).run("workers_hf_hybrid:schemes", arch=arch, layout=layout,
+                                scheme=scheme)[0]  # fmt: skip
+    assert got == want
+
+
+@pytest.mark.parametrize("arch", STATE_AT_8)
+def test_state_passing_exact_with_runs_cut_into_pieces(pools, arch):
+    """Runs cut into pieces of 2 tokens and more (each piece its own batch row and summary):
+    the fold over a rank's own pieces and the halos between them stay exact."""
+    cases = [("zigzag", "ring", "packed"), ("contiguous", "ring", "dense")]
+    rows = pools(2).run("workers_hf_hybrid:compare_cases", arch=arch, cases=cases, piece=2)[0]
+    _check(rows, f"{arch}, runs in pieces, at CP = 2", cases)
+
+
+@pytest.mark.parametrize("scheme", ["heads", "whole"])
+@pytest.mark.parametrize("arch", ["qwen3_5_text", "nemotron_h"])
+def test_the_other_schemes_stay_exact_when_asked_for(pools, arch, scheme):
+    cases = [("zigzag", "ring", "packed"), ("contiguous", "ring", "dense")]
+    rows = pools(2).run("workers_hf_hybrid:compare_cases", arch=arch, cases=cases, scheme=scheme)[0]
+    _check(rows, f"{arch}, {scheme} scheme, at CP = 2", cases)
+
+
+@pytest.mark.parametrize("what", ["entering_state", "halo"])
+@pytest.mark.parametrize("arch", ["qwen3_5_text", "bamba", "lfm2"])
+def test_a_wrong_entering_state_or_halo_is_caught(pools, arch, what):
+    """The state scheme with zero entering states (or zero convolution halos) is far outside
+    the gates: the exactness tests would see a scan or halo that went wrong."""
+    if arch == "lfm2" and what == "entering_state":
+        pytest.skip("a short convolution carries no recurrent state, only its halo")
+    rows = pools(2).run("workers_hf_hybrid:mutated_state_errors", arch=arch, what=what)[0]
+    ((_, loss, grad, _),) = rows
+    assert loss > 100 * LOSS_RTOL or grad > 100 * GRAD_RTOL, (loss, grad)
 
 
 @pytest.mark.parametrize("arch", ["nemotron_h", "qwen3_5_text", "bamba", "zaya", "deepseek_v4"])

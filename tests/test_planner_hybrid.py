@@ -110,51 +110,67 @@ def test_heads_divides_the_compute_by_w_and_sends_the_library_bytes(w):
         mixer_work(MixerShape("mamba1", 64, 1, 16), "heads", "zigzag", 16, 64, 1, 2)
 
 
-def test_auto_splits_nemotron_h_mamba2_by_groups():
-    """Nemotron-H's Mamba2 runs head-parallel in the library when cp divides n_groups."""
+def test_auto_prices_state_passing_where_the_library_has_it():
+    """auto is what the library runs: state passing for Mamba2, gated DeltaNet and short
+    convolutions at any cp; a kind without a program (mamba1) heads where it splits, else gather;
+    the library's names are accepted for the planner's."""
     from ringattn.planner.work import resolve_mixer_scheme
 
     nemotron = MixerShape("mamba2", 8, 48, 64, 2, head_parallel=True)
-    assert resolve_mixer_scheme(nemotron, "auto", 2) == "heads"
-    assert resolve_mixer_scheme(nemotron, "auto", 4) == "gather"  # 2 groups over 4 ranks
-    bamba = MixerShape("mamba2", 8, 48, 64, 2)  # its inner width is hidden x expand: whole
-    assert resolve_mixer_scheme(bamba, "auto", 2) == "gather"
+    for cp in (1, 2, 3, 4):
+        assert resolve_mixer_scheme(nemotron, "auto", cp) == "state_passing"
+    assert resolve_mixer_scheme(nemotron, "heads", 2) == "heads"
+    assert resolve_mixer_scheme(nemotron, "state", 4) == "state_passing"
+    assert resolve_mixer_scheme(nemotron, "whole", 4) == "gather"
+    jamba = MixerShape("mamba1", 64, 1, 16)
+    assert resolve_mixer_scheme(jamba, "auto", 2) == "gather"
 
 
 def test_auto_prices_what_the_library_runs(tmp_path, capsys):
-    # 4 key heads: the library splits them over 2 or 4 ranks, and runs the layer whole at cp 3
     path = _write(tmp_path, {**QWEN35, "linear_num_key_heads": 4, "linear_num_value_heads": 8})
     m = get_model(path)
     assert m.mixer.head_parallel and m.mixer.groups == 4
     base = ["plan", "--model", path, "--hardware", "h100", "--seq-len", "24576", "--tp", "1",
             "--pp", "1", "--strategy", "ring", "--layout", "zigzag", "--json"]  # fmt: skip
-    for cp, scheme in ((2, "heads"), (3, "gather"), (4, "heads")):
+    for cp in (2, 3, 4):
         assert main([*base, "--gpus", str(cp), "--cp", str(cp)]) == 0
         (plan,) = json.loads(capsys.readouterr().out)["plans"]
         assert plan["mixer_scheme"] == "auto"
-        assert plan["mixer_schemes"] == {"gated_deltanet": scheme}, cp
+        assert plan["mixer_schemes"] == {"gated_deltanet": "state_passing"}, cp
         mixer = plan["breakdown"]["mixer"]
-        assert mixer["scheme"] == mixer["library_scheme"] == scheme
+        assert mixer["scheme"] == mixer["library_scheme"] == "state_passing"
         assert plan["train_note"] is None  # the trainer runs what was priced
+        assert "--mixer-scheme state" in plan["train_command"]
         spec = _spec(m, cp, 24576, "auto")
-        assert spec.mixer_run == scheme
-        assert step_time(spec) == step_time(_spec(m, cp, 24576, scheme))
-    # forcing another scheme is priced and noted
+        assert spec.mixer_run == "state_passing"
+        assert step_time(spec) == step_time(_spec(m, cp, 24576, "state_passing"))
+    # another scheme is priced and passed on to the trainer
     assert main([*base, "--gpus", "4", "--cp", "4", "--mixer-scheme", "gather"]) == 0
     (plan,) = json.loads(capsys.readouterr().out)["plans"]
     assert plan["mixer_schemes"] == {"gated_deltanet": "gather"}
-    note = "gather mixer scheme: the library runs heads for gated_deltanet at cp 4"
-    assert plan["train_note"] == note
+    assert plan["train_note"] is None and "--mixer-scheme whole" in plan["train_command"]
     with pytest.raises(SystemExit):
         main([*base, "--gpus", "3", "--cp", "3", "--mixer-scheme", "heads"])
     assert "no plan can run: the heads mixer scheme needs cp=3 to divide the 4 key heads" in (
         capsys.readouterr().err)  # fmt: skip
-    # a gated DeltaNet family the library does not split (OLMo hybrid) runs gather
     olmo = get_model(_write(tmp_path, {**QWEN35, "model_type": "olmo_hybrid"}, "olmo"))
     assert not olmo.mixer.head_parallel
-    assert resolve_mixer_scheme(olmo.mixer, "auto", 4) == "gather"
+    assert resolve_mixer_scheme(olmo.mixer, "auto", 4) == "state_passing"
     assert resolve_mixer_scheme(olmo.mixer, "heads", 4) == "heads"  # a what-if
-    assert resolve_mixer_scheme(m.mixer, "auto", 1) == "gather"  # no CP: nothing to split
+
+
+def test_a_state_what_if_for_mamba1_is_noted(tmp_path, capsys):
+    path = _write(tmp_path, {**BASE, "model_type": "jamba", "attn_layer_period": 2,
+                             "attn_layer_offset": 1, "mamba_d_state": 16, "mamba_d_conv": 4,
+                             "mamba_expand": 2})  # fmt: skip
+    argv = ["plan", "--model", path, "--hardware", "h100", "--gpus", "2", "--cp", "2",
+            "--seq-len", "8192", "--tp", "1", "--pp", "1", "--strategy", "ring", "--layout",
+            "zigzag", "--json"]  # fmt: skip
+    assert main([*argv, "--mixer-scheme", "state"]) == 0
+    (plan,) = json.loads(capsys.readouterr().out)["plans"]
+    assert plan["train_note"] == (
+        "state mixer scheme: a what-if for mamba1, which the library runs whole at cp 2"
+    )
 
 
 def test_qwen35_prices_three_quarters_of_its_layers_as_mixers(tmp_path, capsys):
@@ -189,17 +205,17 @@ def test_qwen35_prices_three_quarters_of_its_layers_as_mixers(tmp_path, capsys):
     assert main(argv) == 0
     (plan,) = json.loads(capsys.readouterr().out)["plans"]
     mixer = plan["breakdown"]["mixer"]
-    assert plan["mixer_scheme"] == "auto"  # the library splits the 16 key heads over cp 4
-    assert mixer["scheme"] == "heads" and plan["mixer_schemes"] == {"gated_deltanet": "heads"}
+    assert plan["mixer_scheme"] == "auto"  # the library passes states
+    assert mixer["scheme"] == "state_passing"
+    assert plan["mixer_schemes"] == {"gated_deltanet": "state_passing"}
     assert mixer["layers"] == 24 and mixer["kind"] == "gated_deltanet"
     for key in ("time_share", "memory_share", "traffic_share"):
         assert 0 < mixer[key] < 1, (key, mixer)
-    assert main(argv[:-1] + ["--mixer-scheme", "state_passing"]) == 0
+    assert main(argv[:-1] + ["--mixer-scheme", "heads"]) == 0
     out = capsys.readouterr().out
-    assert "24 of 32 layers gated_deltanet (mixer scheme state_passing" in out
-    assert "mix t" in out and "state_passing" in out.splitlines()[2]  # the mixer column
-    assert ("state_passing mixer scheme: a what-if the library never runs; the library runs "
-            "heads for gated_deltanet at cp 4") in out  # fmt: skip
+    assert "24 of 32 layers gated_deltanet (mixer scheme heads" in out
+    assert "mix t" in out and "heads" in out.splitlines()[2]  # the mixer column
+    assert "--mixer-scheme heads" in out
 
 
 @pytest.mark.parametrize(

@@ -230,6 +230,31 @@ def config(arch: str):
 
 
 _MODELS: dict[str, torch.nn.Module] = {}
+# gated DeltaNet families run transformers' chunked delta rule in float64 (a copy of it whose
+# casts to float32 say float64; its output is cast back to the model's float32): with the
+# float32 one, the summed gradients of A_log and dt_bias, sums over tokens with much
+# cancellation, differ from one process's by up to ~1e-4 of their largest entry for any
+# rearrangement of the work (runs, padded documents), which the gates cannot tell from a defect
+_FLOAT64_KERNEL = {"qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid",
+                   "qwen3_5_even", "qwen3_5_wide"}  # fmt: skip
+
+
+def _float64_delta_rule(model: torch.nn.Module) -> None:
+    """The modeling file's torch_chunk_gated_delta_rule, computing in float64 (test only)."""
+    import inspect
+    import sys
+
+    module = sys.modules[type(model).__module__]
+    name = "torch_chunk_gated_delta_rule"
+    if getattr(getattr(module, name), "_ringattn_float64", False):
+        return
+    function = inspect.unwrap(getattr(module, name))
+    source = inspect.getsource(function).replace("torch.float32", "torch.float64")
+    source = "\n".join(line for line in source.splitlines() if not line.startswith("@"))
+    namespace = dict(vars(module))
+    exec(source, namespace)  # noqa: S102 - transformers' own source, one dtype changed
+    namespace[name]._ringattn_float64 = True
+    setattr(module, name, namespace[name])
 
 
 def build(arch: str) -> torch.nn.Module:
@@ -238,6 +263,8 @@ def build(arch: str) -> torch.nn.Module:
     if arch not in _MODELS:
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config(arch)).float()
+        if arch in _FLOAT64_KERNEL:
+            _float64_delta_rule(model)
         if arch.startswith("deepseek_v4"):  # what the initialisation leaves at zero: random too
             with torch.no_grad():
                 for name, tensor in itertools.chain(
@@ -299,16 +326,18 @@ def reference(arch: str, kind: str) -> tuple[float, dict[str, torch.Tensor]]:
 _PARALLEL: dict[tuple, torch.nn.Module] = {}
 
 
-def parallel_model(arch: str, layout: str, strategy: str) -> torch.nn.Module:
-    key = (arch, layout, strategy)
+def parallel_model(arch: str, layout: str, strategy: str, scheme: str = "auto") -> torch.nn.Module:
+    key = (arch, layout, strategy, scheme)
     if key not in _PARALLEL:
         model = copy.deepcopy(build(arch))
-        _PARALLEL[key] = ringattn.hf.parallelize(model, layout=layout, strategy=strategy)
+        _PARALLEL[key] = ringattn.hf.parallelize(
+            model, layout=layout, strategy=strategy, mixer_scheme=scheme
+        )
     return _PARALLEL[key]
 
 
-def cp_loss_and_grads(arch: str, kind: str, layout: str, strategy: str):
-    model = parallel_model(arch, layout, strategy)
+def cp_loss_and_grads(arch: str, kind: str, layout: str, strategy: str, scheme: str = "auto"):
+    model = parallel_model(arch, layout, strategy, scheme)
     model.zero_grad(set_to_none=True)
     batch = ringattn.hf.shard_batch(data(kind), layout=layout)
     out = model(**batch)
@@ -326,18 +355,30 @@ def cp_loss_and_grads(arch: str, kind: str, layout: str, strategy: str):
     return float(flat[-1]), grads
 
 
-def schemes(rank: int, world_size: int, *, arch: str) -> dict:
+def schemes(
+    rank: int, world_size: int, *, arch: str, layout: str = "zigzag", scheme: str = "auto"
+) -> dict:
     """How each mixer of `arch` runs at this world size (mixers.schemes)."""
     from ringattn.integrations.hf.mixers import schemes as mixer_schemes
 
-    return mixer_schemes(parallel_model(arch, "zigzag", "ring"))
+    return mixer_schemes(parallel_model(arch, layout, "ring", scheme))
 
 
-def compare_cases(rank: int, world_size: int, *, arch: str, cases) -> list | None:
-    """Rows (case, loss relative error, worst gradient error / its tensor's max |entry|, name)."""
-    rows = []
+def compare_cases(
+    rank: int, world_size: int, *, arch: str, cases, scheme: str = "auto", piece: int = 0
+) -> list | None:
+    """Rows (case, loss relative error, worst gradient error / its tensor's max |entry|, name).
+    `piece` > 0: the state scheme cuts runs into pieces of that many tokens at least (runs.py's
+    MIN_PIECE), so that the tiny test sequences are cut too."""
+    from ringattn.integrations.hf.mixers import runs as runs_module
+
+    rows, saved = [], runs_module.MIN_PIECE
     for layout, strategy, kind in cases:
-        loss, grads = cp_loss_and_grads(arch, kind, layout, strategy)
+        runs_module.MIN_PIECE = piece or saved
+        try:
+            loss, grads = cp_loss_and_grads(arch, kind, layout, strategy, scheme)
+        finally:
+            runs_module.MIN_PIECE = saved
         if rank != 0:
             continue
         ref_loss, ref_grads = reference(arch, kind)
@@ -370,8 +411,37 @@ def mutated_errors(rank: int, world_size: int, *, arch: str) -> list | None:
     for module in model.modules():
         if type(module).__name__ in MIXERS:
             module.register_forward_pre_hook(_shift_tokens, with_kwargs=True, prepend=True)
-    _PARALLEL[(arch, "zigzag", "mutated")] = model  # compare_cases finds it under this key
+    _PARALLEL[(arch, "zigzag", "mutated", "auto")] = model  # compare_cases finds it here
     return compare_cases(rank, world_size, arch=arch, cases=[("zigzag", "mutated", "packed")])
+
+
+def mutated_state_errors(rank: int, world_size: int, *, arch: str, what: str) -> list | None:
+    """compare_cases with the state scheme given a wrong entering state (zero: each run starts
+    as if it began its document) or a zero convolution halo: the tests must see each."""
+    from ringattn.integrations.hf.mixers import runs, state
+
+    saved = runs.halos, state.entering_states
+    if what == "entering_state":
+
+        def wrong(transition, final, ex, apply):
+            return saved[1](transition, final, ex, apply) * 0
+
+        state.entering_states = wrong
+    else:
+
+        def wrong_halo(x, valid, width, ex):
+            return saved[0](x, valid, width, ex) * 0
+
+        state.halos = wrong_halo
+    try:
+        model = copy.deepcopy(build(arch))
+        _PARALLEL[(arch, "zigzag", "mutated", "state")] = ringattn.hf.parallelize(
+            model, layout="zigzag", mixer_scheme="state"
+        )
+        cases = [("zigzag", "mutated", "packed")]
+        return compare_cases(rank, world_size, arch=arch, cases=cases, scheme="state")
+    finally:
+        state.halos, state.entering_states = saved
 
 
 class UserConv(torch.nn.Module):

@@ -89,6 +89,10 @@ def model(arch: str, vocab: int):
                                       linear_key_head_dim=8, linear_value_head_dim=8,
                                       linear_conv_kernel_dim=4, initializer_range=0.1,
                                       **common)  # fmt: skip
+    elif arch == "zaya":  # CCA projections (no state-passing program): refused by dynamic CP
+        config = tf.ZayaConfig(head_dim=8, layer_types=["hybrid_sliding", "hybrid"],
+                               sliding_window=6, num_experts=4, moe_intermediate_size=16,
+                               cca_time0=3, cca_time1=2, **common)  # fmt: skip
     else:
         raise ValueError(f"unknown test architecture {arch!r}")
     torch.manual_seed(0)

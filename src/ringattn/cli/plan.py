@@ -88,11 +88,12 @@ def add_parser(sub) -> None:
     p.add_argument("--strategy", choices=_STRATEGIES, default=None, help="default: search")
     p.add_argument("--mixer-scheme", choices=MIXER_CHOICES, default="auto",
                    help="hybrid models: how the recurrent mixer layers run under CP: auto (what "
-                   "the library runs: heads where it can, else gather), gather (all-gather the "
-                   "layer input, run it whole on every rank), heads (gated DeltaNet: 1/cp of the "
-                   "key heads per rank on the whole sequence, outputs summed; cp must divide "
-                   "the key heads) or state_passing (all-gather fixed-size state summaries; a "
-                   "what-if the library does not run)")  # fmt: skip
+                   "the library runs: state where it has a program, else heads where it can, "
+                   "else whole), state / state_passing (each rank its own tokens, fixed-size "
+                   "state summaries all-gathered), heads (1/cp of the key heads per rank on the "
+                   "whole sequence, outputs summed; cp must divide the key heads) or whole / "
+                   "gather (all-gather the layer input, run it whole on every rank); passed on "
+                   "to the train command")  # fmt: skip
     p.add_argument("--layout", choices=_LAYOUTS, default=None, help="default: search")
     p.add_argument("--dtype", choices=("bf16", "fp8", "fp32", "tf32"), default=None,
                    help="matmul precision (fp8: attention stays bf16 unless --fp8-attention; "

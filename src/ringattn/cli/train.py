@@ -16,7 +16,7 @@ from ringattn.api import STRATEGIES
 from ringattn.cli.flags import add_flags, from_args
 from ringattn.models import MODEL_SIZES
 from ringattn.models.pipeline import SCHEDULES
-from ringattn.train.config import COMPILE_BACKENDS, DTYPES, TrainConfig
+from ringattn.train.config import COMPILE_BACKENDS, DTYPES, MIXER_SCHEMES, TrainConfig
 from ringattn.train.demo import demo_config, run_train_demo
 from ringattn.train.hf.run import EXPORT_DTYPES, run_hf_train
 from ringattn.train.main import run_train
@@ -28,10 +28,9 @@ __all__ = ["add_arguments", "add_demo_command", "add_train_command", "config_fro
 MODEL = ("model", "dim", "layers", "heads", "kv_heads", "hf", "rope_scaling",
          "max_position_embeddings")  # fmt: skip
 PARALLELISM = ("nproc", "cp", "dp", "tp", "pp", "ep", "microbatches", "pp_schedule", "strategy",
-               "ulysses", "layout", "dynamic_cp", "activation_checkpointing",
-               "offload_activations", "compile",
-               "compile_backend", "loss_chunk", "tiled_mlp", "dtype", "timeout_s",
-               "stall_s")  # fmt: skip
+               "ulysses", "layout", "mixer_scheme", "dynamic_cp", "activation_checkpointing",
+               "offload_activations", "compile", "compile_backend", "loss_chunk", "tiled_mlp",
+               "dtype", "timeout_s", "stall_s")  # fmt: skip
 DATA = ("data", "token_cache", "seq_len", "batch_size", "keys", "copies", "noisy", "steps", "lr",
         "warmup", "weight_decay", "grad_clip", "seed")  # fmt: skip
 OUTPUT = ("out_dir", "checkpoint_dir", "checkpoint_every", "keep", "export", "export_dtype",
@@ -40,7 +39,7 @@ OUTPUT = ("out_dir", "checkpoint_dir", "checkpoint_every", "keep", "export", "ex
           "fail_signal")  # fmt: skip
 CHOICES = {"model": tuple(MODEL_SIZES), "pp_schedule": SCHEDULES, "strategy": tuple(STRATEGIES),
            "layout": tuple(LAYOUTS), "compile_backend": COMPILE_BACKENDS, "dtype": DTYPES,
-           "export_dtype": ("", *EXPORT_DTYPES)}  # fmt: skip
+           "export_dtype": ("", *EXPORT_DTYPES), "mixer_scheme": MIXER_SCHEMES}  # fmt: skip
 SPELLED = {"timeout_s": "--timeout", "stall_s": "--stall-timeout", "grace_s": "--grace"}
 METAVARS = {"hf": "DIR", "token_cache": "DIR", "export": "DIR", "timeout_s": "SECONDS",
             "stall_s": "SECONDS", "grace_s": "SECONDS", "rope_scaling": "TYPE:FACTOR",

@@ -11,11 +11,10 @@ trainer's defaults. The model: a trainer preset by name (--model), a Hugging Fac
 path (--hf PATH --data text:DATA, DATA being your text), a published shape by the path its
 config.json would have (NAME/config.json).
 
-Some plans price what the trainer does not run; the note says which: fp8 and TF32 matmuls,
-fp8 attention, the interleaved schedule, a mixer scheme other than the one the library runs
-(heads for Qwen3.5 / Qwen3-Next gated DeltaNet when cp divides its key heads, gather otherwise;
-state_passing is a what-if it never runs), and a kernel other than the one `auto` picks (the
-trainer has no kernel flag: it runs backend auto).
+Hybrid models get --mixer-scheme, the scheme priced (state, heads or whole). Some plans price
+what the trainer does not run; the note says which: fp8 and TF32 matmuls, fp8 attention, the
+interleaved schedule, and a kernel other than the one `auto` picks (the trainer has no kernel
+flag: it runs backend auto).
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ import shlex
 from ringattn.planner.cost import PlanSpec
 from ringattn.planner.kernels import default_kernel
 from ringattn.planner.schedule import TRAINER_SCHEDULES
-from ringattn.planner.work import resolve_mixer_scheme
+from ringattn.planner.work import LIBRARY_NAMES, STATE_KINDS, resolve_mixer_scheme
 
 __all__ = ["train_command"]
 
@@ -61,14 +60,15 @@ def train_command(spec: PlanSpec) -> tuple[str, str | None]:
     flags += ["--dtype", TRAINER_DTYPES.get(spec.dtype, "bfloat16")]
     if spec.dtype not in TRAINER_DTYPES:
         notes.append(f"{spec.dtype} matmuls: the trainer runs bfloat16 or float32")
-    mixer, run = spec.model.mixer, spec.mixer_run
+    run = spec.mixer_run
     if spec.model.mixer_layers and spec.cp > 1:  # at cp 1 every scheme is the same
-        library = resolve_mixer_scheme(mixer, "auto", spec.cp, spec.tp)
-        runs = f"the library runs {library} for {mixer.kind} at cp {spec.cp}"
-        if run == "state_passing":
-            notes.append(f"state_passing mixer scheme: a what-if the library never runs; {runs}")
-        elif run != library:
-            notes.append(f"{run} mixer scheme: {runs}")
+        flags += ["--mixer-scheme", LIBRARY_NAMES[run]]
+        kind = spec.model.mixer.kind
+        if run == "state_passing" and kind not in STATE_KINDS:
+            fallback = LIBRARY_NAMES[resolve_mixer_scheme(spec.model.mixer, "auto", spec.cp,
+                                                          spec.tp)]  # fmt: skip
+            notes.append(f"state mixer scheme: a what-if for {kind}, which the library runs "
+                         f"{fallback} at cp {spec.cp}")  # fmt: skip
     if spec.fp8_attention:
         notes.append("fp8 attention: the trainer's attention is bf16")
     if spec.activation_checkpointing:

@@ -234,27 +234,35 @@ class MixerShape:
 
 
 MIXER_SCHEMES = ("gather", "heads", "state_passing")
-"""How a mixer layer runs under CP (DESIGN.md §13), per layer and rank, X = S x hidden bytes:
+"""How a mixer layer runs under CP (DESIGN.md §13-14), per layer and rank, X = S x hidden bytes:
 
-    gather          all-gather the layer's input, run the whole mixer on the full sequence on
-                    every rank (its compute replicated W times), keep this rank's rows; backward
-                    reduce-scatters the input gradient: (W-1)/W X forward, (W-1)/W X backward
-                    (integrations/hf/mixers/hooks.py's count, 2 (W-1)/W X per call). Bytes grow
-                    with S.
+    gather          ("whole" in ringattn.hf.parallelize) all-gather the layer's input, run the
+                    whole mixer on the full sequence on every rank (its compute replicated W
+                    times), keep this rank's rows; backward reduce-scatters the input gradient:
+                    (W-1)/W X forward, (W-1)/W X backward (integrations/hf/mixers/hooks.py's
+                    count, 2 (W-1)/W X per call). Bytes grow with S.
     heads           gated DeltaNet split by key heads, Nemotron-H's Mamba2 by groups
                     (integrations/hf/mixers/heads.py): all-gather the input, run the whole
                     sequence for 1/W of the heads (compute 1/W of one process's), reduce-scatter
                     the partial outputs; backward an all-gather and a reduce-scatter: 2 (W-1)/W X
                     each way (the library's 4 (W-1)/W X). Needs W to divide the key heads.
-    state_passing   a what-if, not run by the library: each rank runs its runs of tokens
-                    (zigzag: 2, else 1) from a zero state to get each run's summary (state +
-                    transition), all-gathers the summaries over W, scans them, and runs its
-                    tokens again from the entering state; a conv halo of K - 1 tokens per run
-                    from the previous run's owner. Bytes flat in S. Striped runs are single
-                    tokens: an all-to-all lays the tokens out as runs and back (both directions).
+    state_passing   ("state") each rank runs its runs of tokens once (zigzag: 2, else 1) from
+                    a zero state, which gives each run's summary (final state + transition:
+                    the delta rule carries it in K extra value columns), all-gathers the
+                    summaries over W, folds them, and adds the entering state's contribution to
+                    each token's output (integrations/hf/mixers/state.py); a conv halo of K - 1
+                    tokens per run from the previous run's owner. Bytes flat in S. Striped runs
+                    are single tokens: an all-to-all lays the tokens out as runs and back.
 """
-MIXER_CHOICES = ("auto", *MIXER_SCHEMES)
-"""--mixer-scheme: `auto` is what the library runs: heads where it splits the layer, else gather."""
+MIXER_CHOICES = ("auto", *MIXER_SCHEMES, "state", "whole")
+"""--mixer-scheme: `auto` is what the library runs (state passing for every kind it has a
+program for, STATE_KINDS; else heads where it splits the layer; else gather); `state` and
+`whole` are the library's names (ringattn.hf.parallelize's mixer_scheme) for state_passing and
+gather."""
+ALIASES = {"state": "state_passing", "whole": "gather"}
+STATE_KINDS = ("gated_deltanet", "mamba2", "short_conv")
+"""Mixer kinds the library runs by state passing (integrations/hf/mixers/state.py's PROGRAMS)."""
+LIBRARY_NAMES = {"state_passing": "state", "gather": "whole", "heads": "heads"}
 
 
 def _splits(shape: MixerShape, world_size: int, tp: int) -> bool:
@@ -270,14 +278,19 @@ def _splits(shape: MixerShape, world_size: int, tp: int) -> bool:
 def resolve_mixer_scheme(shape: MixerShape | None, scheme: str, world_size: int,
                          tp: int = 1) -> str:  # fmt: skip
     """The scheme (MIXER_SCHEMES) a mixer layer of `shape` is priced under for `scheme`
-    (MIXER_CHOICES): `auto` -> heads when the library splits the layer (shape.head_parallel and
-    W divides the key heads), else gather. ValueError for `heads` where the heads do not split."""
+    (MIXER_CHOICES): `auto` -> state_passing for the kinds the library passes states for, else
+    heads when the library splits the layer (shape.head_parallel and W divides the key heads),
+    else gather. ValueError for `heads` where the heads do not split. state_passing for a kind
+    the library has no program for is a what-if (train_command notes it)."""
     if scheme not in MIXER_CHOICES:
         raise ValueError(f"unknown mixer scheme {scheme!r}; choose one of "
                          f"{', '.join(MIXER_CHOICES)}")  # fmt: skip
+    scheme = ALIASES.get(scheme, scheme)
     if shape is None:
         return scheme
     if scheme == "auto":
+        if shape.kind in STATE_KINDS:
+            return "state_passing"
         library = world_size > 1 and shape.head_parallel and _splits(shape, world_size, tp)
         return "heads" if library else "gather"
     if scheme == "heads" and not _splits(shape, world_size, tp):
@@ -335,9 +348,10 @@ def mixer_work(shape: MixerShape, scheme: str, layout: str, dim: int, seq_len: i
                          (2 * (w - 1) * local_input, 2 * (w - 1) * local_input),
                          (2 * (w - 1), 2 * (w - 1)))  # fmt: skip
     runs = 2 if layout == "zigzag" else 1
-    recurrence *= 2  # the summary pass from a zero state, then the pass from the entering state
-    if shape.kind == "gated_deltanet":  # the run's transition: the product of its chunks' dk x dk
-        recurrence += rows * shape.heads * 2 * shape.state_dim**3 / shape.chunk / tp
+    if shape.kind == "gated_deltanet":  # K extra value columns carry the run's transition
+        recurrence *= 1 + shape.state_dim / shape.head_dim
+    elif shape.kind in ("mamba2", "mamba1"):  # the entering state read once more per token
+        recurrence += rows * 2 * shape.heads * shape.head_dim * shape.state_dim / tp
     summary = runs * batch * shape.summary_bytes() / tp
     halo = runs * batch * (shape.conv_kernel - 1) * shape.conv_channels / tp * elem_bytes
     sent = (w - 1) * summary + halo

@@ -101,6 +101,10 @@ class TrainConfig:
     """hybrid: Ulysses (all-to-all) degree inside each cp group, ring across"""
     layout: str = "zigzag"
     """which tokens each cp rank holds"""
+    mixer_scheme: str = "auto"
+    """--hf hybrid models: how the recurrent mixer layers run under CP: state (each rank its own
+    tokens, states passed between ranks), heads, whole, or auto (the first of those the layer
+    can run exactly)"""
     dynamic_cp: bool = False
     """with --data docs:...: each step, give every packed document a group of 1, 2, ... --cp
     ranks and place them over dp x cp balancing the planned cost (short documents on one rank,
@@ -234,6 +238,8 @@ def check_fresh_start(cfg: TrainConfig) -> None:
         )
 
 
+# --mixer-scheme: ringattn.hf.parallelize's mixer_scheme (integrations/hf/mixers/hooks.py)
+MIXER_SCHEMES = ("auto", "state", "heads", "whole")
 # what --data docs: (and so --dynamic-cp) runs with; everything else is refused by name
 DOCUMENT_STRATEGIES = ("ring", "allgather", "ulysses")
 
@@ -298,6 +304,12 @@ def validate(
         )
     if cfg.ep != 1 and not cfg.hf:
         raise ValueError(f"--ep {cfg.ep} splits the experts of a --hf MoE model; add --hf DIR")
+    check_choice("mixer-scheme", cfg.mixer_scheme, MIXER_SCHEMES)
+    if cfg.mixer_scheme != "auto" and not cfg.hf:
+        raise ValueError(
+            f"--mixer-scheme {cfg.mixer_scheme} picks how a --hf hybrid model's recurrent mixers "
+            f"run; the decoder (--model) has none: add --hf DIR or drop the flag"
+        )
     check_expert_degree(cfg.ep, dp, cp)
     if cfg.ep > 1 and cfg.compile:
         raise ValueError(

@@ -16,8 +16,11 @@ the layer's own forward and a view of the right sequences' states:
 
     Decode   L sequences, one token each (every rank runs all L): one call on (L, 1, hidden),
              the view stacking their states; every rank updates its (replicated) copy
-    Fresh    prompts packed as documents and sharded: all-gather the segment's rows, run each
-             prompt alone from no state (it records its final states), shard the outputs back
+    Fresh    prompts packed as documents and sharded: a mixer with a state-passing program
+             (integrations/hf/mixers/state.py) runs each rank's own tokens only, and every rank
+             keeps each prompt's final states folded from the exchanged summaries; any other
+             all-gathers the segment's rows, runs each prompt alone from no state (it records
+             its final states), and shards the outputs back
     Extend   T new tokens of one sequence, sharded: all-gather, one call continuing from the
              sequence's states (transformers' chunked-prefill path), shard back
 
@@ -39,6 +42,9 @@ from torch import nn
 import ringattn
 from ringattn.inference.hf.kv_attention import STATE_ATTR, Decode, Extend, Fresh
 from ringattn.integrations.hf.mixers import MIXERS, _known
+from ringattn.integrations.hf.mixers.state import has_state, run_state
+from ringattn.layout import get_layout
+from ringattn.sharding import local_placement
 
 # mixers whose cache interface is not the five methods above (MiniMax keeps a "linear cache")
 NOT_CARRIED = {
@@ -124,6 +130,22 @@ def _call(module: nn.Module, x: torch.Tensor, view: StateView) -> torch.Tensor:
     return torch.cat([out[0] if isinstance(out, tuple) else out for out in outs], dim=1)
 
 
+def _fresh_by_state(module: nn.Module, state: object, rows: torch.Tensor, fresh: Fresh):
+    """Prompts packed as documents, by state passing (integrations/hf/mixers/state.py): each
+    rank runs its own tokens, and every rank keeps each prompt's final conv inputs and
+    recurrent state, folded from the exchanged summaries, where its decoding continues."""
+    bounds = [int(b) for b in fresh.bounds.tolist()]
+    placement = local_placement(get_layout(state.layout), state.info, rows.shape[1], bounds)
+    out, exchange = run_state(module, rows[0], placement, state.info, keep=True)
+    for doc, (seq, _, _, _) in enumerate(fresh.rows):
+        conv, recurrent = exchange.conv_finals.get(doc), exchange.finals.get(doc)
+        state.mixer_states[(id(module), seq)] = {
+            "conv": {} if conv is None else {0: conv[None]},  # (1, C, K)
+            "recurrent": {} if recurrent is None else {0: recurrent[None]},
+        }
+    return out[None]  # (1, rows, hidden)
+
+
 def _run(module: nn.Module, state: object, x: torch.Tensor) -> torch.Tensor:
     """The layer's output for the forward's local rows `x` (B, S_local, hidden), by segment."""
     store, key = state.mixer_states, id(module)
@@ -137,6 +159,9 @@ def _run(module: nn.Module, state: object, x: torch.Tensor) -> torch.Tensor:
         if isinstance(segment, Decode):
             y = _call(module, rows.transpose(0, 1), StateView(store, key, segment.live))
             outs.append(y.transpose(0, 1))
+            continue
+        if isinstance(segment, Fresh) and has_state(module):
+            outs.append(_fresh_by_state(module, state, rows, segment))
             continue
         if isinstance(segment, Fresh):
             bounds = [int(b) for b in segment.bounds.tolist()]

@@ -5,8 +5,10 @@ local rows as pieces over sub-groups of the cp group (`ringattn_segments`, atten
 attention knows about pieces, so only models whose every token mixer is attention qualify:
 
     refused                         why
-    hybrid recurrent mixers         Mamba, gated DeltaNet, short convolutions (mixers/) run over
-      (and whole-sequence layers)   the cp group's whole sequence, not piece by piece
+    recurrent mixers without a      those that run over the cp group's whole sequence (mixers/;
+      state-passing program         whole-sequence layers too), not piece by piece; Mamba2,
+                                    gated DeltaNet and short convolutions run each piece over
+                                    its sub-group by state passing (mixers/state.py)
     vision-language models          the vision merge and its 3-D positions are cut for one group
                                     (vision.py), not for pieces
     a MoE router loss               its statistics (moe.py) exclude padding rows found from the
@@ -26,6 +28,7 @@ from torch import nn
 
 from ringattn.integrations.hf import mixers, moe, vision
 from ringattn.integrations.hf.experts import EXPERTS_ATTR
+from ringattn.integrations.hf.mixers.state import has_state
 
 __all__ = ["refuse_dynamic"]
 
@@ -41,13 +44,13 @@ def refuse_dynamic(model: nn.Module, what: str) -> None:
             f"with static CP (drop {what})"
         )
     text_root = model.get_decoder() if hasattr(model, "get_decoder") else model
-    found = mixers.find_mixers(text_root)
+    found = [(n, m) for n, m in mixers.find_mixers(text_root) if not has_state(m)]
     if found:
         kinds = sorted({type(m).__name__ for _, m in found})
         raise ValueError(
-            f"{what}: {name} has sequence mixers other than attention ({', '.join(kinds)}, e.g. "
-            f"{found[0][0]}), which run over the cp group's whole sequence, not piece by piece; "
-            f"train this hybrid model with static CP (drop {what})"
+            f"{what}: {name} has sequence mixers that only run over the cp group's whole "
+            f"sequence ({', '.join(kinds)}, e.g. {found[0][0]}), not piece by piece by state "
+            f"passing; train this hybrid model with static CP (drop {what})"
         )
     config = model.config.get_text_config()
     if getattr(config, "output_router_logits", False) and moe.router_settings(model):

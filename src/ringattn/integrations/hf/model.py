@@ -43,6 +43,7 @@ def parallelize(
     backend: str = "auto",
     router_group: object = None,
     expert_group: object = None,
+    mixer_scheme: str = "auto",
     tiled_mlp: int = 0,
 ) -> object:
     """Make `model`'s attention exact over a sequence sharded across `group`; returns `model`.
@@ -63,12 +64,20 @@ def parallelize(
     every token goes to the rank holding its expert and back (experts.py). The expert count
     must be divisible by the group's size. Expert weights become this rank's slice (same names).
 
+    Hybrid models: `mixer_scheme` picks how each recurrent or convolutional mixer runs across
+    the ranks: "state" (each rank its own tokens, states passed between ranks), "heads" (each
+    rank 1/W of the heads on the whole sequence), "whole" (every rank the whole sequence), or
+    "auto" (the first of those that the mixer and layout can run exactly). A mixer that cannot
+    run the one asked for falls back the same way; `ringattn.integrations.hf.mixers.schemes`
+    names what each layer runs.
+
     Tiled MLP: with `tiled_mlp=T` (tokens), each allow-listed MLP and experts module runs over
     this rank's rows in tiles of T, each recomputed in backward (levers/tiled.py; exact); a
     feed-forward module off that list is refused by name. 0 (the default) leaves them whole.
     """
     get_layout(layout)
     check_names(strategy, STRATEGIES, backend)
+    mixers.check_scheme(mixer_scheme)
     resolve_group(group, allow_2d=strategy == "hybrid")
     if not hasattr(model, "set_attn_implementation") or not hasattr(model, "config"):
         raise TypeError(
@@ -110,7 +119,7 @@ def parallelize(
             f"parallelize it"
         )
     if found_mixers:
-        mixers.install(model, text_root, found_mixers)
+        mixers.install(model, text_root, found_mixers, mixer_scheme)
     if expert_group is not None:
         experts.shard_experts(model, expert_group)  # checks every layer before it changes any
     moe.install(model, group if router_group is None else router_group)

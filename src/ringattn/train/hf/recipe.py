@@ -156,7 +156,8 @@ def parallelize_hf(model: nn.Module, mesh: Mesh, cfg: TrainConfig) -> nn.Module:
     # a MoE router's statistics over the whole global batch: every dp x cp rank's tokens
     world = dist.group.WORLD if dist.is_initialized() else None
     hf_parallelize(model.model, mesh.cp_group, layout=cfg.layout, strategy=cfg.strategy,
-                   router_group=world, tiled_mlp=cfg.tiled_mlp)  # fmt: skip
+                   router_group=world, mixer_scheme=cfg.mixer_scheme,
+                   tiled_mlp=cfg.tiled_mlp)  # fmt: skip
     if cfg.activation_checkpointing:
         hf = model.model  # transformers >= 5.x renamed gradient_ to activation_checkpointing_enable
         enable = getattr(hf, "activation_checkpointing_enable", None)

@@ -130,7 +130,7 @@ def _tiled_forward(forward: object, signature: inspect.Signature, tile: int,
         return forward(**dict(zip(names, call, strict=True)))
 
     out = tiled_rows(run, rows, tile, [p for p in module.parameters() if p.requires_grad])
-    return out.view(*lead, *out.shape[1:])
+    return out.reshape(*lead, *out.shape[1:])
 
 
 def install_tiled_mlp(model: nn.Module, tile: int) -> int:

@@ -53,9 +53,15 @@ from torch import nn
 import ringattn
 from ringattn.comm import resolve_group
 from ringattn.integrations.hf import vision
-from ringattn.integrations.hf.attention import CONTEXT_ATTR, LOCAL_ATTR, _check_padding_mask
+from ringattn.integrations.hf.attention import (
+    CONTEXT_ATTR,
+    LOCAL_ATTR,
+    SEGMENTS_KWARG,
+    _check_padding_mask,
+)
 from ringattn.integrations.hf.mixers.comm import gather_rows, scatter_rows
 from ringattn.integrations.hf.mixers.heads import HeadShare, splits
+from ringattn.integrations.hf.mixers.state import has_state, run_state
 from ringattn.integrations.hf.mixers.whole_attention import (
     WHOLE_ATTENTION,
     check_whole,
@@ -180,7 +186,9 @@ class MixerState:
 
     context: object
     bounds: torch.Tensor | None = None
+    segments: list | None = None  # dynamic CP's pieces (attention.py's SEGMENTS_KWARG)
     heads: dict[int, HeadShare] = field(default_factory=dict)
+    schemes: dict[int, str] = field(default_factory=dict)  # module id -> state, heads, whole
     pending: dict[int, tuple] = field(default_factory=dict)
     # bytes this rank sends per mixer call, forward + backward, by layer (for benchmarks): a
     # ring all-gather sends (W-1)/W of the gathered tensor, a ring all-reduce 2(W-1)/W of it
@@ -188,16 +196,36 @@ class MixerState:
 
 
 def _capture(module: nn.Module, args: tuple, kwargs: dict) -> None:
-    """Model pre-hook: keep the forward's `cu_seq_lens_q` (None without) for the mixers that are
-    not given it."""
-    getattr(module, STATE_ATTR).bounds = kwargs.get("cu_seq_lens_q")
+    """Model pre-hook: keep the forward's `cu_seq_lens_q` and dynamic CP's segments (None
+    without) for the mixers, which are not given them."""
+    state = getattr(module, STATE_ATTR)
+    state.bounds, state.segments = kwargs.get("cu_seq_lens_q"), kwargs.get(SEGMENTS_KWARG)
 
 
 def _capture_inner(module: nn.Module, args: tuple, kwargs: dict) -> None:
     """Decoder pre-hook: the same when the decoder is called alone (ringattn.hf.loss); a model
     that does not pass the bounds on to its decoder (Mamba2) keeps the model's."""
+    state = getattr(module, STATE_ATTR)
     if kwargs.get("cu_seq_lens_q") is not None:
-        getattr(module, STATE_ATTR).bounds = kwargs["cu_seq_lens_q"]
+        state.bounds = kwargs["cu_seq_lens_q"]
+    if kwargs.get(SEGMENTS_KWARG) is not None:
+        state.segments = kwargs[SEGMENTS_KWARG]
+
+
+def _by_segments(module: nn.Module, x: torch.Tensor, segments: list, layout: str, where: str):
+    """Dynamic CP: (S_local, H) rows, pieces end to end, each over its own sub-group and
+    documents (models/segments.py) -> the layer's outputs, each piece by state passing over its
+    group (every member runs the same pieces in the same order, as attention's)."""
+    outs = []
+    for seg in segments:
+        info = resolve_group(seg.group)
+        rows = x[seg.start : seg.stop]
+        placement = local_placement(get_layout(layout), info, rows.shape[0], list(seg.cu_seqlens))
+        outs.append(run_state(module, rows, placement, info)[0])
+    if sum(o.shape[0] for o in outs) != x.shape[0]:
+        raise ValueError(f"{where}: {SEGMENTS_KWARG} cover {sum(o.shape[0] for o in outs)} "
+                         f"rows, the batch has {x.shape[0]}")  # fmt: skip
+    return torch.cat(outs)
 
 
 def _hidden(signature: inspect.Signature, args: tuple, kwargs: dict) -> inspect.BoundArguments:
@@ -219,6 +247,16 @@ def _before(module: nn.Module, args: tuple, kwargs: dict):
     extra = dict(bound.arguments.get(var_kw[0], {})) if var_kw else {}
     bounds = extra.get("cu_seq_lens_q", state.bounds)
     where = f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')})"
+    if state.segments is not None:  # dynamic CP: pieces over sub-groups
+        if state.schemes.get(id(module)) != "state":
+            raise ValueError(
+                f"{where}: dynamic CP runs a mixer piece by piece by state passing, and this "
+                f"layer runs {state.schemes.get(id(module))!r}; parallelize with "
+                f"mixer_scheme='auto' or 'state', or train with static CP"
+            )
+        local = _by_segments(module, x_local[0], state.segments, state.context.layout, where)
+        state.pending[id(module)] = ("done", local[None])
+        return _zero_call(signature, bound, x_local)
     if bounds is None:
         raise ValueError(
             f"{where}: the model was parallelized with ringattn.hf.parallelize but the batch has "
@@ -243,6 +281,11 @@ def _before(module: nn.Module, args: tuple, kwargs: dict):
     info = resolve_group(context.group, allow_2d=True)
     bounds_list = [int(b) for b in bounds.tolist()]
     placement = local_placement(get_layout(context.layout), info, x_local.shape[1], bounds_list)
+    if state.schemes.get(id(module)) == "state":  # this rank's runs only (state.py)
+        local, exchange = run_state(module, x_local[0], placement, info)
+        state.pending[id(module)] = ("done", local[None])  # (1, S_local, H)
+        state.traffic[where] = exchange.sent
+        return _zero_call(signature, bound, x_local)
     full = gather_rows(x_local[0], placement, info)[None]  # (1, S, H)
     lengths = [b - a for a, b in itertools.pairwise(bounds_list) if b > a]
     docs = to_documents(full, lengths)  # (n_docs, L_max, H)
@@ -256,11 +299,8 @@ def _before(module: nn.Module, args: tuple, kwargs: dict):
         partial = _sequence(share(module, docs), lengths)  # (1, S, H)
         local = scatter_rows(partial[0], placement, info)[None]  # (1, S_local, H)
         state.pending[id(module)] = ("done", local)
-        # the layer's own forward still runs (hooks cannot skip it): on one zero token, its
-        # output dropped by the hook below
-        docs = x_local.new_zeros(1, 1, x_local.shape[-1])
-    else:
-        state.pending[id(module)] = (lengths, bounds_list)
+        return _zero_call(signature, bound, x_local)
+    state.pending[id(module)] = (lengths, bounds_list)
     new = {}
     for name, parameter in signature.parameters.items():
         if parameter.kind is inspect.Parameter.VAR_KEYWORD:
@@ -273,6 +313,14 @@ def _before(module: nn.Module, args: tuple, kwargs: dict):
         args = bound.arguments
         new |= document_kwargs(module, args, x_local, placement, info, lengths)
     return (), new
+
+
+def _zero_call(signature: inspect.Signature, bound: inspect.BoundArguments, x_local):
+    """The layer's own forward still runs (hooks cannot skip it): on one zero token and nothing
+    else, its output dropped by `_after` for the rows computed here."""
+    new = {name: None for name, p in signature.parameters.items()
+           if name in bound.arguments and p.kind is not inspect.Parameter.VAR_KEYWORD}  # fmt: skip
+    return (), {**new, "hidden_states": x_local.new_zeros(1, 1, x_local.shape[-1])}
 
 
 def _sequence(y: torch.Tensor, lengths: list[int]) -> torch.Tensor:
@@ -300,8 +348,35 @@ def _after(module: nn.Module, args: tuple, kwargs: dict, output):
     return local
 
 
-def install(model: nn.Module, root: nn.Module, mixers: list[tuple[str, nn.Module]]) -> None:
-    """Hook each handled mixer under `root` (once) and the model's bounds capture."""
+SCHEMES = ("auto", "state", "heads", "whole")
+
+
+def check_scheme(scheme: str) -> None:
+    if scheme not in SCHEMES:
+        raise ValueError(f"unknown mixer scheme {scheme!r}; choose one of {list(SCHEMES)}")
+
+
+def choose(module: nn.Module, wanted: str, world_size: int) -> str:
+    """The scheme `module` runs: `wanted` where it can run exactly, else the first that can of
+    state (its class has a program in state.py; a striped layout's rows go through zigzag's
+    runs, relayout.py), heads (W divides its head groups) and whole (always)."""
+    can = {
+        "state": has_state(module),
+        "heads": splits(module, world_size),
+        "whole": True,
+    }
+    order = ["state", "heads", "whole"]
+    if wanted != "auto":
+        order.remove(wanted)
+        order.insert(0, wanted)
+    return next(scheme for scheme in order if can[scheme])
+
+
+def install(
+    model: nn.Module, root: nn.Module, mixers: list[tuple[str, nn.Module]], scheme: str = "auto"
+) -> None:
+    """Hook each handled mixer under `root` (once) and the model's bounds capture; each runs
+    the scheme `choose` gives for `scheme`."""
     context = getattr(model, CONTEXT_ATTR)
     state = MixerState(context)
     # the bounds come from the model's forward, or its decoder's (ringattn.hf.loss calls the
@@ -321,7 +396,9 @@ def install(model: nn.Module, root: nn.Module, mixers: list[tuple[str, nn.Module
         setattr(module, STATE_ATTR, state)
         if type(module).__name__ in WHOLE_ATTENTION:
             setattr(module, LOCAL_ATTR, local_attention(module))
-        if splits(module, info.world_size):
+        chosen = choose(module, scheme, info.world_size)
+        state.schemes[id(module)] = chosen
+        if chosen == "heads":
             state.heads[id(module)] = HeadShare.build(module, config, info.rank, info.world_size)
         if not getattr(module, "_ringattn_mixer_hooked", False):
             module.register_forward_pre_hook(_before, with_kwargs=True)
@@ -335,12 +412,13 @@ def has_mixers(model: nn.Module) -> bool:
 
 
 def schemes(model: nn.Module) -> dict[str, tuple[str, str]]:
-    """{module name: (the mixer it is, "heads" or "whole")} for a parallelized model: how each
-    recurrent mixer runs across the ranks (heads: heads.py; whole: the module docstring)."""
+    """{module name: (the mixer it is, "state", "heads" or "whole")} for a parallelized model:
+    how each recurrent mixer runs across the ranks (state: state.py; heads: heads.py; whole:
+    the module docstring)."""
     state: MixerState | None = getattr(model, STATE_ATTR, None)
     out = {}
     for name, module in model.named_modules():
         if _known(module) and state is not None:
-            scheme = "heads" if id(module) in state.heads else "whole"
+            scheme = state.schemes.get(id(module), "whole")
             out[name] = (MIXERS[type(module).__name__], scheme)
     return out

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from ringattn.api import STRATEGIES
+from ringattn.integrations.hf.mixers.hooks import check_scheme
 from ringattn.layout import get_layout
 from ringattn.models.tiled import check_tile
 from ringattn.validate import check_names
@@ -41,6 +42,9 @@ class ContextParallelConfig:
     """Rows of logits at a time in the training loss of transformers.Trainer (chunked.py): -1
     picks them from the vocabulary (256 MiB of float32 logits), 0 keeps the model's own whole
     logits."""
+    mixer_scheme: str = "auto"
+    """Hybrid models: how each recurrent mixer runs across the ranks: "state", "heads", "whole"
+    or "auto" (`ringattn.hf.parallelize`'s mixer_scheme)."""
     tiled_mlp: int = 0
     """Tokens per tile of each MLP and experts module (integrations/hf/levers/tiled.py): only one
     tile's intermediates alive, each tile recomputed in backward, the same loss; 0: untiled."""
@@ -63,6 +67,7 @@ class ContextParallelConfig:
                 "integration does not build; use 'ring', 'allgather' or 'ulysses'"
             )
         check_names(self.strategy, STRATEGIES, self.backend)
+        check_scheme(self.mixer_scheme)
         if self.dynamic and self.cp & (self.cp - 1):
             low = 1 << (self.cp.bit_length() - 1)
             raise ValueError(

@@ -180,6 +180,7 @@ class _ContextParallel:
             )
         parallelize(base, self.cp_split.group, context_parallel.layout, context_parallel.strategy,
                     backend=context_parallel.backend,
+                    mixer_scheme=context_parallel.mixer_scheme,
                     tiled_mlp=context_parallel.tiled_mlp)  # fmt: skip
         if getattr(self, "aux_loss_enabled", False):  # SFTTrainer's own MoE router loss
             gather_router_logits(base)
