@@ -183,6 +183,7 @@ def _trainer(case: dict, out_dir: str):
             strategy=strategy,
             loss_chunk=case.get("loss_chunk", -1),
             dynamic=case.get("dynamic", False),
+            tiled_mlp=case.get("tiled_mlp", 0),
         )
     torch.manual_seed(0)  # LoRA's initial A, the same in every process
     return cls(model=net, args=args, **kwargs)

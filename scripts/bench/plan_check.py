@@ -3,7 +3,8 @@
     python scripts/bench/plan_check.py                 # writes results/plan_check_cpu.json
     python scripts/bench/plan_check.py --quick         # two configurations, for a smoke test
     python scripts/bench/plan_check.py --only 3,4      # some configurations (indices into CONFIGS)
-    python scripts/bench/plan_check.py --published     # docs/plan.md's table of published runs
+    python scripts/bench/plan_check.py --published     # docs/plan.md's table of published runs,
+                                                       # and the longest sequences (ALST, FPDT)
     python scripts/bench/plan_check.py --sharing       # 2 vs 4 processes on 2 cores, paired
 
 1. `ringattn plan --calibrate` measures this CPU (kernel rates by size, gloo) into a cache file;
@@ -161,6 +162,29 @@ def published_table() -> str:
     return "\n".join(lines)
 
 
+def max_seq_table(path: str | None = None, argv: list[str] | None = None) -> str:
+    """The longest sequences published (ALST, FPDT) beside `ringattn plan --max-seq`'s, with and
+    without the model-state offload what-if; written to `path` (JSON) when given."""
+    from ringattn.planner.max_seq.search import check_published_max_seq
+
+    runs = {"with model-state offload": check_published_max_seq(True),
+            "ringattn's own (no model-state offload)": check_published_max_seq(False)}  # fmt: skip
+    head = (
+        "| run | published | predicted (model-state offload) | error | predicted (ringattn "
+        "as it runs) | error | plan |"
+    )
+    lines = [head, "|---|---|---|---|---|---|---|"]
+    for a, b in zip(*runs.values(), strict=True):
+        plan = a["plan"]
+        label = " ".join(f"{k}{plan[k]}" for k in ("dp", "cp", "tp", "pp") if plan[k] > 1)
+        lines.append(f"| {a['name']} | {a['published']:,} | {a['predicted']:,} | "
+                     f"{a['error']:+.0%} | {b['predicted']:,} | {b['error']:+.0%} | "
+                     f"{label or '1 gpu'} {plan['strategy']}/{plan['layout']} |")  # fmt: skip
+    if path:
+        record.write(path, "scripts/bench/plan_check.py", argv, {"max_seq": runs})
+    return "\n".join(lines)
+
+
 def _err(pred: float, meas: float) -> float:
     return (pred - meas) / meas
 
@@ -181,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="print the published-runs table (no measurement) and exit",
     )
+    p.add_argument("--max-seq-json", default="results/plan_max_seq.json",
+                   help="--published: where the longest-sequence check goes")  # fmt: skip
     p.add_argument("--calibration", default=None, help="reuse this calibration file")
     p.add_argument("--max-load", type=float, default=1.0, help="wait for a load average below")
     p.add_argument("--max-wait", type=float, default=90, help="seconds to wait for it, per run")
@@ -189,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.published:
         print(published_table())
+        print()
+        print(max_seq_table(args.max_seq_json, argv))
         return 0
     if args.sharing:
         sharing_check(args.json, args.tries)

@@ -20,6 +20,12 @@ from ringattn.planner.calibrate import (
 from ringattn.planner.dynamic_cp.lengths import parse_lengths
 from ringattn.planner.dynamic_cp.predict import dynamic_table, fixed_costs, predict_dynamic
 from ringattn.planner.hardware import get_hardware
+from ringattn.planner.max_seq.report import (
+    add_max_seq_arguments,
+    apply_levers,
+    prepare,
+    run_max_seq,
+)
 from ringattn.planner.models import get_model
 from ringattn.planner.search import (
     PLAN_MARGIN,
@@ -118,6 +124,7 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--activation-checkpointing", action="store_true",
                    help="recompute each block in backward")  # fmt: skip
+    add_max_seq_arguments(p)  # --max-seq and the memory levers (planner/max_seq/report.py)
     p.add_argument("--json", action="store_true", help='print one JSON object {"plans": [...]}')
     p.add_argument("--tflops", type=float, default=None, help="override peak bf16 TFLOP/s")
     p.add_argument("--intra-bw", type=float, default=None, help="override NVLink GB/s")
@@ -244,7 +251,10 @@ def run_plan(args: argparse.Namespace) -> int:
                              f"{args.strategy} is not priced: give --strategy ring or leave it "
                              "out")  # fmt: skip
         args.strategy = "ring"
-    job = _job(args, calibration)
+    prepare(args)
+    job = apply_levers(_job(args, calibration), args)
+    if args.max_seq:
+        return run_max_seq(args, job)
     plans = search(job)
     fitting = [p for p in plans if p["fits"]]
     shown = sorted(fitting or plans, key=rank_key)

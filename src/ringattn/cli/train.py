@@ -29,8 +29,8 @@ MODEL = ("model", "dim", "layers", "heads", "kv_heads", "hf", "rope_scaling",
          "max_position_embeddings")  # fmt: skip
 PARALLELISM = ("nproc", "cp", "dp", "tp", "pp", "ep", "microbatches", "pp_schedule", "strategy",
                "ulysses", "layout", "mixer_scheme", "dynamic_cp", "activation_checkpointing",
-               "compile",
-               "compile_backend", "loss_chunk", "dtype", "timeout_s", "stall_s")  # fmt: skip
+               "offload_activations", "compile", "compile_backend", "loss_chunk", "tiled_mlp",
+               "dtype", "timeout_s", "stall_s")  # fmt: skip
 DATA = ("data", "token_cache", "seq_len", "batch_size", "keys", "copies", "noisy", "steps", "lr",
         "warmup", "weight_decay", "grad_clip", "seed")  # fmt: skip
 OUTPUT = ("out_dir", "checkpoint_dir", "checkpoint_every", "keep", "export", "export_dtype",
@@ -43,7 +43,7 @@ CHOICES = {"model": tuple(MODEL_SIZES), "pp_schedule": SCHEDULES, "strategy": tu
 SPELLED = {"timeout_s": "--timeout", "stall_s": "--stall-timeout", "grace_s": "--grace"}
 METAVARS = {"hf": "DIR", "token_cache": "DIR", "export": "DIR", "timeout_s": "SECONDS",
             "stall_s": "SECONDS", "grace_s": "SECONDS", "rope_scaling": "TYPE:FACTOR",
-            "eval_niah_every": "K"}  # fmt: skip
+            "eval_niah_every": "K", "tiled_mlp": "TOKENS"}  # fmt: skip
 NEGATABLE = ("activation_checkpointing", "compile", "resume", "tensorboard")
 HIDDEN = ("fail_at_step", "fail_rank", "fail_signal")  # tests: a rank killing or freezing itself
 # the demo trains our decoder

@@ -18,6 +18,8 @@ style) by `set_context_parallel(model, group, layout, strategy)`, which tells ea
 which process group and layout the local tokens belong to; the caller then feeds each rank its
 shard of the tokens together with their global positions (`ringattn.shard` / `ringattn.positions`).
 Without it, attention runs on one process with the contiguous layout (any sequence length).
+`set_tiled_mlp(model, tokens)` runs each MLP over the rows in tiles, recomputed in backward
+(models/tiled.py), so only one tile's intermediates are alive.
 `set_segments(model, segments)` (models/segments.py) instead makes attention run piece by piece
 over the local rows, each piece its own packed documents and process group (dynamic CP).
 The shape is models/config.py's; RoPE, RMSNorm and the chunked loss are models/rope.py, norm.py,
@@ -25,6 +27,8 @@ loss.py; the tensor and pipeline plans are models/tensor_parallel.py and pipelin
 """
 
 from __future__ import annotations
+
+from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
@@ -35,10 +39,12 @@ from ringattn import attention
 from ringattn.models.config import ModelConfig
 from ringattn.models.loss import auto_chunk, chunked_cross_entropy
 from ringattn.models.norm import RMSNorm
+from ringattn.models.offload import ActivationOffload
 from ringattn.models.rope import apply_rope, rope_angles
 from ringattn.models.segments import Segment, attend_segments
+from ringattn.models.tiled import check_tile, tiled_rows
 
-__all__ = ["Attention", "Block", "Transformer", "set_context_parallel"]
+__all__ = ["Attention", "Block", "Transformer", "set_context_parallel", "set_tiled_mlp"]
 
 
 class Attention(nn.Module):
@@ -93,9 +99,17 @@ class FeedForward(nn.Module):
         self.w1 = nn.Linear(cfg.dim, cfg.hidden_dim, bias=False)
         self.w3 = nn.Linear(cfg.dim, cfg.hidden_dim, bias=False)
         self.w2 = nn.Linear(cfg.hidden_dim, cfg.dim, bias=False)
+        self.tile = 0  # tokens per tile of the tiled MLP (models/tiled.py); 0: untiled
+
+    def swiglu(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        if not self.tile:
+            return self.swiglu(x)
+        rows = x.reshape(-1, x.shape[-1])  # (B*S, dim): every token a row
+        out = tiled_rows(self.swiglu, [rows], self.tile, list(self.parameters()))
+        return out.view(x.shape)  # (B, S, dim)
 
 
 class Block(nn.Module):
@@ -125,6 +139,8 @@ class Transformer(nn.Module):
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         # memory levers, set from outside like the context-parallel options
         self.checkpoint_blocks = False  # recompute each block in backward instead of saving it
+        # with checkpoint_blocks: keep each block's input in host memory (models/offload.py)
+        self.offload_activations = False
         # tokens per chunk of the output projection + loss (0 = one chunk): loss.py's rule
         self.loss_chunk = auto_chunk(cfg.vocab_size)
         self.reset_parameters()
@@ -151,9 +167,11 @@ class Transformer(nn.Module):
         """
         cos, sin = rope_angles(positions, self.cfg.head_dim, self.cfg.rope_theta)  # (S, D/2)
         x = self.tok_embeddings(tokens)  # (B, S, dim)
+        offload = ActivationOffload() if self.offload_activations else nullcontext()
         for layer in self.layers:
             if self.checkpoint_blocks and torch.is_grad_enabled():
-                x = checkpoint(layer, x, cos, sin, use_reentrant=False)
+                with offload:  # sees the checkpoint's saved inputs only (models/offload.py)
+                    x = checkpoint(layer, x, cos, sin, use_reentrant=False)
             else:
                 x = layer(x, cos, sin)
         x = self.norm(x)
@@ -171,3 +189,12 @@ def set_context_parallel(
     for module in model.modules():
         if isinstance(module, Attention):
             module.group, module.layout, module.strategy = group, layout, strategy
+
+
+def set_tiled_mlp(model: nn.Module, tile: int) -> None:
+    """Run every block's MLP of `model` over its rows in tiles of `tile` tokens, each tile
+    recomputed in backward (models/tiled.py; exact); 0 turns it off."""
+    check_tile(tile)
+    for module in model.modules():
+        if isinstance(module, FeedForward):
+            module.tile = tile

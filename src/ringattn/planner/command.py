@@ -67,6 +67,13 @@ def train_command(spec: PlanSpec) -> tuple[str, str | None]:
         notes.append("fp8 attention: the trainer's attention is bf16")
     if spec.activation_checkpointing:
         flags.append("--activation-checkpointing")
+    if spec.tiled_mlp:
+        flags += ["--tiled-mlp", str(spec.tiled_mlp)]
+    if spec.offload_activations and spec.activation_checkpointing:
+        flags.append("--offload-activations")
+    if spec.offload_states:
+        notes.append("model-state offload: a what-if the trainer does not run (weights and "
+                     "optimizer states in host memory, as DeepSpeed's ZeRO-3 offload)")  # fmt: skip
     if spec.pp > 1:
         schedule = spec.pp_schedule if spec.pp_schedule in TRAINER_SCHEDULES else "1f1b"
         flags += ["--pp-schedule", schedule, "--microbatches", str(spec.microbatches)]

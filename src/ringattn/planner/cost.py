@@ -52,6 +52,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ringattn.planner.hardware import Hardware
+from ringattn.planner.max_seq.levers import lever_seconds
 from ringattn.planner.models import ModelSpec
 from ringattn.planner.schedule import bubble_slots
 from ringattn.planner.work import StepWork, allgather_work, group_ring_steps, mixer_work
@@ -97,6 +98,9 @@ class PlanSpec:
     """Overrides the kernel's plateau rates, forward and backward TFLOP/s."""
     mixer_scheme: str = "auto"
     """Hybrid models: how the mixer layers run under CP (work.MIXER_CHOICES; `mixer_run`)."""
+    tiled_mlp: int = 0  # tokens per tile of the tiled MLP (0: untiled; max_seq/levers.py)
+    offload_activations: bool = False  # the checkpointed layer inputs in host memory
+    offload_states: bool = False  # what-if: weights, optimizer states in host memory (ZeRO-3)
 
     @property
     def mixer_run(self) -> str:
@@ -305,8 +309,9 @@ def step_time(spec: PlanSpec) -> dict:
     tp_s = hw.transfer_s(tp_bytes, spec.spans_nodes(spec.tp), 4) if spec.tp > 1 else 0.0
     fwd = mm_f + ew_f + att_f
     bwd = 2 * mm_f + 2 * ew_f + att_b + (fwd if spec.activation_checkpointing else 0)
+    bwd, offload_s = lever_seconds(spec, tokens, fwd, bwd, threads, slow)  # + the tiles' recompute
     ep_s = _dispatch_s(spec, tokens)  # (forward, backward) of one MoE layer, exposed
-    exposed_layer = att_f_exp + att_b_exp + 2 * tp_s + sum(ep_s)
+    exposed_layer = att_f_exp + att_b_exp + 2 * tp_s + sum(ep_s) + offload_s
     if spec.activation_checkpointing:
         exposed_layer += att_f_exp + tp_s + ep_s[0]
     layers = -(-m.n_layers // spec.pp)  # the heaviest stage (uneven splits allowed)

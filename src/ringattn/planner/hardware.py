@@ -72,6 +72,11 @@ class Hardware:
     """Tokens per matmul call (x 4) at which a GEMM reaches half its best efficiency."""
     usable_fraction: float = 0.92
     """Of memory_gib, what a job can allocate (CUDA context, NCCL buffers, fragmentation)."""
+    host_memory_gib: float = 2048.0
+    """Host RAM per node (DGX H100/H200: 2 TB), shared by its GPUs' offloaded tensors."""
+    host_link_gbs: float = 50.0
+    """Host <-> device copy rate per GPU per direction (PCIe Gen5 x16 in practice; A100: Gen4,
+    25)."""
     calibration: dict | None = field(default=None, compare=False)
     """cpu: the measured tables (see calibrate.py); None on GPUs."""
 
@@ -193,7 +198,21 @@ HARDWARE: dict[str, Hardware] = {
         Hardware("h100", 989, 1979, 80, 3350, 450, 50, 8, "hopper", 494.5, 67),
         Hardware("h800", 989, 1979, 80, 3350, 200, 50, 8, "hopper", 494.5, 67),
         Hardware("h200", 989, 1979, 141, 4800, 450, 50, 8, "hopper", 494.5, 67),
-        Hardware("a100", 312, 0, 80, 2039, 300, 25, 8, "ampere", 156, 19.5),
+        Hardware(
+            "a100",
+            312,
+            0,
+            80,
+            2039,
+            300,
+            25,
+            8,
+            "ampere",
+            156,
+            19.5,
+            host_memory_gib=1024,
+            host_link_gbs=25,
+        ),
         Hardware("b200", 2250, 4500, 180, 8000, 900, 50, 8, "blackwell", 1125, 75),
     )
 }

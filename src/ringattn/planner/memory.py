@@ -43,7 +43,7 @@ from __future__ import annotations
 from ringattn.planner.cost import PlanSpec
 from ringattn.planner.schedule import kept as kept_microbatches
 
-__all__ = ["memory_bytes", "mixer_memory_bytes"]
+__all__ = ["host_bytes", "memory_bytes", "mixer_memory_bytes"]
 
 GIB = 1024**3
 
@@ -59,6 +59,32 @@ def _block_activation_elems(spec: PlanSpec) -> float:
         attention *= m.attention_layers / m.n_layers
         mixer = _mixer_elems(spec) * m.mixer_layers / m.n_layers
     return width + attention + mixer + 4 * mlp / tp
+
+
+def _mlp_elems(spec: PlanSpec) -> float:
+    """Of _block_activation_elems, the MLP's intermediates (w1, w3, silu, product)."""
+    m = spec.model
+    mlp = m.top_k * (m.expert_hidden or m.hidden_dim) if m.experts else m.hidden_dim
+    return 4 * mlp / spec.tp
+
+
+def host_bytes(spec: PlanSpec) -> float:
+    """Host memory per GPU: the offloaded checkpoints (layers x tokens x dim) and, with the
+    model-state offload what-if, 18 bytes per local parameter (the compute-dtype copy, float32
+    master, gradient and moments)."""
+    m = spec.model
+    layers = -(-m.n_layers // spec.pp)
+    tokens = spec.micro_batch * (spec.seq_len // spec.cp)
+    host = 0.0
+    if spec.offload_activations and spec.activation_checkpointing and not spec.hw.is_cpu:
+        in_flight = kept_microbatches(spec.pp_schedule, spec.pp, spec.pipe_microbatches,
+                                      spec.virtual)  # fmt: skip
+        host += in_flight * layers * tokens * m.dim / spec.tp * spec.elem_bytes
+    if spec.offload_states:
+        vocab = m.vocab_size * m.dim * (1 if spec.pp > 1 or m.tied_embeddings else 2)
+        local = (layers * m.layer_params() + vocab) / spec.tp
+        host += 18 * local / (spec.dp * spec.cp)
+    return host
 
 
 def _mixer_elems(spec: PlanSpec) -> float:
@@ -112,16 +138,27 @@ def memory_bytes(spec: PlanSpec) -> dict:
     params = 4 * local / shards
     grads = 4 * local / shards
     optimizer = 8 * local / shards
+    if spec.offload_states:  # what-if: only the layers in use (and the root unit) stay here
+        params = grads = (2 * layer_local + vocab_params / spec.tp) * e
+        optimizer = 0.0
     fsdp = 0.0
-    if shards > 1:
+    if shards > 1 and not spec.offload_states:  # offloaded: the layers in use are `params`
         fsdp = 2 * layer_local * (e + 4) + vocab_params / spec.tp * e
     tokens = spec.micro_batch * (spec.seq_len // spec.cp)
-    per_block = _block_activation_elems(spec) * e * tokens
+    block, mlp = _block_activation_elems(spec), _mlp_elems(spec)
+    # one block's working set (recomputed, differentiated): the tiled MLP's only for one tile
+    tile_rows = min(tokens, spec.tiled_mlp) if spec.tiled_mlp else tokens
+    per_block = ((block - mlp) * tokens + mlp * tile_rows) * e
+    # what each block keeps without checkpointing: tiled, the MLP keeps only its (normed) input
+    kept_block = (block - mlp) * e * tokens if spec.tiled_mlp else block * e * tokens
     in_flight = kept_microbatches(spec.pp_schedule, spec.pp, spec.pipe_microbatches, spec.virtual)
     if spec.activation_checkpointing:
-        kept = layers * tokens * m.dim / spec.tp * e + per_block
+        # offloaded: the checkpoint in use and the one being prefetched stay on the device (on
+        # cpu the host is the device: the copies live in the same memory, nothing is saved)
+        held = min(layers, 2) if spec.offload_activations and not spec.hw.is_cpu else layers
+        kept = held * tokens * m.dim / spec.tp * e + per_block
     else:
-        kept = layers * per_block
+        kept = layers * kept_block
     activations = in_flight * (kept + 3 * tokens * m.dim / spec.tp * e)  # + embedding, norm out
     transient = per_block
     # attention buffers of the layer being run

@@ -34,6 +34,7 @@ from ringattn.planner.cost import PlanSpec, mixer_shares, step_time
 from ringattn.planner.flops import model_flops_per_token
 from ringattn.planner.hardware import Hardware
 from ringattn.planner.kernels import check_kernel, default_kernel
+from ringattn.planner.max_seq.levers import check_levers
 from ringattn.planner.memory import GIB, memory_bytes, mixer_memory_bytes
 from ringattn.planner.models import ModelSpec
 from ringattn.planner.schedule import check_schedule
@@ -86,6 +87,11 @@ class Job:
     """MoE: expert-parallel degree (fixed, not searched)."""
     mixer_scheme: str = "auto"
     """Hybrid models: how mixer layers run under CP (work.MIXER_CHOICES; fixed, not searched)."""
+    tiled_mlp: int = 0  # the memory levers: cost.PlanSpec's fields of the same names
+    offload_activations: bool = False
+    offload_states: bool = False
+    loss_chunk: int = 4096
+    """Tokens per chunk of the output projection + loss (cost.PlanSpec.loss_chunk)."""
 
 
 def _divisors(n: int) -> list[int]:
@@ -147,6 +153,7 @@ def check_plan(spec: PlanSpec) -> PlanSpec:
                 f"--ep {spec.ep} must be a multiple of cp={spec.cp} dividing dp x cp "
                 f"= {shards} (experts fold onto whole cp groups and part of dp)"
             )
+    check_levers(spec)  # what the trainer refuses with the memory levers
     if m.mixer_layers:  # ValueError for a scheme this cp and tp cannot run
         resolve_mixer_scheme(m.mixer, spec.mixer_scheme, spec.cp, spec.tp)
     if spec.dtype == "fp8" and not spec.hw.fp8_tflops:
@@ -250,6 +257,10 @@ def _candidates(job: Job):
                     attention_tflops=job.attention_tflops,
                     ep=job.ep,
                     mixer_scheme=job.mixer_scheme,
+                    tiled_mlp=job.tiled_mlp,
+                    offload_activations=job.offload_activations,
+                    offload_states=job.offload_states,
+                    loss_chunk=job.loss_chunk,
                 )
 
 

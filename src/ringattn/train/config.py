@@ -153,6 +153,14 @@ class TrainConfig:
     """progress line every N steps when stdout is not a terminal"""
     activation_checkpointing: bool = False
     """recompute each block in backward instead of keeping its activations"""
+    offload_activations: bool = False
+    """with --activation-checkpointing: keep each checkpointed layer's input in pinned host
+    memory, prefetched in backward on a side stream (saves GPU memory on a GPU only; on CPU it
+    runs and changes nothing)"""
+    tiled_mlp: int = 0
+    """run each layer's MLP (a MoE layer's experts) over the rank's tokens in tiles of this
+    many, each tile recomputed in backward: only one tile's intermediates alive, the same loss
+    (0 = untiled)"""
     loss_chunk: int = -1
     """tokens per chunk of output projection + loss, recomputed in backward (0 = all at once;
     -1 = the most tokens whose float32 logits fit in 256 MiB, i.e. 256 MiB / (4 bytes x
@@ -325,6 +333,18 @@ def validate(
     check_choice("fail-signal", cfg.fail_signal, FAIL_SIGNALS)
     check_at_least("max-bad-steps", cfg.max_bad_steps, 1)
     check_at_least("loss-chunk", cfg.loss_chunk, -1)
+    check_at_least("tiled-mlp", cfg.tiled_mlp, 0)
+    if cfg.tiled_mlp and (cfg.compile or cfg.tp > 1):
+        flag = "--compile" if cfg.compile else f"--tp {cfg.tp}"
+        raise ValueError(f"--tiled-mlp {cfg.tiled_mlp} is not supported with {flag} (its tiles "
+                         f"are recomputed by a Python autograd function over whole rows); drop "
+                         f"one of them")  # fmt: skip
+    if cfg.offload_activations and not cfg.activation_checkpointing:
+        raise ValueError("--offload-activations moves the checkpointed layer inputs to host "
+                         "memory: add --activation-checkpointing")  # fmt: skip
+    if cfg.offload_activations and (cfg.pp > 1 or cfg.compile):
+        flag = "--compile" if cfg.compile else f"--pp {cfg.pp}"
+        raise ValueError(f"--offload-activations is not supported with {flag}; drop one")
     if not cfg.grace_s > 0:
         raise ValueError(f"--grace must be > 0 seconds, got {cfg.grace_s}")
     if cfg.tensorboard:

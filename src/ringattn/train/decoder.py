@@ -1,6 +1,7 @@
 """`DECODER`: the training recipe of our decoder (models/), over the whole pp x dp x cp x tp mesh.
 
 build         models/decoder.py's Transformer of --model and its overrides, with --loss-chunk
+              and --tiled-mlp, --offload-activations
 parallelize   models/parallelize.py: CP attention (--layout, --strategy), TP, PP stages
               (--pp-schedule, --microbatches), FSDP2 in --dtype, activation checkpointing
 check         the flags only this model can refuse: its heads and tokens against --tp, its
@@ -13,7 +14,7 @@ import torch
 from torch import nn
 
 from ringattn.models.config import ModelConfig
-from ringattn.models.decoder import Transformer
+from ringattn.models.decoder import Transformer, set_tiled_mlp
 from ringattn.models.loss import resolve_chunk
 from ringattn.models.parallelize import parallelize
 from ringattn.models.pipeline import SCHEDULES
@@ -34,6 +35,8 @@ def build_decoder(cfg: TrainConfig) -> Transformer:
 def decoder_of(mcfg: ModelConfig, cfg: TrainConfig) -> Transformer:
     model = Transformer(mcfg)
     model.loss_chunk = resolve_chunk(cfg.loss_chunk, mcfg.vocab_size)
+    set_tiled_mlp(model, cfg.tiled_mlp)
+    model.offload_activations = cfg.offload_activations  # used with checkpoint_blocks
     return model
 
 

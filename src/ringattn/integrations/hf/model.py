@@ -28,7 +28,9 @@ from ringattn.api import STRATEGIES
 from ringattn.comm import resolve_group
 from ringattn.integrations.hf import experts, families, mixers, moe, vision
 from ringattn.integrations.hf.attention import ATTENTION_NAME, CONTEXT_ATTR, CPContext, register
+from ringattn.integrations.hf.levers import tiled
 from ringattn.layout import get_layout
+from ringattn.models.tiled import check_tile
 from ringattn.validate import check_names
 
 
@@ -42,6 +44,7 @@ def parallelize(
     router_group: object = None,
     expert_group: object = None,
     mixer_scheme: str = "auto",
+    tiled_mlp: int = 0,
 ) -> object:
     """Make `model`'s attention exact over a sequence sharded across `group`; returns `model`.
 
@@ -67,6 +70,10 @@ def parallelize(
     "auto" (the first of those that the mixer and layout can run exactly). A mixer that cannot
     run the one asked for falls back the same way; `ringattn.integrations.hf.mixers.schemes`
     names what each layer runs.
+
+    Tiled MLP: with `tiled_mlp=T` (tokens), each allow-listed MLP and experts module runs over
+    this rank's rows in tiles of T, each recomputed in backward (levers/tiled.py; exact); a
+    feed-forward module off that list is refused by name. 0 (the default) leaves them whole.
     """
     get_layout(layout)
     check_names(strategy, STRATEGIES, backend)
@@ -96,6 +103,9 @@ def parallelize(
     text_root = model.get_decoder() if multimodal else model
     found_mixers = mixers.find_mixers(text_root)  # refuses an unknown token mixer, changes nothing
     resolve_group(router_group)
+    check_tile(tiled_mlp)
+    if tiled_mlp:
+        tiled.tiled_modules(text_root)  # refuses a feed-forward off the allow-list, changes nothing
     register()
     context = CPContext(group, layout, strategy, backend)
     for module in model.modules():
@@ -113,6 +123,7 @@ def parallelize(
     if expert_group is not None:
         experts.shard_experts(model, expert_group)  # checks every layer before it changes any
     moe.install(model, group if router_group is None else router_group)
+    tiled.install_tiled_mlp(text_root, tiled_mlp)
     if multimodal:
         vision.install(model)
     return model

@@ -36,6 +36,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ringattn.integrations.hf.experts import check_ep
+from ringattn.integrations.hf.levers.offload import offload_activations
+from ringattn.integrations.hf.levers.tiled import tiled_modules
 from ringattn.integrations.hf.loss import logits_loss, loss_sum
 from ringattn.integrations.hf.model import parallelize as hf_parallelize
 from ringattn.integrations.hf.moe import ROUTER_ATTR, aux_share
@@ -89,6 +91,10 @@ def check(cfg: TrainConfig, cp: int) -> None:
     check_probe(cfg)  # --eval-niah-every: a needle prompt fits --seq-len
     if cfg.dynamic_cp:  # hybrid, vision-language, MoE router loss: refused by name (dynamic.py)
         check_model(cfg)
+    if cfg.tiled_mlp:  # a feed-forward off the allow-list, refused by name (a weightless build)
+        with torch.device("meta"):
+            meta = load_model(model_source(cfg.hf), pretrained=False, config=extended_config(cfg))
+        tiled_modules(meta)
 
 
 def dataset(cfg: TrainConfig) -> PackedDocuments | PackedConversations:
@@ -150,11 +156,14 @@ def parallelize_hf(model: nn.Module, mesh: Mesh, cfg: TrainConfig) -> nn.Module:
     # a MoE router's statistics over the whole global batch: every dp x cp rank's tokens
     world = dist.group.WORLD if dist.is_initialized() else None
     hf_parallelize(model.model, mesh.cp_group, layout=cfg.layout, strategy=cfg.strategy,
-                   router_group=world, mixer_scheme=cfg.mixer_scheme)  # fmt: skip
+                   router_group=world, mixer_scheme=cfg.mixer_scheme,
+                   tiled_mlp=cfg.tiled_mlp)  # fmt: skip
     if cfg.activation_checkpointing:
         hf = model.model  # transformers >= 5.x renamed gradient_ to activation_checkpointing_enable
         enable = getattr(hf, "activation_checkpointing_enable", None)
         (enable or hf.gradient_checkpointing_enable)({"use_reentrant": False})
+        if cfg.offload_activations:  # the checkpointed layer inputs to host memory
+            offload_activations(hf)
     param_dtype = None if cfg.dtype == "float32" else getattr(torch, cfg.dtype)
     if cfg.ep > 1:  # the experts' own FSDP2 units first: the blocks' then leave them out
         from torch.distributed.fsdp import MixedPrecisionPolicy

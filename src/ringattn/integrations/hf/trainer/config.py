@@ -22,6 +22,7 @@ from ringattn.api import STRATEGIES
 from ringattn.comm import group_cache
 from ringattn.integrations.hf.mixers.choice import check_scheme
 from ringattn.layout import get_layout
+from ringattn.models.tiled import check_tile
 from ringattn.validate import check_names
 
 __all__ = ["ContextParallelConfig", "Split", "split_world"]
@@ -47,6 +48,9 @@ class ContextParallelConfig:
     mixer_scheme: str = "auto"
     """Hybrid models: how each recurrent mixer runs across the ranks: "state", "heads", "whole"
     or "auto" (`ringattn.hf.parallelize`'s mixer_scheme)."""
+    tiled_mlp: int = 0
+    """Tokens per tile of each MLP and experts module (integrations/hf/levers/tiled.py): only one
+    tile's intermediates alive, each tile recomputed in backward, the same loss; 0: untiled."""
     dynamic: bool = False
     """Dynamic CP (dynamic.py): each training step, the documents of every dp row's batch get a
     group of 1, 2, ... cp ranks and are placed over dp x cp by planned cost (short ones alone,
@@ -56,6 +60,7 @@ class ContextParallelConfig:
         if not isinstance(self.cp, int) or isinstance(self.cp, bool) or self.cp < 1:
             raise ValueError(f"ContextParallelConfig(cp={self.cp!r}): cp must be an int >= 1")
         get_layout(self.layout)
+        check_tile(self.tiled_mlp, "ContextParallelConfig(tiled_mlp)")
         if not isinstance(self.loss_chunk, int) or isinstance(self.loss_chunk, bool):
             raise TypeError(f"ContextParallelConfig(loss_chunk={self.loss_chunk!r}): an int "
                              f"(-1: from the vocabulary, 0: whole logits, > 0: rows)")  # fmt: skip

@@ -172,9 +172,16 @@ class _ContextParallel:
         self.context_parallel = context_parallel
         self.cp_split = split_world(context_parallel)
         _refuse_split_experts(base)
+        if context_parallel.tiled_mlp and self.args.torch_compile:
+            raise ValueError(
+                f"ringattn.hf Trainer: ContextParallelConfig(tiled_mlp="
+                f"{context_parallel.tiled_mlp}) is not supported with torch_compile=True (its "
+                f"tiles are recomputed by a Python autograd function); set one of them off"
+            )
         parallelize(base, self.cp_split.group, context_parallel.layout, context_parallel.strategy,
                     backend=context_parallel.backend,
-                    mixer_scheme=context_parallel.mixer_scheme)  # fmt: skip
+                    mixer_scheme=context_parallel.mixer_scheme,
+                    tiled_mlp=context_parallel.tiled_mlp)  # fmt: skip
         if getattr(self, "aux_loss_enabled", False):  # SFTTrainer's own MoE router loss
             gather_router_logits(base)
         if _own_compute_loss(type(self)):  # a subclass's compute_loss may read the logits
