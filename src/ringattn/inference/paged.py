@@ -117,7 +117,10 @@ class PagedStore:
         self.positions = torch.empty(n_blocks * block, dtype=torch.int64, device=device)
         self.refs = [0] * n_blocks
         self.free = set(range(n_blocks))
-        self._lowest = list(range(n_blocks))  # a heap of free blocks (lazily: some taken)
+        # a heap of free blocks, lazily: `take(after)` leaves its block in; `_heaped` holds what
+        # the heap holds, so a block freed again is not pushed twice (the heap stays <= n_blocks)
+        self._lowest = list(range(n_blocks))
+        self._heaped = set(range(n_blocks))
         self.tables: dict[int, Table] = {}
         self.entries: dict[int, tuple[list[int], array.array, array.array]] = {}
 
@@ -136,6 +139,7 @@ class PagedStore:
         b = after + 1 if after is not None and after + 1 in self.free else None
         while b is None:
             lowest = heapq.heappop(self._lowest)
+            self._heaped.discard(lowest)
             b = lowest if lowest in self.free else None
         self.free.remove(b)
         self.refs[b] = 1
@@ -156,14 +160,19 @@ class PagedStore:
         self.refs += [0] * n
         self.free.update(range(n, 2 * n))
         for b in range(n, 2 * n):
+            self._push(b)
+
+    def _push(self, b: int) -> None:
+        if b not in self._heaped:
             heapq.heappush(self._lowest, b)
+            self._heaped.add(b)
 
     def _unref(self, blocks) -> None:
         for b in blocks:
             self.refs[b] -= 1
             if self.refs[b] == 0:
                 self.free.add(b)
-                heapq.heappush(self._lowest, b)
+                self._push(b)
 
     @property
     def used(self) -> int:
