@@ -99,9 +99,7 @@ def check_pool(blocks: int, block: int, shares: Shares, chunk: int, context: int
     sequence of `context` tokens (prompt and completion split either way: its fullest rank's
     rows). Then every request the API admits fits the pool alone, and one without max_tokens
     (the rest of the context) needs no reservation: it grows as it goes."""
-    rows = max(shares.tokens(p, chunk, context - p) for p in range(1, context + 1))
-    # by region: each chunk and the decoded tokens start blocks (pool.py)
-    need = max(shares.blocks(p, chunk, context - p, block) for p in range(1, context + 1))
+    rows, need = shares.most(context, chunk, block)  # by region: chunks, decoded (pool.py)
     if need > blocks:
         raise ValueError(
             f"the KV pool holds {blocks} blocks of {block} tokens per rank, but one sequence of "
