@@ -29,7 +29,10 @@ A block returns to the free list when no table and no entry references it. Rank 
 out; if it did (a bug), `take` raises a clear error and the step fails, not the server.
 
 A sliding window does not free rows here (a region's blocks may be shared): each layer's view
-moves a logical start past the keys no later query can see.
+moves a logical start past the keys no later query can see, so sliding-window models reuse
+prefixes too. Without a server's pool (generate, Session: an `elastic` store) a windowed layer
+keeps its rows in a contiguous cache of its own instead, which drops what the window has passed
+(KVState.cache): it holds the window, not the sequence.
 """
 
 from __future__ import annotations
@@ -341,10 +344,12 @@ class PagedView:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the rows this layer holds: every row up to its length, those a window has
+        passed too (the pages keep them)."""
         if self.layer not in self.pages.k:
             return 0
         k = self.pages.k[self.layer]
-        return 2 * self.tokens * k[0].numel() * k.element_size()
+        return 2 * self.length * k[0].numel() * k.element_size()
 
     capacity_bytes = nbytes  # the pages are the store's
 
