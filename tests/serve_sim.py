@@ -28,9 +28,10 @@ import torch
 from ringattn.inference.paged import PagedStore
 from ringattn.layout import get_layout
 from ringattn.packing import place
-from ringattn.serve.pool import BlockPool, Shares
+from ringattn.serve.pool import BlockPool
 from ringattn.serve.protocol import Request
 from ringattn.serve.scheduler import Scheduler
+from ringattn.serve.shares import Shares
 
 VOCAB, EOS = 320, 2  # serve_model.tokenizer()'s size and its <|im_end|>; 0-2 are special
 

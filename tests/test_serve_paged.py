@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from ringattn.inference.paged import PagedStore
-from ringattn.serve.pool import BlockPool, Shares
+from ringattn.serve.pool import BlockPool
+from ringattn.serve.shares import Shares
 
 CPU = torch.device("cpu")
 

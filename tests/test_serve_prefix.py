@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from ringattn.serve.pool import BlockPool, Shares, prefix_hashes, truncate
+from ringattn.serve.pool import BlockPool, prefix_hashes, truncate
+from ringattn.serve.shares import Shares
 
 
 def _hashes(points):

@@ -25,9 +25,10 @@ pytest.importorskip("tokenizers")
 import serve_model
 import serve_sim
 from ringattn.serve.metrics import Metrics
-from ringattn.serve.pool import BlockPool, Shares
+from ringattn.serve.pool import BlockPool
 from ringattn.serve.protocol import Request
 from ringattn.serve.scheduler import Scheduler
+from ringattn.serve.shares import Shares
 
 SYSTEM_IDS = list(range(10, 22))  # a 12-token system prompt: chunk 0 and a block of chunk 1
 

@@ -31,9 +31,9 @@ and the K/V at position p depend on tokens <= p only. So the rows of an entry wi
 < cC + k, on every rank, are exactly that prefix's cache, whatever placement the chunk had.
 
 An entry's rows were computed in *pieces*, each placed by the layout over its own tokens (a
-chunk that started from a truncated entry has two): `(offset in the chunk, tokens placed,
-tokens kept)`. Its fullest rank holds at most the sum over pieces of the most rows any rank
-holds of the piece (`Shares.piece_rows`), which is what its blocks count (and, truncated, what
+chunk that started from a truncated entry has two): `(offset in the chunk, tokens placed, tokens
+kept)`. Its fullest rank holds at most the sum over pieces of the most rows any rank holds of
+the piece (`Shares.piece_rows`, shares.py), which is what its blocks count (and, truncated, what
 a sequence that adopts it counts). Entries take free blocks only (a prefix never evicts
 another), are evicted least recently used (a chain's last chunk first; before all, one whose
 every point a newer entry holds, e.g. a turn's last chunk that the next turn completed), and
@@ -48,12 +48,11 @@ import array
 import hashlib
 from dataclasses import dataclass
 
-from ringattn.layout import get_layout
+from ringattn.serve.shares import Piece
 
-__all__ = ["BlockPool", "Entry", "Shares", "prefix_hashes", "truncate"]
+__all__ = ["BlockPool", "Entry", "Piece", "Point", "prefix_hashes", "truncate"]
 
 Point = tuple[int, str]  # (tokens into the chunk, hash of the prefix that ends there)
-Piece = tuple[int, int, int]  # (offset in the chunk, tokens placed, tokens kept)
 
 
 def prefix_hashes(ids: list[int], chunk: int, block: int) -> list[list[Point]]:
@@ -80,82 +79,6 @@ def prefix_hashes(ids: list[int], chunk: int, block: int) -> list[list[Point]]:
 def truncate(pieces: list[Piece], tokens: int) -> list[Piece]:
     """The pieces of a chunk cut to its first `tokens` tokens (each keeps its placement)."""
     return [(at, n, min(kept, tokens - at)) for at, n, kept in pieces if at < tokens]
-
-
-def _below(pieces, kept: int) -> int:
-    """Tokens below `kept` in a rank's pieces (arithmetic runs `global_offset + i x stride`)."""
-    return sum(min(p.count, -(-(kept - p.global_offset) // p.stride))
-               for p in pieces if p.count and kept > p.global_offset)  # fmt: skip
-
-
-class Shares:
-    """How many of a sequence's tokens its fullest rank keeps (what its blocks must hold).
-
-    Closed forms: a piece of `tokens` tokens placed alone gives each rank a few arithmetic runs
-    of global indices (`Layout.split`: one or two runs, O(1) each), so the rows of a rank below
-    a cut are counted in O(W) without listing the indices (rank 0's hot path and the start-up
-    pool check, whatever the context)."""
-
-    def __init__(self, layout: str, world_size: int):
-        self.name, self.layout, self.world_size = layout, get_layout(layout), world_size
-
-    def _counts(self, tokens: int, kept: int) -> list[int]:
-        """Each rank's rows among the first `kept` tokens of `tokens` placed alone (the ranks
-        in split order: `place` rotates them per document, the multiset is the same)."""
-        _, pieces = self.layout.split(tokens, self.world_size)
-        return [_below(rank, kept) for rank in pieces]
-
-    def piece_rows(self, tokens: int, kept: int) -> int:
-        """The most rows any rank holds of the first `kept` tokens of `tokens` placed alone."""
-        return max(self._counts(tokens, kept)) if tokens > 0 and kept > 0 else 0
-
-    def chunk_rows(self, tokens: int) -> int:
-        """The most real rows any rank gets of a chunk of `tokens` tokens placed alone."""
-        return self.piece_rows(tokens, tokens)
-
-    def rows(self, pieces: list[Piece]) -> int:
-        """An upper bound on the rows the fullest rank holds of `pieces` (sum of each's most)."""
-        return sum(self.piece_rows(n, kept) for _, n, kept in pieces if kept > 0)
-
-    def tokens(self, prefilled: int, chunk: int, decoded: int) -> int:
-        """Rows on the fullest rank after `prefilled` prompt tokens in chunks of `chunk` and
-        `decoded` tokens round-robin."""
-        full, rest = divmod(prefilled, chunk)
-        rows = full * self.chunk_rows(chunk) + (self.chunk_rows(rest) if rest else 0)
-        return rows + -(-decoded // self.world_size)
-
-    def cut(self, pieces: list[Piece], block: int) -> bool:
-        """Whether some rank's rows of `pieces` may end inside a block of `block` rows: unless
-        every piece gives every rank a multiple of `block` rows (a step's packed first pieces
-        may land on other ranks than alone: only the counts are known, not whose)."""
-        return any(rows % block for _, n, kept in pieces if n > 0 and kept > 0
-                   for rows in self._counts(n, kept))  # fmt: skip
-
-    def blocks(self, prefilled: int, chunk: int, decoded: int, block: int) -> int:
-        """Blocks of `block` rows a sequence holds alone on its fullest rank, by region (module
-        docstring): each prompt chunk's rows, then its decoded ones, each from a new block."""
-        full, rest = divmod(prefilled, chunk)
-        blocks = full * -(-self.chunk_rows(chunk) // block)
-        blocks += -(-self.chunk_rows(rest) // block) if rest else 0
-        rows = -(-decoded // self.world_size)  # round-robin: the fullest rank's share
-        return blocks + -(-rows // block)
-
-    def most(self, context: int, chunk: int, block: int) -> tuple[int, int]:
-        """(rows, blocks) of one sequence of `context` tokens on its fullest rank, the most
-        over every split into prompt and completion (`tokens`, `blocks` of p prompt tokens
-        and context - p decoded, p = 1 .. context): a chunk's rows are computed once per
-        size (at most `chunk` sizes), then each split is a few integer operations."""
-        w, whole = self.world_size, self.chunk_rows(chunk)
-        whole_blocks = -(-whole // block)
-        rest_rows = [0] + [self.chunk_rows(r) for r in range(1, min(chunk, context + 1))]
-        rest_blocks = [-(-r // block) for r in rest_rows]
-        rows = blocks = 0
-        for p in range(1, context + 1):
-            full, rest = divmod(p, chunk)
-            decoded = -(-(context - p) // w)
-            rows = max(rows, full * whole + rest_rows[rest] + decoded)
-            blocks = max(blocks, full * whole_blocks + rest_blocks[rest] + -(-decoded // block))
-        return rows, blocks
 
 
 @dataclass

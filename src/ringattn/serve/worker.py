@@ -58,10 +58,11 @@ from ringattn.serve.api.app import build_app, serve_in_thread
 from ringattn.serve.api.schema import Limits
 from ringattn.serve.config import ServeConfig, bind, model_aliases, model_name
 from ringattn.serve.metrics import Metrics
-from ringattn.serve.pool import BlockPool, Shares
+from ringattn.serve.pool import BlockPool
 from ringattn.serve.protocol import AGREE_S, Job, Verdict, exchange
 from ringattn.serve.runner import Runner
 from ringattn.serve.scheduler import Scheduler
+from ringattn.serve.shares import Shares
 
 __all__ = ["SAMPLING", "Sink", "check_pool", "eos_ids", "kv_token_bytes", "limits", "pool_blocks",
            "prepare", "rank_loop", "serve_worker", "served_context"]  # fmt: skip
