@@ -1,18 +1,20 @@
 """Rank 0's scheduler driven by a model of the ranks: what every rank would hold, without a model.
 
-`Ranks` executes step plans (runner.py's format) as bookkeeping: for every sequence and every
-rank, the global positions whose K/V that rank keeps, placed as the engine places them
-(inference/hf/engine.py): the first pieces of empty sequences packed as documents into one
-placement (`packing.place` over their cu_seqlens), every other piece placed alone after what the
-sequence holds, decoded tokens round-robin from rank `seq mod W`, adopted entries cut at a
-position. `simulate` runs a seeded scenario (arrivals, prompts sharing prefixes, lengths,
-cancellations, failed steps, NaN rows) through the real `Scheduler` and `BlockPool` and checks,
-after every step, that no rank holds more rows of a sequence or an entry than the pool counts,
-and at the end that every request got one last event, that no block is held, and that every
-rank's prefix store holds what the pool's index says. Each rank also runs a real paged store
-(inference/paged.py) without tensors' contents: its tables, shared blocks and copies on
-write, so the check is on every rank's real blocks: a sequence's own (those no entry holds),
-each entry's, and the rank's total, against what the pool counts.
+`Ranks` executes step plans (runner.py's format, scoring chunks included) as bookkeeping: for
+every sequence and every rank, the global positions whose K/V that rank keeps, placed as the
+engine places them (inference/hf/engine.py): the first pieces of empty sequences packed as
+documents into one placement (`packing.place` over their cu_seqlens), every other piece placed
+alone after what the sequence holds, decoded tokens round-robin from rank `seq mod W`, adopted
+entries cut at a position. `simulate` runs a seeded scenario (arrivals, prompts sharing
+prefixes, lengths, chunks of any size, requests scoring their prompt, cancellations, failed
+steps, NaN rows) through the real `Scheduler` and `BlockPool` and checks, after every step, that
+no rank holds more rows of a sequence or an entry than the pool counts, and at the end that
+every request got one last event (a scoring one its prompt's logprobs first, one per token),
+that no block is held, and that every rank's prefix store holds what the pool's index says.
+Each rank also runs a real paged store (inference/paged.py) without tensors' contents: its
+tables, shared blocks and copies on write, so the check is on every rank's real blocks: a
+sequence's own (those no entry holds), each entry's, and the rank's total, against what the
+pool counts.
 """
 
 from __future__ import annotations
@@ -26,9 +28,10 @@ import torch
 from ringattn.inference.paged import PagedStore
 from ringattn.layout import get_layout
 from ringattn.packing import place
-from ringattn.serve.pool import BlockPool, Shares
+from ringattn.serve.pool import BlockPool
 from ringattn.serve.protocol import Request
 from ringattn.serve.scheduler import Scheduler
+from ringattn.serve.shares import Shares
 
 VOCAB, EOS = 320, 2  # serve_model.tokenizer()'s size and its <|im_end|>; 0-2 are special
 
@@ -105,10 +108,10 @@ class Ranks:
             self.seqs[seq][rank].append(self.length(seq))
             self.decoded[seq] += 1
             self._sync(seq)
-        fresh = [(seq, len(ids)) for seq, ids, _ in plan["chunks"] if seq not in adopt
+        fresh = [(seq, len(ids)) for seq, ids, *_ in plan["chunks"] if seq not in adopt
                  and self.length(seq) == 0]  # fmt: skip
         self._packed(fresh)
-        for seq, ids, keep in plan["chunks"]:
+        for seq, ids, keep, *_ in plan["chunks"]:  # (a 4th item: the piece's scores asked)
             if seq in adopt:
                 reuse, tokens = adopt.pop(seq)
                 for store in self.paged:
@@ -190,11 +193,13 @@ class Scenario:
 
 
 def scenario(seed: int, layouts: tuple[str, ...]) -> Scenario:
-    """A random small case: W 1-4, blocks of 1-4 tokens, chunks of one to a few blocks x W, a
-    pool from barely one request's size up, prompts that share a few system prefixes."""
+    """A random small case: W 1-4, blocks of 1-4 tokens, chunks of any size from 1 to 3 blocks
+    x W (so a chunk's rows on a rank need not fill whole blocks), a pool from barely one
+    request's size up, prompts that share a few system prefixes, some scoring their prompt
+    (echo: prompt logprobs, with or without a completion)."""
     rng = random.Random(seed)
     world_size, block = rng.randint(1, 4), rng.randint(1, 4)
-    chunk = block * world_size * rng.randint(1, 3)
+    chunk = rng.randint(1, 3 * block * world_size)
     s = Scenario(rng.choice(layouts), world_size, chunk, block, 0, rng.randint(1, 4),
                  rng.random() < 0.8, fail_p=rng.choice([0, 0, 0.05]),
                  nan_p=rng.choice([0, 0, 0.03]))  # fmt: skip
@@ -207,7 +212,10 @@ def scenario(seed: int, layouts: tuple[str, ...]) -> Scenario:
         prompt = [rng.randrange(3, VOCAB) for _ in range(rng.randint(1, 2 * chunk))]
         if rng.random() < 0.7:
             prompt = rng.choice(systems) + prompt
-        s.jobs.append((step, Request(prompt, rng.randint(1, 12))))
+        scored = rng.random() < 0.2  # echo: every prompt token's logprob, k alternatives
+        new = rng.choice([0, 1, 3]) if scored else rng.randint(1, 12)
+        k = rng.randint(0, 2) if scored else None
+        s.jobs.append((step, Request(prompt, new, prompt_logprobs=k)))
         if rng.random() < 0.15:
             s.cancel[len(s.jobs) - 1] = step + rng.randint(0, 6)
     shares = Shares(s.layout, world_size)
@@ -251,7 +259,7 @@ def simulate(s: Scenario, tokenizer, seed: int = 0, most_steps: int = 5000) -> l
             continue
         ranks.forward(plan)
         ranks.check(pool, sched.freed)
-        sched.after(*_logits(plan, rng, s.nan_p))
+        sched.after(*_logits(plan, rng, s.nan_p), _scores(plan))
     else:
         raise AssertionError(f"not done after {most_steps} steps: {s}")
     _final(sched, pool, ranks, jobs)
@@ -274,6 +282,28 @@ def _logits(plan: dict, rng: random.Random, nan_p: float):
     return (torch.stack([row() for _ in range(n)]) if n else None), [row() for _ in plan["chunks"]]
 
 
+def _scores(plan: dict) -> dict:
+    """Runner.scores' stand-in for the chunks that ask (a 4th item, k): zero logprobs."""
+    out = {}
+    for j, (_, ids, _, *asked) in enumerate(plan["chunks"]):
+        if asked:
+            n, k = len(ids), asked[0]
+            out[j] = (torch.zeros(n - 1), torch.zeros(n - 1, k),
+                      torch.zeros(n - 1, k, dtype=torch.int64))  # fmt: skip
+    return out
+
+
+def _prompt_scored(job: SimJob) -> None:
+    """A scoring request that ended with an answer sent its prompt's logprobs once, before any
+    token: one entry per prompt token (none for the first), each naming its own token."""
+    prompts = [e for e in job.events if e[0] == "prompt"]
+    ids = job.request.ids
+    assert len(prompts) == 1 and job.events[0][0] == "prompt", job.events[:3]
+    entries = prompts[0][1]
+    assert len(entries) == len(ids) and entries[0] is None, (len(entries), len(ids))
+    assert [e[0] for e in entries[1:]] == ids[1:]
+
+
 def _final(sched: Scheduler, pool: BlockPool, ranks: Ranks, jobs: list[SimJob]) -> None:
     ranks.prologue({"evict": pool.evicted, "free": sched.freed, "open": []})  # the next plan's
     for j in jobs:
@@ -281,6 +311,8 @@ def _final(sched: Scheduler, pool: BlockPool, ranks: Ranks, jobs: list[SimJob]) 
         assert len(ends) == 1 or (j.cancelled and not ends), j.events
         if ends and ends[0][0] == "error":
             assert ends[0][2] in (400, 500) and len(ends[0][1]) > 40, ends
+        elif ends and j.request.prompt_logprobs is not None and not j.cancelled:
+            _prompt_scored(j)
     assert pool.held == {} and pool.used == 0, pool.held
     assert pool.free + pool.cached_blocks == pool.n_blocks
     assert not sched.running and not sched.waiting

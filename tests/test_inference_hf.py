@@ -45,3 +45,39 @@ def test_hf_generate_rejects_bad_input(pools):
         ringattn.hf.generate(model, torch.zeros(1, 0, dtype=torch.int64), 4)
     with pytest.raises(ValueError, match="max_new_tokens must be an int >= 0"):
         ringattn.hf.generate(model, torch.ones(1, 3, dtype=torch.int64), -1)
+
+
+@pytest.mark.parametrize("arch", ["mistral", "gemma3"])
+def test_a_windowed_layer_holds_its_window_and_one_block_after_300_decodes(arch):
+    """generate and Session (an engine without a server's pool): a sliding window of 8 bounds
+    what a windowed layer holds to the window and one block of rows (16), after a 20-token
+    prompt and 300 decoded tokens, and `nbytes` counts what each layer holds. Gemma 3's full
+    layer keeps every row (on the pages). Every step's logits equal the model's own windowed
+    forward over the whole sequence. Before the fix the pages held all 320 rows of every
+    layer and nbytes counted the 8 visible ones."""
+    from ringattn.inference.hf.engine import KVEngine
+    from ringattn.inference.paged import PagedView
+
+    model = workers_hf.build(arch, sliding_window=8, max_position_embeddings=512)
+    ids = torch.randint(3, workers_hf.VOCAB, (320,), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = model(ids[None]).logits[0]  # (320, vocab)
+        engine = KVEngine(model, layout="zigzag")
+        got = [engine.prefill([ids[:20]])[0]]
+        for t in range(20, 320):
+            got.append(engine.decode([0], [int(ids[t])])[0])  # fed token t: logits of t
+    torch.testing.assert_close(torch.stack(got), want[19:], atol=2e-5, rtol=1e-5)
+    text = model.config.get_text_config()
+    row = 2 * text.num_key_value_heads * text.head_dim * 4  # K and V of one token, float32
+    kinds = getattr(text, "layer_types", None) or ["sliding_attention"] * 2
+    paged = engine.state.paged
+    for layer, kind in enumerate(kinds):
+        cache = engine.state.caches[(layer, 0)]
+        if kind == "sliding_attention":
+            assert cache.tokens == 8 and cache.nbytes == 8 * row
+            assert cache.capacity_bytes <= (8 + paged.block) * row
+        else:  # the full layer: its 320 rows on the pages, and counted
+            assert isinstance(cache, PagedView) and cache.nbytes == 320 * row
+    full = [layer for layer, kind in enumerate(kinds) if kind != "sliding_attention"]
+    assert sorted(paged.k) == full  # the pages hold the full layers' rows only
+    assert paged.used * paged.block <= (320 + paged.block if full else 0)

@@ -374,8 +374,9 @@ def test_a_short_prompt_starts_beside_a_long_prefill_and_a_longer_one_waits():
     import queue
 
     import serve_model
-    from ringattn.serve.pool import BlockPool, Shares
+    from ringattn.serve.pool import BlockPool
     from ringattn.serve.scheduler import SHORT_LANE, Scheduler
+    from ringattn.serve.shares import Shares
 
     assert 16 // SHORT_LANE == 4
     tok = serve_model.tokenizer()

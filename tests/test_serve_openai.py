@@ -25,7 +25,7 @@ pytest.importorskip("uvicorn")
 from ringattn.serve.config import ServeConfig, model_aliases, model_name
 from ringattn.serve.text import ToolCalls
 from ringattn.serve.worker import SAMPLING
-from serve_model import CALL, WEATHER, InProcess, save_chat_model, save_tool_model
+from serve_model import CALL, CONTEXT, WEATHER, InProcess, save_chat_model, save_tool_model
 
 HELLO = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello world"}]
 TOL = 1e-5
@@ -90,6 +90,23 @@ def test_echo_and_logprobs_of_token_id_prompts_equal_one_process(served):
         assert reply.usage.prompt_tokens == sum(len(p) for p in prompts)
         assert reply.usage.completion_tokens == new * len(prompts)
         assert all(c.finish_reason == "length" for c in reply.choices)
+
+
+def test_echo_without_completion_takes_a_prompt_of_the_whole_context(served):
+    """Scoring a prompt of exactly the served context (echo, max_tokens 0) is served: it asks
+    for no completion token. One more token (or a completion) is a 400 for the context.
+    Before: refused at exactly the context."""
+    _, client, model, tok = served
+    ids = list(torch.randint(3, len(tok), (CONTEXT,), generator=torch.Generator().manual_seed(1)))
+    ids = [int(t) for t in ids]
+    reply = client.completions.create(model="tiny", prompt=ids, echo=True, logprobs=1,
+                                      max_tokens=0, temperature=0)  # fmt: skip
+    assert check_completion(model, tok, ids, reply.choices[0], 1) == 0
+    assert reply.usage.prompt_tokens == CONTEXT and reply.usage.completion_tokens == 0
+    for prompt, new in ((ids, 1), ([*ids, 5], 0)):
+        with pytest.raises(openai.BadRequestError, match="maximum context length is 192"):
+            client.completions.create(model="tiny", prompt=prompt, echo=True, logprobs=1,
+                                      max_tokens=new, temperature=0)  # fmt: skip
 
 
 def test_text_prompts_streamed_logprobs_equal_the_whole_answer(served):

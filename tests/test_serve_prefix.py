@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from ringattn.serve.pool import BlockPool, Shares, prefix_hashes, truncate
+from ringattn.serve.pool import BlockPool, prefix_hashes, truncate
+from ringattn.serve.shares import Shares
 
 
 def _hashes(points):
@@ -42,6 +43,61 @@ def test_piece_rows_count_the_fullest_ranks_rows_below_a_cut():
     pieces = [(0, 8, 3), (3, 5, 5)]
     assert shares.rows(pieces) == 2 + 3
     assert truncate(pieces, 6) == [(0, 8, 3), (3, 5, 3)] and truncate(pieces, 2) == [(0, 8, 2)]
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "striped", "contiguous"])
+def test_piece_rows_and_cut_equal_counting_the_placed_indices(layout):
+    """The closed forms (arithmetic runs per rank) against the placement's listed indices."""
+    import bisect
+
+    from ringattn.layout import get_layout
+    from ringattn.packing import place
+
+    for world_size in (1, 2, 3, 4):
+        shares = Shares(layout, world_size)
+        for tokens in range(1, 40):
+            placement = place(get_layout(layout), world_size, (0, tokens))
+            ranks = [sorted(g for g in placement.global_indices(r).tolist() if g >= 0)
+                     for r in range(world_size)]  # fmt: skip
+            for kept in range(tokens + 2):
+                counts = [bisect.bisect_left(g, kept) for g in ranks]
+                assert shares.piece_rows(tokens, kept) == max(counts)
+                for block in (1, 2, 3, 4):
+                    cut = any(c % block for c in counts)
+                    assert shares.cut([(0, tokens, kept)], block) == cut
+
+
+def test_piece_rows_and_the_pool_check_do_not_grow_with_the_tokens(monkeypatch):
+    """Rank 0's piece arithmetic is O(W) per call: a piece of 10^12 tokens is counted without
+    listing its indices (before: an lru_cache of each rank's index lists, O(tokens) per miss).
+    The start-up pool check computes a chunk's rows once per size, not once per split of the
+    context (before: 4 per split; 290 s for a 131k context at W = 4, chunks of 8k)."""
+    from ringattn.serve.worker import check_pool
+
+    shares = Shares("zigzag", 4)  # c = 10^12 / 8 a half-chunk: rank r holds 2c tokens
+    assert shares.piece_rows(10**12, 10**12) == 10**12 // 4
+    assert shares.piece_rows(10**12, 3 * 10**11) == 10**12 // 8  # ranks 0 and 1: c each
+    assert not shares.cut([(0, 10**12, 10**12)], 16)
+    calls = []
+    chunk_rows = Shares.chunk_rows
+    monkeypatch.setattr(
+        Shares, "chunk_rows", lambda self, n: calls.append(n) or chunk_rows(self, n)
+    )
+    _, need = shares.most(4096, 256, 16)
+    assert len(calls) <= 256  # each size of a chunk once
+    calls.clear()
+    check_pool(need, 16, shares, 256, 4096)
+    with pytest.raises(ValueError, match=rf"holds {need - 1} blocks of 16 .* needs {need};"):
+        check_pool(need - 1, 16, shares, 256, 4096)
+    assert len(calls) <= 2 * 256
+    # the brute force it replaces, on a small context
+    for p in range(1, 301):
+        assert shares.blocks(p, 64, 300 - p, 8) <= shares.most(300, 64, 8)[1]
+    assert shares.most(300, 64, 8) == (
+        max(shares.tokens(p, 64, 300 - p) for p in range(1, 301)),
+        max(shares.blocks(p, 64, 300 - p, 8) for p in range(1, 301)),
+    )
+    check_pool(shares.most(131072, 8192, 16)[1], 16, shares, 8192, 131072)  # 131k: at once
 
 
 def _entry(pool, ids, chunk, c, block=4, upto=None):
@@ -124,6 +180,46 @@ def test_eviction_keeps_the_index_and_spares_pinned_entries():
     assert pool.lookup(prefix_hashes(turn, 8, 4), 5) == [(5, 4)]  # the newer one serves
     pool.pinned = set()
     assert pool.grow(1, 8) and pool.evicted[-1] == 4 and set(pool.cached) == {3, 5}
+
+
+class _CountingDict(dict):
+    """A dict that counts `get` calls (the pool's per-entry lookups of its users)."""
+
+    gets = 0
+
+    def get(self, *args):
+        _CountingDict.gets += 1
+        return super().get(*args)
+
+
+def test_the_pools_counts_are_linear_in_its_entries():
+    """A chat whose turns stay inside one chunk keeps a chain of entries, each sharing the
+    blocks of the one before (its `base`). used / cached / free look each entry's users up a
+    bounded number of times, and the chain may be longer than Python's recursion limit.
+    Before: each entry walked its whole chain of dependents (quadratic), recursively (a
+    RecursionError past ~1,000 entries)."""
+    pool = BlockPool(10_000, 4)
+    pool.users = _CountingDict()
+    base = None
+    for i in range(1_200):
+        assert pool.grow(i, 4)
+        base = pool.keep(0, [(4, f"h{i}")], [(0, 4, 4)], 4, i, 1, base)
+        assert base == i
+        pool.release(i)
+        if i == 200:  # (quadratic: 20,000 lookups here before)
+            _CountingDict.gets = 0
+            assert pool.free == 10_000 - 201 and _CountingDict.gets <= 4 * 201
+    pool.use(5_000, [1_199])  # the last one's user holds the whole chain
+    pool.start_step()
+    _CountingDict.gets = 0
+    counts = pool.counts()
+    assert counts == {"used": 1_200, "cached": 0, "shared": 0, "free": 10_000 - 1_200}
+    assert pool.used == 1_200 and pool.free == 8_800 and pool.cached_blocks == 0
+    assert _CountingDict.gets <= 4 * 1_200 + 10, _CountingDict.gets
+    pool.release(5_000)
+    assert pool.cached_blocks == 1_200 and pool.grow(1, 4 * 9_000)  # evicts the oldest,
+    assert pool.cached == {} and len(pool.evicted) == 1_200  # and every entry sharing its blocks
+    assert pool.free == 1_000 and pool.index == {} and pool.dependents == {}
 
 
 def test_truncated_adoption_equals_a_plain_prefill_on_two_ranks(pools):

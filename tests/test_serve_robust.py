@@ -415,3 +415,22 @@ def test_serve_loads_the_checkpoint_dtype(tmp_path):
     assert next(load_model(source, dtype="auto").parameters()).dtype == torch.bfloat16
     assert next(load_model(source, dtype="float32").parameters()).dtype == torch.float32
     assert next(load_model(source).parameters()).dtype == torch.float32  # training's default
+
+
+def test_a_server_whose_pool_cannot_serve_never_says_it_is_listening(tmp_path, capsys,
+                                                                       monkeypatch):  # fmt: skip
+    """The start-up pool check runs before rank 0 binds its port and prints "listening": a
+    pool too small for one sequence of the served context ends start-up with the numbers and
+    no line that tells a client (or a test harness) to connect. Before: "listening" came first,
+    then the check failed and the server exited."""
+    from ringattn.serve.worker import kv_token_bytes, serve_worker
+
+    model, _ = save_chat_model(tmp_path)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    gb = 4 * 4 * kv_token_bytes(model) / (1 << 30)  # 4 blocks of 4 tokens
+    cfg = ServeConfig(hf=str(tmp_path), port=0, kv_cache_gb=gb, kv_block_size=4,
+                      max_batch_tokens=8)  # fmt: skip
+    with pytest.raises(ValueError, match=r"the KV pool holds 4 blocks of 4 tokens.*--kv-cache-gb"):
+        serve_worker(cfg)
+    err = capsys.readouterr().err
+    assert "listening" not in err and "[serve]" not in err, err

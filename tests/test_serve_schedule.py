@@ -25,9 +25,10 @@ pytest.importorskip("tokenizers")
 import serve_model
 import serve_sim
 from ringattn.serve.metrics import Metrics
-from ringattn.serve.pool import BlockPool, Shares
+from ringattn.serve.pool import BlockPool
 from ringattn.serve.protocol import Request
 from ringattn.serve.scheduler import Scheduler
+from ringattn.serve.shares import Shares
 
 SYSTEM_IDS = list(range(10, 22))  # a 12-token system prompt: chunk 0 and a block of chunk 1
 
@@ -98,12 +99,16 @@ def test_the_same_schedule_without_a_model_preempts_the_newer_prefill():
 @pytest.mark.parametrize("layout", ["zigzag", "striped", "contiguous"])
 def test_random_schedules_end_leak_nothing_and_keep_every_ranks_count(layout):
     """700 seeded scenarios per layout (serve_sim.scenario: W = 1-4, blocks of 1-4 tokens,
-    pools from one block short of the largest request up, prompts sharing two system
-    prompts, arrivals in bursts, cancellations, failed steps and NaN rows): each one ends
-    with every request answered or refused/failed with a reason, no block held, every rank's
-    prefix store as the pool's index says, and no rank above the pool's count at any step.
+    chunks of any size from 1 to 3 blocks x W, pools from one block short of the largest
+    request up, prompts sharing two system prompts, a fifth scoring their prompt (echo, with
+    0-3 completion tokens), arrivals in bursts, cancellations, failed steps and NaN rows),
+    each one ends with every request answered (a scoring one with its prompt's logprobs) or
+    refused/failed with a reason, no block held, every rank's prefix store as the pool's index
+    says, and no rank above the pool's count at any step.
     Before the fix: 15 of 1,000 seeds over the three layouts failed (deadlocks after a failed
-    step, contiguous ranks holding W times their count)."""
+    step, contiguous ranks holding W times their count). A review drew these chunk sizes
+    over 3,000 seeds per layout; before, the scenarios drew multiples of blocks x W only, and
+    a scoring chunk's plan entry (its 4th item) stopped the model of the ranks."""
     tok = serve_model.tokenizer()
     outcomes = {"done": 0, "error": 0, "cancelled": 0}
     for seed in range(700):

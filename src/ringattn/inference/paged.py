@@ -29,7 +29,10 @@ A block returns to the free list when no table and no entry references it. Rank 
 out; if it did (a bug), `take` raises a clear error and the step fails, not the server.
 
 A sliding window does not free rows here (a region's blocks may be shared): each layer's view
-moves a logical start past the keys no later query can see.
+moves a logical start past the keys no later query can see, so sliding-window models reuse
+prefixes too. Without a server's pool (generate, Session: an `elastic` store) a windowed layer
+keeps its rows in a contiguous cache of its own instead, which drops what the window has passed
+(KVState.cache): it holds the window, not the sequence.
 """
 
 from __future__ import annotations
@@ -117,7 +120,10 @@ class PagedStore:
         self.positions = torch.empty(n_blocks * block, dtype=torch.int64, device=device)
         self.refs = [0] * n_blocks
         self.free = set(range(n_blocks))
-        self._lowest = list(range(n_blocks))  # a heap of free blocks (lazily: some taken)
+        # a heap of free blocks, lazily: `take(after)` leaves its block in; `_heaped` holds what
+        # the heap holds, so a block freed again is not pushed twice (the heap stays <= n_blocks)
+        self._lowest = list(range(n_blocks))
+        self._heaped = set(range(n_blocks))
         self.tables: dict[int, Table] = {}
         self.entries: dict[int, tuple[list[int], array.array, array.array]] = {}
 
@@ -136,6 +142,7 @@ class PagedStore:
         b = after + 1 if after is not None and after + 1 in self.free else None
         while b is None:
             lowest = heapq.heappop(self._lowest)
+            self._heaped.discard(lowest)
             b = lowest if lowest in self.free else None
         self.free.remove(b)
         self.refs[b] = 1
@@ -156,14 +163,19 @@ class PagedStore:
         self.refs += [0] * n
         self.free.update(range(n, 2 * n))
         for b in range(n, 2 * n):
+            self._push(b)
+
+    def _push(self, b: int) -> None:
+        if b not in self._heaped:
             heapq.heappush(self._lowest, b)
+            self._heaped.add(b)
 
     def _unref(self, blocks) -> None:
         for b in blocks:
             self.refs[b] -= 1
             if self.refs[b] == 0:
                 self.free.add(b)
-                heapq.heappush(self._lowest, b)
+                self._push(b)
 
     @property
     def used(self) -> int:
@@ -332,10 +344,12 @@ class PagedView:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the rows this layer holds: every row up to its length, those a window has
+        passed too (the pages keep them)."""
         if self.layer not in self.pages.k:
             return 0
         k = self.pages.k[self.layer]
-        return 2 * self.tokens * k[0].numel() * k.element_size()
+        return 2 * self.length * k[0].numel() * k.element_size()
 
     capacity_bytes = nbytes  # the pages are the store's
 

@@ -75,8 +75,9 @@ class Metrics:
     def pool(self, pool) -> None:
         """The KV pool's state now (serve/pool.py's BlockPool)."""
         with self.lock:
-            self.blocks = {"used": pool.used, "cached": pool.cached_blocks, "free": pool.free}
-            self.shared_blocks = pool.shared_blocks
+            counts = pool.counts()  # one pass over the entries
+            self.blocks = {k: counts[k] for k in ("used", "cached", "free")}
+            self.shared_blocks = counts["shared"]
             self.prefix_hits, self.prefix_hit_tokens = pool.hits, pool.hit_tokens
 
     def ended(self, outcome: str, prompt_tokens: int = 0, new_tokens: int = 0,

@@ -31,9 +31,9 @@ and the K/V at position p depend on tokens <= p only. So the rows of an entry wi
 < cC + k, on every rank, are exactly that prefix's cache, whatever placement the chunk had.
 
 An entry's rows were computed in *pieces*, each placed by the layout over its own tokens (a
-chunk that started from a truncated entry has two): `(offset in the chunk, tokens placed,
-tokens kept)`. Its fullest rank holds at most the sum over pieces of the most rows any rank
-holds of the piece (`Shares.piece_rows`), which is what its blocks count (and, truncated, what
+chunk that started from a truncated entry has two): `(offset in the chunk, tokens placed, tokens
+kept)`. Its fullest rank holds at most the sum over pieces of the most rows any rank holds of
+the piece (`Shares.piece_rows`, shares.py), which is what its blocks count (and, truncated, what
 a sequence that adopts it counts). Entries take free blocks only (a prefix never evicts
 another), are evicted least recently used (a chain's last chunk first; before all, one whose
 every point a newer entry holds, e.g. a turn's last chunk that the next turn completed), and
@@ -45,18 +45,14 @@ entries. A hit shares the entries' blocks on every rank; a cut block is copied (
 from __future__ import annotations
 
 import array
-import bisect
-import functools
 import hashlib
 from dataclasses import dataclass
 
-from ringattn.layout import get_layout
-from ringattn.packing import place
+from ringattn.serve.shares import Piece
 
-__all__ = ["BlockPool", "Entry", "Shares", "prefix_hashes", "truncate"]
+__all__ = ["BlockPool", "Entry", "Piece", "Point", "prefix_hashes", "truncate"]
 
 Point = tuple[int, str]  # (tokens into the chunk, hash of the prefix that ends there)
-Piece = tuple[int, int, int]  # (offset in the chunk, tokens placed, tokens kept)
 
 
 def prefix_hashes(ids: list[int], chunk: int, block: int) -> list[list[Point]]:
@@ -83,56 +79,6 @@ def prefix_hashes(ids: list[int], chunk: int, block: int) -> list[list[Point]]:
 def truncate(pieces: list[Piece], tokens: int) -> list[Piece]:
     """The pieces of a chunk cut to its first `tokens` tokens (each keeps its placement)."""
     return [(at, n, min(kept, tokens - at)) for at, n, kept in pieces if at < tokens]
-
-
-@functools.lru_cache(maxsize=4096)
-def _alone(layout: str, world_size: int, tokens: int) -> tuple[list[int], ...]:
-    """Each rank's global indices (sorted, no padding) of `tokens` tokens placed alone."""
-    placement = place(get_layout(layout), world_size, (0, tokens))
-    ranks = (placement.global_indices(r).tolist() for r in range(world_size))
-    return tuple(sorted(g for g in rows if g >= 0) for rows in ranks)
-
-
-class Shares:
-    """How many of a sequence's tokens its fullest rank keeps (what its blocks must hold)."""
-
-    def __init__(self, layout: str, world_size: int):
-        self.name, self.layout, self.world_size = layout, get_layout(layout), world_size
-
-    def piece_rows(self, tokens: int, kept: int) -> int:
-        """The most rows any rank holds of the first `kept` tokens of `tokens` placed alone."""
-        return max(bisect.bisect_left(g, kept) for g in _alone(self.name, self.world_size, tokens))
-
-    def chunk_rows(self, tokens: int) -> int:
-        """The most real rows any rank gets of a chunk of `tokens` tokens placed alone."""
-        return self.piece_rows(tokens, tokens)
-
-    def rows(self, pieces: list[Piece]) -> int:
-        """An upper bound on the rows the fullest rank holds of `pieces` (sum of each's most)."""
-        return sum(self.piece_rows(n, kept) for _, n, kept in pieces if kept > 0)
-
-    def tokens(self, prefilled: int, chunk: int, decoded: int) -> int:
-        """Rows on the fullest rank after `prefilled` prompt tokens in chunks of `chunk` and
-        `decoded` tokens round-robin."""
-        full, rest = divmod(prefilled, chunk)
-        rows = full * self.chunk_rows(chunk) + (self.chunk_rows(rest) if rest else 0)
-        return rows + -(-decoded // self.world_size)
-
-    def cut(self, pieces: list[Piece], block: int) -> bool:
-        """Whether some rank's rows of `pieces` may end inside a block of `block` rows: unless
-        every piece gives every rank a multiple of `block` rows (a step's packed first pieces
-        may land on other ranks than alone: only the counts are known, not whose)."""
-        return any(bisect.bisect_left(g, kept) % block for _, n, kept in pieces
-                   for g in _alone(self.name, self.world_size, n))  # fmt: skip
-
-    def blocks(self, prefilled: int, chunk: int, decoded: int, block: int) -> int:
-        """Blocks of `block` rows a sequence holds alone on its fullest rank, by region (module
-        docstring): each prompt chunk's rows, then its decoded ones, each from a new block."""
-        full, rest = divmod(prefilled, chunk)
-        blocks = full * -(-self.chunk_rows(chunk) // block)
-        blocks += -(-self.chunk_rows(rest) // block) if rest else 0
-        rows = -(-decoded // self.world_size)  # round-robin: the fullest rank's share
-        return blocks + -(-rows // block)
 
 
 @dataclass
@@ -169,35 +115,49 @@ class BlockPool:
     def blocks(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
 
-    def _users(self, entry: int) -> set[int]:
-        """The running sequences that reference `entry`'s blocks: its own users and its
-        dependents' (which share its first blocks)."""
-        out = set(self.users.get(entry, ()))
-        for other in self.dependents.get(entry, ()):
-            out |= self._users(other)
-        return out
+    def _user_counts(self) -> dict[int, int]:
+        """Each entry's running users: its own and its dependents' (which share its first
+        blocks), in one pass. A dependent is kept after its base, so its id is larger: going
+        down the ids, every dependent's users are known before its base's."""
+        users: dict[int, set[int]] = {}
+        for i in sorted(self.cached, reverse=True):
+            mine = set(self.users.get(i, ()))
+            for other in self.dependents.get(i, ()):
+                mine |= users.get(other, set())
+            users[i] = mine
+        return {i: len(u) for i, u in users.items()}
 
-    def _by_users(self) -> list[tuple[Entry, int]]:
-        return [(e, len(self._users(i))) for i, e in self.cached.items()]
+    def counts(self) -> dict[str, int]:
+        """{"used", "cached", "shared", "free"} blocks (the properties below) in one pass."""
+        by_users = self._user_counts()
+        used = sum(self.held.values())
+        cached = shared = 0
+        for i, n in by_users.items():
+            blocks = self.cached[i].blocks
+            used += blocks if n else 0
+            cached += 0 if n else blocks
+            shared += blocks if n > 1 else 0
+        return {"used": used, "cached": cached, "shared": shared,
+                "free": self.n_blocks - used - cached}  # fmt: skip
 
     @property
     def used(self) -> int:
         """Blocks of running sequences: their own, and the entries they reference."""
-        return sum(self.held.values()) + sum(e.blocks for e, n in self._by_users() if n)
+        return self.counts()["used"]
 
     @property
     def cached_blocks(self) -> int:
         """Blocks of entries no running sequence references (evictable)."""
-        return sum(e.blocks for e, n in self._by_users() if not n)
+        return self.counts()["cached"]
 
     @property
     def shared_blocks(self) -> int:
         """Blocks of entries referenced by more than one running sequence."""
-        return sum(e.blocks for e, n in self._by_users() if n > 1)
+        return self.counts()["shared"]
 
     @property
     def free(self) -> int:
-        return self.n_blocks - self.used - self.cached_blocks
+        return self.counts()["free"]
 
     def use(self, seq: int, entries) -> None:
         """Running `seq` references `entries` (kept or adopted): they are not evicted."""
@@ -207,25 +167,40 @@ class BlockPool:
     def _room(self, blocks: int) -> bool:
         """Evict entries (oldest use first, not pinned ones) until `blocks` are free; False when
         even that is not enough (then nothing is evicted)."""
-        idle = [i for i in self.cached if self._idle(i)]
-        if blocks > self.free + sum(self.cached[i].blocks for i in idle):
+        idle = self._idle()
+        free = self.free
+        if blocks > free + sum(self.cached[i].blocks for i in idle):
             return False
         # least recently used first; within a chain the last chunk first (the earlier ones
         # still serve every prefix that shares them); an entry goes with its dependents
         order = sorted(idle,
                        key=lambda i: (self.cached[i].last, -self.cached[i].chunk))  # fmt: skip
         for i in order:
-            if self.free >= blocks:
+            if free >= blocks:
                 break
-            self.forget(i)  # (a dependent already gone with its base: nothing happens)
+            if i in self.cached:  # (a dependent already gone with its base: nothing happens)
+                free += sum(self.cached[j].blocks for j in self._family(i))
+                self.forget(i)
         return True
 
-    def _idle(self, entry: int) -> bool:
-        """Evictable: no running sequence references it, and neither it nor an entry that
-        shares its blocks is pinned (its dependents go with it: `forget`)."""
-        if entry in self.pinned or self.users.get(entry):
-            return False
-        return all(self._idle(other) for other in self.dependents.get(entry, ()))
+    def _family(self, entry: int) -> list[int]:
+        """`entry` and every entry that shares its blocks, transitively (forgotten with it)."""
+        out, todo = [], [entry]
+        while todo:
+            i = todo.pop()
+            out.append(i)
+            todo += [j for j in self.dependents.get(i, ()) if j in self.cached]
+        return out
+
+    def _idle(self) -> list[int]:
+        """The evictable entries: no running sequence references one, and neither it nor an
+        entry that shares its blocks is pinned (its dependents go with it: `forget`). One pass,
+        dependents (larger ids) before their bases."""
+        idle: dict[int, bool] = {}
+        for i in sorted(self.cached, reverse=True):
+            idle[i] = i not in self.pinned and not self.users.get(i) and all(
+                idle.get(other, True) for other in self.dependents.get(i, ()))  # fmt: skip
+        return [i for i in self.cached if idle[i]]
 
     def grow(self, seq: int, tokens: int) -> bool:
         """Let `seq` hold `tokens` tokens per rank alone (a whole number of blocks: the
@@ -272,24 +247,27 @@ class BlockPool:
 
     def forget(self, entry: int) -> set[int]:
         """Drop `entry` from the cache now (evicted, or a failed step never stored it on every
-        rank); every rank drops it with the next plan. Its users, which the caller must send
-        back to recompute: they counted its blocks as the entry's."""
-        gone = self.cached.pop(entry, None)
+        rank), with the entries that share its blocks (`_family`); every rank drops them with
+        the next plan. Their users, which the caller must send back to recompute: they counted
+        its blocks as the entry's."""
         users = self.users.pop(entry, set())
-        if gone is None:
+        if entry not in self.cached:
             return users
-        for other in self.dependents.pop(entry, set()):  # they share its blocks: gone too
-            users |= self.forget(other)
-        if gone.base in self.dependents:
-            self.dependents[gone.base].discard(entry)
-        for _, h in gone.points:
-            holders = self.index[h]
-            del holders[entry]
-            if not holders:
-                del self.index[h]
-        self.pinned.discard(entry)
-        self.planned.discard(entry)
-        self.evicted.append(entry)
+        family = self._family(entry)
+        for i in reversed(family):  # dependents first (no recursion: chains may be long)
+            users |= self.users.pop(i, set())
+            gone = self.cached.pop(i)
+            self.dependents.pop(i, None)
+            if gone.base in self.dependents:
+                self.dependents[gone.base].discard(i)
+            for _, h in gone.points:
+                holders = self.index[h]
+                del holders[i]
+                if not holders:
+                    del self.index[h]
+            self.pinned.discard(i)
+            self.planned.discard(i)
+            self.evicted.append(i)
         return users
 
     def keep(self, chunk: int, points: list[Point], pieces: list[Piece], rows: int,

@@ -38,9 +38,10 @@ import torch
 
 from ringattn.inference.sampling import next_token
 from ringattn.serve.allocation import Allocation
-from ringattn.serve.pool import BlockPool, Shares
+from ringattn.serve.pool import BlockPool
 from ringattn.serve.protocol import IDLE_S, Job
 from ringattn.serve.sequence import Seq
+from ringattn.serve.shares import Shares
 
 __all__ = ["SHORT_LANE", "Scheduler", "Seq"]  # Seq: from sequence.py
 

@@ -58,13 +58,14 @@ from ringattn.serve.api.app import build_app, serve_in_thread
 from ringattn.serve.api.schema import Limits
 from ringattn.serve.config import ServeConfig, bind, model_aliases, model_name
 from ringattn.serve.metrics import Metrics
-from ringattn.serve.pool import BlockPool, Shares
+from ringattn.serve.pool import BlockPool
 from ringattn.serve.protocol import AGREE_S, Job, Verdict, exchange
 from ringattn.serve.runner import Runner
 from ringattn.serve.scheduler import Scheduler
+from ringattn.serve.shares import Shares
 
 __all__ = ["SAMPLING", "Sink", "check_pool", "eos_ids", "kv_token_bytes", "limits", "pool_blocks",
-           "rank_loop", "serve_worker", "served_context"]  # fmt: skip
+           "prepare", "rank_loop", "serve_worker", "served_context"]  # fmt: skip
 
 # ringattn.hf.generate samples when it takes do_sample (issue 22's sampling contract)
 SAMPLING = "do_sample" in inspect.signature(ringattn.hf.generate).parameters
@@ -99,9 +100,7 @@ def check_pool(blocks: int, block: int, shares: Shares, chunk: int, context: int
     sequence of `context` tokens (prompt and completion split either way: its fullest rank's
     rows). Then every request the API admits fits the pool alone, and one without max_tokens
     (the rest of the context) needs no reservation: it grows as it goes."""
-    rows = max(shares.tokens(p, chunk, context - p) for p in range(1, context + 1))
-    # by region: each chunk and the decoded tokens start blocks (pool.py)
-    need = max(shares.blocks(p, chunk, context - p, block) for p in range(1, context + 1))
+    rows, need = shares.most(context, chunk, block)  # by region: chunks, decoded (pool.py)
     if need > blocks:
         raise ValueError(
             f"the KV pool holds {blocks} blocks of {block} tokens per rank, but one sequence of "
@@ -209,29 +208,39 @@ def prefix_cacheable(model) -> bool:
     return not has_mixers(model)
 
 
+def prepare(model, info: GroupInfo, layout: str, cfg: ServeConfig,
+            groups: tuple = (None, None)) -> tuple[Runner, int]:  # fmt: skip
+    """The step runner over this rank's paged pool and the pool's blocks, once checked to hold
+    one sequence of the served context (`check_pool`: the same numbers on every rank, so
+    every rank raises alike). A server runs it before it listens: it listens only when it
+    can serve."""
+    device = next(model.parameters()).device
+    cp_group = groups[0]
+    cp = resolve_group(cp_group).world_size
+    blocks = pool_blocks(model, cfg, info, device)
+    check_pool(blocks, cfg.kv_block_size, Shares(layout, cp), cfg.max_batch_tokens,
+               served_context(model, cfg.max_model_len))  # fmt: skip
+    engine = KVEngine(model, group=cp_group, layout=layout)
+    return Runner(engine, cfg.kv_block_size, cfg.max_batch_tokens, blocks), blocks
+
+
 def rank_loop(model, tokenizer, info: GroupInfo, layout: str, jobs: queue.Queue, http,
               cfg: ServeConfig | None = None, groups: tuple = (None, None),
-              metrics: Metrics | None = None, agree_s: float = AGREE_S) -> int:  # fmt: skip
+              metrics: Metrics | None = None, agree_s: float = AGREE_S,
+              prepared: tuple[Runner, int] | None = None) -> int:  # fmt: skip
     """Run steps until rank 0 says stop (`http`, its HTTP thread, has ended); the requests run.
 
     `info` is the whole world (rank 0 broadcasts each plan to it); `groups` the (cp, tp) groups
     that the engine runs over with --tp; `cfg` the engine's settings (max_batch,
     max_batch_tokens, kv_cache_gb, kv_block_size, prefix_cache); `metrics` (rank 0) what
-    /metrics shows. A step that raises alike on every rank sends its sequences back to
-    recompute, and a sequence that fails twice fails alone (Scheduler.failed); a step that
-    raises on some ranks only (`agree_s`: protocol.Verdict) or a failed collective (a dead
-    rank) raises out of here and ends the server."""
+    /metrics shows; `prepared` what `prepare` gave (else it runs here). A step that raises
+    alike on every rank sends its sequences back to recompute, and a sequence that fails
+    twice fails alone (Scheduler.failed); a step that raises on some ranks only (`agree_s`:
+    protocol.Verdict) or a failed collective (a dead rank) raises out of here and ends the
+    server."""
     cfg = cfg or ServeConfig()
-    device = next(model.parameters()).device
-    cp_group = groups[0]
-    cp = resolve_group(cp_group).world_size
-    blocks = pool_blocks(model, cfg, info, device)
-    engine = KVEngine(model, group=cp_group, layout=layout)
-    runner = Runner(engine, cfg.kv_block_size, cfg.max_batch_tokens, blocks)
-    shares = Shares(layout, cp)
-    # the same numbers on every rank (pool_blocks agreed on them): every rank raises alike
-    check_pool(blocks, cfg.kv_block_size, shares, cfg.max_batch_tokens,
-               served_context(model, cfg.max_model_len))  # fmt: skip
+    runner, blocks = prepared or prepare(model, info, layout, cfg, groups)
+    shares = Shares(layout, resolve_group(groups[0]).world_size)
     verdict = Verdict(info, agree_s)
     scheduler = None
     if info.rank == 0:
@@ -299,6 +308,7 @@ def serve_worker(cfg: ServeConfig) -> dict:
     model.to(device)  # the group's device: NCCL collectives take CUDA tensors only
     lay_out_for_decode(model, device)  # the head column-major: a CPU decode step 1.06-1.10x
     info = resolve_group(None)
+    prepared = prepare(model, info, cfg.layout, cfg, groups)  # a pool too small: no listening
     jobs, http, metrics = queue.Queue(), None, None
     if info.rank == 0:
         sock = bind(cfg.host, cfg.port)
@@ -323,5 +333,6 @@ def serve_worker(cfg: ServeConfig) -> dict:
                   f"convolutional mixers, whose per-sequence states cannot be rebuilt from a "
                   f"shared prefix's cached rows; every prompt is prefilled whole",
                   file=sys.stderr, flush=True)  # fmt: skip
-    served = rank_loop(model, tokenizer, info, cfg.layout, jobs, http, cfg, groups, metrics)
+    served = rank_loop(model, tokenizer, info, cfg.layout, jobs, http, cfg, groups, metrics,
+                       prepared=prepared)  # fmt: skip
     return {"rank": info.rank, "served": served}

@@ -219,7 +219,7 @@ class KVEngine:
         assert self.lengths[seq] == 0, "adopt starts an empty sequence"
         self.state.paged.adopt(seq, entries, tokens)
         for layer in self.state.paged.k:  # its attention layers' views hold the rows now
-            self.state.cache(layer, seq, None)  # (no window: prefix reuse is off with one)
+            self.state.cache(layer, seq, None)  # (its layer's call sets its window)
         self.lengths[seq] = tokens
 
     def reserve(self, seqs: list[int], extra: list[int]) -> None:

@@ -116,10 +116,14 @@ class KVState:
         self.next_position: int | None = None
 
     def cache(self, layer: int, seq: int, left: int | None) -> ShardedKVCache | PagedView:
+        """(layer, seq)'s cache: a view of the pages, or a contiguous cache of its own for a
+        windowed layer without a server's pool (generate, Session), which drops the rows
+        the window has passed (the pages keep them: a prefix entry may share their blocks)."""
         key = (layer, seq)
-        if key not in self.caches and self.paged is not None:
+        paged = self.paged is not None and not (self.paged.elastic and left is not None)
+        if key not in self.caches and paged:
             self.caches[key] = PagedView(self.paged, layer, seq, left, self.info.rank)
-        elif self.paged is not None:  # a view made before its layer ran (engine.adopt)
+        elif paged:  # a view made before its layer ran (engine.adopt)
             self.caches[key].window = left
         elif key not in self.caches:
             cache = ShardedKVCache(1, self.info.rank, self.info.world_size, left)
@@ -186,41 +190,34 @@ def _merge(state: KVState, out, lse, query, key, scale):
 
 
 def _decode(state: KVState, step: Decode, layer: int, left, query, key, value, scale):
-    if state.paged is not None:
-        return _decode_paged(state, step, layer, left, query, key, value, scale)
+    """Each live sequence's partial over this rank's rows of it (its cache: pages or a
+    contiguous one), then the L partials merged across ranks (docs/paged-kv.md)."""
     outs, lses = [], []
     for j, seq in enumerate(step.live):  # query (L, Hq, 1, D): one row per live sequence
         cache = state.cache(layer, seq, left)
-        position = step.positions[j]
-        cache.append_decoded(0, key[j : j + 1], value[j : j + 1], position, step.owners[j])
-        cache.evict(0, position)
-        kept_k, kept_v, _ = _kept(state, layer, seq, cache, key[j : j + 1])
-        out, lse = local_partial(state.kernel, query[j : j + 1], kept_k, kept_v, scale)
+        q, k, v = query[j : j + 1], key[j : j + 1], value[j : j + 1]
+        cache.append_decoded(0, k, v, step.positions[j], step.owners[j])
+        cache.evict(0, step.positions[j])
+        if isinstance(cache, PagedView):
+            out, lse = _paged_partial(state, layer, cache, q, k, v, scale)
+        else:
+            kept_k, kept_v, _ = _kept(state, layer, seq, cache, k)
+            out, lse = local_partial(state.kernel, q, kept_k, kept_v, scale)
         outs.append(out)
         lses.append(lse)
     return _merge(state, torch.cat(outs), torch.cat(lses), query, key, scale)
 
 
-def _decode_paged(state: KVState, step: Decode, layer: int, left, query, key, value, scale):
-    """`_decode` over the pages: each sequence's visible rows in one kernel call (a long
-    shared prefix read in place and the rest gathered: two, merged by lse; paged.parts), then
-    the L partials merged across ranks (docs/paged-kv.md)."""
-    outs, lses = [], []
-    for j, seq in enumerate(step.live):  # query (L, Hq, 1, D): one row per live sequence
-        view = state.cache(layer, seq, left)
-        view.append_decoded(0, key[j : j + 1], value[j : j + 1], step.positions[j],
-                            step.owners[j])  # fmt: skip
-        view.evict(0, step.positions[j])
-        done = [local_partial(state.kernel, query[j : j + 1], k, v, scale)
-                for k, v in parts(state.paged, layer, view)]  # fmt: skip
-        if not done:  # no row here: weight 0 in the merge
-            done = [local_partial(state.kernel, query[j : j + 1], key[j : j + 1, :, :0],
-                                  value[j : j + 1, :, :0], scale)]  # fmt: skip
-        out, lse = done[0] if len(done) == 1 else merge_stacked(
-            torch.stack([o for o, _ in done]), torch.stack([x for _, x in done]))  # fmt: skip
-        outs.append(out)
-        lses.append(lse)
-    return _merge(state, torch.cat(outs), torch.cat(lses), query, key, scale)
+def _paged_partial(state: KVState, layer: int, view: PagedView, q, k, v, scale):
+    """One sequence's visible rows on the pages in one kernel call (a long shared prefix read
+    in place and the rest gathered: two, merged by lse; paged.parts)."""
+    done = [local_partial(state.kernel, q, kept_k, kept_v, scale)
+            for kept_k, kept_v in parts(state.paged, layer, view)]  # fmt: skip
+    if not done:  # no row here: weight 0 in the merge
+        done = [local_partial(state.kernel, q, k[:, :, :0], v[:, :, :0], scale)]
+    if len(done) == 1:
+        return done[0]
+    return merge_stacked(torch.stack([o for o, _ in done]), torch.stack([x for _, x in done]))
 
 
 def _extend(state: KVState, piece: Extend, layer: int, left, query, key, value, scale):

@@ -270,9 +270,10 @@ def completion_ids(prompt: str | list[int], tokenizer, limits: Limits) -> list[i
 
 
 def _room(ids: list[int], asked: int | None, limits: Limits, where: str) -> int:
-    """The completion tokens the prompt `ids` leaves: `asked`, or the rest of the context."""
+    """The completion tokens the prompt `ids` leaves: `asked`, or the rest of the context
+    (at least one). `asked` 0 (echo's prompt logprobs) fits a prompt of the whole context."""
     room = limits.context - len(ids)
-    if room < 1 or (asked is not None and asked > room):
+    if (room < 1 and asked != 0) or (asked is not None and asked > room):
         want = len(ids) + (1 if asked is None else asked)
         raise APIError(
             f"This model's maximum context length is {limits.context} tokens. However, you "
