@@ -228,7 +228,7 @@ def snapshot_bytes(engine: KVEngine) -> int:
     seq = engine.open()
     with torch.no_grad(), engine.holding():
         engine.step([], [(seq, torch.zeros(1, dtype=torch.int64, device=engine.device))])
-    size = mixer_states.snapshot_bytes(mixer_states.snapshot(engine.state.mixer_states, seq))
+    size = mixer_states.snapshot_bytes(mixer_states.snapshot(engine.state, seq))
     engine.release(seq)
     engine.next_seq = 0
     return size

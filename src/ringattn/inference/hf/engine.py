@@ -61,8 +61,7 @@ class KVEngine:
         get_layout(layout)
         self.window, shape = window, native.describe(model, window)
         self.native = shape is not None
-        self.hybrid = False  # recurrent or convolutional mixers (their states: mixer_states.py)
-        # a hybrid's prefix entries: entry -> (its end, every mixer's states there)
+        self.hybrid = False  # mixers: a prefix entry -> (its end, the mixers' states there)
         self.snapshots: dict[int, tuple[int, dict]] = {}
         if self.native:  # ours: no family to check, no attention implementation to switch
             self.n_layers, self.n_heads, self.n_kv_heads, self.vocab_size, self.mode_sizes = shape
@@ -75,11 +74,9 @@ class KVEngine:
                 families.install_guards(model)
             # a hybrid's mixers: refuse a token mixer ringattn does not know, carry the others'
             # states per sequence (mixer_states.py)
-            found = mixers.find_mixers(
-                model.get_decoder() if vision.is_multimodal(model) else model
-            )
+            decoder = model.get_decoder() if vision.is_multimodal(model) else model
+            self.hybrid = bool(mixers.find_mixers(decoder))
             mixer_states.install(model)
-            self.hybrid = bool(found)
             text = model.config.get_text_config()
             self.n_layers, self.vocab_size = getattr(text, "num_hidden_layers", 0), text.vocab_size
             self.n_heads = getattr(text, "num_attention_heads", None) or 1  # Mamba: no attention
@@ -218,8 +215,7 @@ class KVEngine:
         of its mixers' states at that end (the same on every rank)."""
         self.state.paged.keep(entry, seq, start, self.lengths[seq])
         if self.hybrid:
-            snap = mixer_states.snapshot(self.state.mixer_states, seq)
-            self.snapshots[entry] = (self.lengths[seq], snap)
+            self.snapshots[entry] = (self.lengths[seq], mixer_states.snapshot(self.state, seq))
 
     def evict(self, entry: int) -> None:
         """Drop prefix entry `entry` (its blocks' references, its snapshot)."""
@@ -235,7 +231,7 @@ class KVEngine:
         if self.hybrid:  # the states at the last entry's end: adopted whole (serve/pool.py)
             end, snap = self.snapshots[entries[-1]]
             assert end == tokens, f"a hybrid adopts entries whole: {tokens} != {end}"
-            mixer_states.restore(self.state.mixer_states, seq, snap)
+            mixer_states.restore(self.state, seq, snap)
         self.state.paged.adopt(seq, entries, tokens)
         for layer in self.state.paged.k:  # its attention layers' views hold the rows now
             self.state.cache(layer, seq, None)  # (its layer's call sets its window)

@@ -110,17 +110,18 @@ class StateView:
             }
 
 
-def snapshot(store: dict, seq: int) -> dict:
-    """Copies of every mixer's states of `seq` now ({module key: {"conv", "recurrent"}})."""
+def snapshot(state, seq: int) -> dict:
+    """Copies of every mixer's states of `seq` now ({module key: {"conv", "recurrent"}}), from
+    a KVState's `mixer_states`."""
     return {key: {kind: {i: t.clone() for i, t in states[kind].items()} for kind in states}
-            for (key, s), states in store.items() if s == seq}  # fmt: skip
+            for (key, s), states in state.mixer_states.items() if s == seq}  # fmt: skip
 
 
-def restore(store: dict, seq: int, snap: dict) -> None:
+def restore(state, seq: int, snap: dict) -> None:
     """Start `seq` from copies of the states in `snap` (a `snapshot`)."""
     for key, states in snap.items():
-        store[(key, seq)] = {kind: {i: t.clone() for i, t in states[kind].items()}
-                             for kind in states}  # fmt: skip
+        state.mixer_states[(key, seq)] = {kind: {i: t.clone() for i, t in states[kind].items()}
+                                          for kind in states}  # fmt: skip
 
 
 def snapshot_bytes(snap: dict) -> int:
