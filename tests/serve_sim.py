@@ -6,7 +6,8 @@ engine places them (inference/hf/engine.py): the first pieces of empty sequences
 documents into one placement (`packing.place` over their cu_seqlens), every other piece placed
 alone after what the sequence holds, decoded tokens round-robin from rank `seq mod W`, adopted
 entries cut at a position. `simulate` runs a seeded scenario (arrivals, prompts sharing
-prefixes, lengths, chunks of any size, requests scoring their prompt, cancellations, failed
+prefixes, lengths, chunks of any size, requests scoring their prompt, a hybrid's pool whose
+entries carry state snapshots and whose hits end where an entry ends, cancellations, failed
 steps, NaN rows) through the real `Scheduler` and `BlockPool` and checks, after every step, that
 no rank holds more rows of a sequence or an entry than the pool counts, and at the end that
 every request got one last event (a scoring one its prompt's logprobs first, one per token),
@@ -63,8 +64,11 @@ class Alive:
 class Ranks:
     """Every rank's K/V positions per sequence and per stored entry (module docstring)."""
 
-    def __init__(self, layout: str, world_size: int, blocks: int, block: int, chunk: int):
+    def __init__(self, layout: str, world_size: int, blocks: int, block: int, chunk: int,
+                 whole: bool = False):  # fmt: skip
         self.layout, self.world_size = get_layout(layout), world_size
+        self.whole = whole  # a hybrid's: an adoption ends where its last entry ends
+        self.ends: dict[int, int] = {}  # entry -> the position it ends at
         self.seqs: dict[int, list[list[int]]] = {}  # seq -> per rank, positions held
         self.decoded: dict[int, int] = {}
         self.decoded_at: dict[int, set[int]] = {}  # seq -> positions it decoded
@@ -114,6 +118,7 @@ class Ranks:
         for seq, ids, keep, *_ in plan["chunks"]:  # (a 4th item: the piece's scores asked)
             if seq in adopt:
                 reuse, tokens = adopt.pop(seq)
+                assert not self.whole or tokens == self.ends[reuse[-1]], (tokens, reuse)
                 for store in self.paged:
                     store.adopt(seq, reuse, tokens)
                 for entry in reuse:
@@ -129,6 +134,7 @@ class Ranks:
             if keep is not None:
                 entry, start = keep
                 self.store[entry] = [[p for p in r if p >= start] for r in self.seqs[seq]]
+                self.ends[entry] = self.length(seq)
                 for store in self.paged:
                     store.keep(entry, seq, start, self.length(seq))
         for rows in self.seqs.values():
@@ -190,6 +196,7 @@ class Scenario:
     cancel: dict[int, int] = field(default_factory=dict)  # job -> step it is cancelled at
     fail_p: float = 0.0  # chance that a step raises
     nan_p: float = 0.0  # chance that a row's logits are NaN
+    snapshot: int = 0  # a hybrid's pool: blocks each entry's states snapshot takes (0: none)
 
 
 def scenario(seed: int, layouts: tuple[str, ...]) -> Scenario:
@@ -221,6 +228,7 @@ def scenario(seed: int, layouts: tuple[str, ...]) -> Scenario:
     shares = Shares(s.layout, world_size)
     need = max(shares.blocks(len(r.ids), chunk, r.max_new_tokens, block) for _, r in s.jobs)
     s.blocks = need + rng.choice([-1, 0, 0, 1, 2, 4, 8])  # -1: one is refused
+    s.snapshot = rng.choice([0, 0, 0, 1, 2])  # a hybrid: hits end at an entry's end
     return s
 
 
@@ -228,12 +236,12 @@ def simulate(s: Scenario, tokenizer, seed: int = 0, most_steps: int = 5000) -> l
     """Run `s` to its end (module docstring) with `tokenizer` (serve_model.tokenizer()); every
     job, with its events."""
     rng = random.Random(seed)
-    pool = BlockPool(s.blocks, s.block)
+    pool = BlockPool(s.blocks, s.block, s.snapshot, 1)  # (a snapshot of `snapshot` blocks)
     jobs_q: queue.Queue = queue.Queue()
     sched = Scheduler(jobs_q, Alive(), tokenizer, [EOS], pool, Shares(s.layout, s.world_size),
                       s.chunk, s.max_running, s.prefix_cache,
                       make_sink=lambda job: job.sink)  # fmt: skip
-    ranks = Ranks(s.layout, s.world_size, max(1, s.blocks), s.block, s.chunk)
+    ranks = Ranks(s.layout, s.world_size, max(1, s.blocks), s.block, s.chunk, s.snapshot > 0)
     jobs = [SimJob(r) for _, r in s.jobs]
     arrived = 0
     for step in range(most_steps):

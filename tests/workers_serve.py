@@ -133,6 +133,47 @@ def adopted(rank: int, world_size: int, chunk: int, cuts: list[int]) -> list:
     return out
 
 
+def hybrid_adopted(rank: int, world_size: int, arch: str, chunk: int, cuts: list[int]) -> list:
+    """KVEngine over the tiny hybrid `arch` (workers_hf_hybrid.build) on a paged store (blocks
+    of 4): a sequence of 3 chunks prefilled chunk by chunk, each kept as an entry with its
+    states' snapshot; per cut (a chunk's end) a sequence sharing its first `cut` tokens adopts
+    those entries whole (K/V blocks and the mixers' states at the cut) and extends the rest.
+    [cut, max |logits - a plain prefill's|, the same adopting the K/V without the states]."""
+    import workers_hf_hybrid
+    from ringattn.inference.hf.engine import KVEngine
+
+    model = workers_hf_hybrid.build(arch).eval()
+    engine = KVEngine(model, layout="zigzag")
+    engine.page(256, 4, chunk)
+    g = torch.Generator(device="cpu").manual_seed(3)
+    vocab = model.config.vocab_size
+    first = torch.randint(vocab, (3 * chunk,), generator=g, device="cpu")
+    out = []
+    with torch.no_grad():
+        a = engine.open()
+        for c, start in enumerate(range(0, first.numel(), chunk)):
+            engine.extend(a, first[start : start + chunk])
+            engine.keep(c, a, start)
+        for cut in cuts:
+            rest = (first[cut : 2 * chunk + 3] + 1) % vocab  # differs from `first` at every one
+            second = torch.cat([first[:cut], rest])
+            plain = engine.prefill([second])[0]
+            results = []
+            for states in (True, False):
+                engine.hybrid = states  # False: the K/V adopted, the states not (wrong)
+                seq = engine.open()
+                engine.adopt(seq, list(range(cut // chunk)), cut)
+                engine.hybrid = True
+                at = cut
+                while at < second.numel():  # whole chunks, the last partial
+                    stop = min(second.numel(), (at // chunk + 1) * chunk)
+                    logits = engine.extend(seq, second[at:stop])
+                    at = stop
+                results.append(float((logits - plain).abs().max()))
+            out.append([cut, *results])
+    return out
+
+
 def waves(rank: int, world_size: int) -> list:
     """A Runner over the tiny model, one step's plan: sequence 0's first chunk (stored as entry
     0) and its second piece, sequence 1 adopting entry 0 and computing its own piece; then a

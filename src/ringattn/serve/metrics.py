@@ -14,6 +14,8 @@
                                               and the prefix chunks they share), cached (prefix
                                               chunks no one uses, evictable), free
     ringattn_kv_blocks_shared                 blocks referenced by more than one sequence
+    ringattn_kv_state_snapshot_bytes          a hybrid's prefix entries: bytes of the mixers'
+                                              states kept with them (each rank; in the pool)
     ringattn_prefix_cache_hits_total          requests that started from cached prefix chunks
     ringattn_prefix_cache_hit_tokens_total    prompt tokens they did not compute
     ringattn_preemptions_total                sequences sent back to recompute (no free block)
@@ -69,7 +71,7 @@ class Metrics:
         self.itl = Histogram(ITL_BUCKETS)
         self.latency = Histogram(LATENCY_BUCKETS)
         self.blocks = {"used": 0, "cached": 0, "free": 0}
-        self.shared_blocks = 0
+        self.shared_blocks = self.snapshot_bytes = 0
         self.prefix_hits = self.prefix_hit_tokens = self.preemptions = 0
 
     def pool(self, pool) -> None:
@@ -78,6 +80,7 @@ class Metrics:
             counts = pool.counts()  # one pass over the entries
             self.blocks = {k: counts[k] for k in ("used", "cached", "free")}
             self.shared_blocks = counts["shared"]
+            self.snapshot_bytes = pool.snapshots_held
             self.prefix_hits, self.prefix_hit_tokens = pool.hits, pool.hit_tokens
 
     def ended(self, outcome: str, prompt_tokens: int = 0, new_tokens: int = 0,
@@ -129,7 +132,10 @@ class Metrics:
             out += [f'ringattn_kv_blocks{{state="{k}"}} {n}' for k, n in self.blocks.items()]
             out += ["# HELP ringattn_kv_blocks_shared KV blocks used by more than one sequence.",
                     "# TYPE ringattn_kv_blocks_shared gauge",
-                    f"ringattn_kv_blocks_shared {self.shared_blocks}"]  # fmt: skip
+                    f"ringattn_kv_blocks_shared {self.shared_blocks}",
+                    "# HELP ringattn_kv_state_snapshot_bytes Hybrid prefix state snapshots, bytes.",
+                    "# TYPE ringattn_kv_state_snapshot_bytes gauge",
+                    f"ringattn_kv_state_snapshot_bytes {self.snapshot_bytes}"]  # fmt: skip
             for name, hist, text in (
                 ("time_to_first_token_seconds", self.ttft, "Admission to the first token."),
                 ("inter_token_latency_seconds", self.itl, "Time between a sequence's tokens."),

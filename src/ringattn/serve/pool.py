@@ -96,10 +96,16 @@ class Entry:
 
 
 class BlockPool:
-    """`n_blocks` blocks of `block_size` tokens (per rank); who holds how many."""
+    """`n_blocks` blocks of `block_size` tokens (per rank); who holds how many. A hybrid's pool
+    (`snapshot_bytes` > 0: the bytes of its mixers' states for one sequence) counts a snapshot
+    of those states with each entry, in blocks of the pool, and a hit ends where an entry
+    does (the states are known there only: mixer_states.py)."""
 
-    def __init__(self, n_blocks: int, block_size: int):
+    def __init__(self, n_blocks: int, block_size: int, snapshot_bytes: int = 0,
+                 block_bytes: int = 1):  # fmt: skip
         self.n_blocks, self.block_size = n_blocks, block_size
+        self.snapshot_bytes = snapshot_bytes
+        self.snapshot_blocks = -(-snapshot_bytes // block_bytes)  # what one snapshot takes
         self.held: dict[int, int] = {}  # sequence -> blocks it holds alone
         self.cached: dict[int, Entry] = {}  # entry id -> the kept chunk
         self.users: dict[int, set[int]] = {}  # entry id -> running sequences referencing it
@@ -219,10 +225,20 @@ class BlockPool:
             if not self.users[entry]:
                 del self.users[entry]
 
+    @property
+    def snapshots_held(self) -> int:
+        """Bytes of the hybrid states' snapshots the entries hold (per rank)."""
+        return self.snapshot_bytes * len(self.cached)
+
+    def _end(self, entry: int) -> int:
+        """Tokens of its chunk that `entry` holds (where its snapshot is)."""
+        return max(at + kept for at, _, kept in self.cached[entry].pieces)
+
     def lookup(self, hashes: list[list[Point]], limit: int) -> list[tuple[int, int]]:
         """The longest prefix of a request (`prefix_hashes` of it) of at most `limit` tokens
         that the cache holds: [(entry, tokens of its chunk to take)], whole chunks and then
-        one cut at a block (module docstring). The entries are now the most recently used."""
+        one cut at a block (module docstring); with snapshots, one that ends where an entry
+        ends. The entries are now the most recently used."""
         found: list[tuple[int, int]] = []
         self.clock += 1
         chunk_start = 0
@@ -232,6 +248,10 @@ class BlockPool:
                 holders = self.index.get(h)
                 if chunk_start + k > limit or not holders:
                     break
+                if self.snapshot_bytes:  # a hybrid's states are known at an entry's end only
+                    holders = [i for i in holders if self._end(i) == k]
+                    if not holders:
+                        continue
                 # an entry stored before this step first: one this step stores makes the
                 # adopting piece wait for a second forward (runner.py); the rows are the same
                 best = (max(holders, key=lambda i: (i not in self.planned, self.cached[i].last)),
@@ -281,6 +301,7 @@ class BlockPool:
         if base is not None and base not in self.cached:
             base = None  # (forgotten meanwhile: its blocks are counted here instead)
         extra = 0 if base is not None else self.blocks(rows) - moved
+        extra += self.snapshot_blocks if self.snapshot_bytes else 0  # its states' snapshot
         if not points or points[-1][1] in self.index or extra > self.free:
             return None
         assert self.held.get(seq, 0) >= moved, "keep follows grow for the chunk"

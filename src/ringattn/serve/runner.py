@@ -55,7 +55,7 @@ class Runner:
         for them (a 4th item) in `self.scores`."""
         engine, self.scores = self.engine, {}
         for entry in plan["evict"]:
-            engine.state.paged.evict(entry)
+            engine.evict(entry)
         for seq in plan["free"]:
             engine.release(seq)
         adopt = {}

@@ -45,11 +45,11 @@ import torch
 
 import ringattn.hf
 from ringattn.comm import GroupInfo, all_gather_ints, backend_device, resolve_group
+from ringattn.inference.hf import mixer_states
 from ringattn.inference.hf.engine import KVEngine
 from ringattn.inference.hf.weights import lay_out_for_decode
 from ringattn.integrations.hf import vision
 from ringattn.integrations.hf.experts import split_experts
-from ringattn.integrations.hf.mixers import has_mixers
 from ringattn.integrations.hf.source import load_model, load_tokenizer, model_source
 from ringattn.integrations.hf.tensor_parallel import split_cp_tp
 from ringattn.runtime.heartbeat import report_progress
@@ -201,19 +201,13 @@ def pool_blocks(model, cfg: ServeConfig, info: GroupInfo, device: torch.device) 
     return blocks
 
 
-def prefix_cacheable(model) -> bool:
-    """Prefix reuse shares cached rows' blocks (inference/paged.py): a sliding window frees
-    none of them (each layer's view moves its start), so it is exact with one; a hybrid's
-    recurrent and convolution states cannot be rebuilt from the rows."""
-    return not has_mixers(model)
-
-
 def prepare(model, info: GroupInfo, layout: str, cfg: ServeConfig,
-            groups: tuple = (None, None)) -> tuple[Runner, int]:  # fmt: skip
+            groups: tuple = (None, None)) -> tuple[Runner, int, int]:  # fmt: skip
     """The step runner over this rank's paged pool and the pool's blocks, once checked to hold
     one sequence of the served context (`check_pool`: the same numbers on every rank, so
     every rank raises alike). A server runs it before it listens: it listens only when it
-    can serve."""
+    can serve. Also the bytes of a hybrid's mixer states for one sequence (0 without mixers):
+    what each prefix entry's snapshot costs the pool (`snapshot_bytes`)."""
     device = next(model.parameters()).device
     cp_group = groups[0]
     cp = resolve_group(cp_group).world_size
@@ -221,13 +215,29 @@ def prepare(model, info: GroupInfo, layout: str, cfg: ServeConfig,
     check_pool(blocks, cfg.kv_block_size, Shares(layout, cp), cfg.max_batch_tokens,
                served_context(model, cfg.max_model_len))  # fmt: skip
     engine = KVEngine(model, group=cp_group, layout=layout)
-    return Runner(engine, cfg.kv_block_size, cfg.max_batch_tokens, blocks), blocks
+    runner = Runner(engine, cfg.kv_block_size, cfg.max_batch_tokens, blocks)
+    return runner, blocks, snapshot_bytes(engine)
+
+
+def snapshot_bytes(engine: KVEngine) -> int:
+    """The bytes of every mixer's states of one sequence (a hybrid's; else 0), measured on a
+    one-token sequence that is then released (the same on every rank: a collective forward).
+    Sequence ids start at 0 again after it: the scheduler's plans count from 0."""
+    if not engine.hybrid:
+        return 0
+    seq = engine.open()
+    with torch.no_grad(), engine.holding():
+        engine.step([], [(seq, torch.zeros(1, dtype=torch.int64, device=engine.device))])
+    size = mixer_states.snapshot_bytes(mixer_states.snapshot(engine.state, seq))
+    engine.release(seq)
+    engine.next_seq = 0
+    return size
 
 
 def rank_loop(model, tokenizer, info: GroupInfo, layout: str, jobs: queue.Queue, http,
               cfg: ServeConfig | None = None, groups: tuple = (None, None),
               metrics: Metrics | None = None, agree_s: float = AGREE_S,
-              prepared: tuple[Runner, int] | None = None) -> int:  # fmt: skip
+              prepared: tuple[Runner, int, int] | None = None) -> int:  # fmt: skip
     """Run steps until rank 0 says stop (`http`, its HTTP thread, has ended); the requests run.
 
     `info` is the whole world (rank 0 broadcasts each plan to it); `groups` the (cp, tp) groups
@@ -239,15 +249,16 @@ def rank_loop(model, tokenizer, info: GroupInfo, layout: str, jobs: queue.Queue,
     protocol.Verdict) or a failed collective (a dead rank) raises out of here and ends the
     server."""
     cfg = cfg or ServeConfig()
-    runner, blocks = prepared or prepare(model, info, layout, cfg, groups)
+    runner, blocks, snapshot = prepared or prepare(model, info, layout, cfg, groups)
     shares = Shares(layout, resolve_group(groups[0]).world_size)
     verdict = Verdict(info, agree_s)
     scheduler = None
     if info.rank == 0:
-        pool = BlockPool(blocks, cfg.kv_block_size)
+        pool = BlockPool(blocks, cfg.kv_block_size, snapshot,
+                         cfg.kv_block_size * kv_token_bytes(model, cfg.tp))  # fmt: skip
         scheduler = Scheduler(jobs, http, tokenizer, eos_ids(model, tokenizer), pool,
                               shares, cfg.max_batch_tokens, cfg.max_batch,
-                              cfg.prefix_cache and prefix_cacheable(model), metrics,
+                              cfg.prefix_cache, metrics,
                               lambda job: Sink(job, metrics))  # fmt: skip
         if metrics is not None:
             metrics.waiting = lambda: jobs.qsize() + scheduler.held
@@ -328,11 +339,6 @@ def serve_worker(cfg: ServeConfig) -> dict:
         print(f"[serve] {name} ({type(model).__name__}, {source.describe()}, {dtype}) on "
               f"{ranks}, {cfg.layout}, {device.type}: listening on http://{host}:{port}/v1{key}",
               file=sys.stderr, flush=True)  # fmt: skip
-        if cfg.prefix_cache and has_mixers(model):
-            print(f"[serve] prefix reuse is off: {type(model).__name__} has recurrent or "
-                  f"convolutional mixers, whose per-sequence states cannot be rebuilt from a "
-                  f"shared prefix's cached rows; every prompt is prefilled whole",
-                  file=sys.stderr, flush=True)  # fmt: skip
     served = rank_loop(model, tokenizer, info, cfg.layout, jobs, http, cfg, groups, metrics,
                        prepared=prepared)  # fmt: skip
     return {"rank": info.rank, "served": served}

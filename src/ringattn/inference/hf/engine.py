@@ -61,6 +61,8 @@ class KVEngine:
         get_layout(layout)
         self.window, shape = window, native.describe(model, window)
         self.native = shape is not None
+        self.hybrid = False  # mixers: a prefix entry -> (its end, the mixers' states there)
+        self.snapshots: dict[int, tuple[int, dict]] = {}
         if self.native:  # ours: no family to check, no attention implementation to switch
             self.n_layers, self.n_heads, self.n_kv_heads, self.vocab_size, self.mode_sizes = shape
         else:
@@ -72,7 +74,8 @@ class KVEngine:
                 families.install_guards(model)
             # a hybrid's mixers: refuse a token mixer ringattn does not know, carry the others'
             # states per sequence (mixer_states.py)
-            mixers.find_mixers(model.get_decoder() if vision.is_multimodal(model) else model)
+            decoder = model.get_decoder() if vision.is_multimodal(model) else model
+            self.hybrid = bool(mixers.find_mixers(decoder))
             mixer_states.install(model)
             text = model.config.get_text_config()
             self.n_layers, self.vocab_size = getattr(text, "num_hidden_layers", 0), text.vocab_size
@@ -208,8 +211,16 @@ class KVEngine:
 
     def keep(self, entry: int, seq: int, start: int) -> None:
         """Prefix entry `entry` references seq's rows from position `start` to its end (one
-        chunk so far), on this rank: its blocks, no copy (paged.py)."""
+        chunk so far), on this rank: its blocks, no copy (paged.py); a hybrid's, with a snapshot
+        of its mixers' states at that end (the same on every rank)."""
         self.state.paged.keep(entry, seq, start, self.lengths[seq])
+        if self.hybrid:
+            self.snapshots[entry] = (self.lengths[seq], mixer_states.snapshot(self.state, seq))
+
+    def evict(self, entry: int) -> None:
+        """Drop prefix entry `entry` (its blocks' references, its snapshot)."""
+        self.state.paged.evict(entry)
+        self.snapshots.pop(entry, None)
 
     def adopt(self, seq: int, entries: list[int], tokens: int) -> None:
         """Start the empty sequence `seq` with the rows of `entries` (chunks of other
@@ -217,6 +228,10 @@ class KVEngine:
         Exact at any cut: each rank's rows are in increasing position and position p's K/V
         depend on tokens <= p only, whatever placement computed them."""
         assert self.lengths[seq] == 0, "adopt starts an empty sequence"
+        if self.hybrid:  # the states at the last entry's end: adopted whole (serve/pool.py)
+            end, snap = self.snapshots[entries[-1]]
+            assert end == tokens, f"a hybrid adopts entries whole: {tokens} != {end}"
+            mixer_states.restore(self.state, seq, snap)
         self.state.paged.adopt(seq, entries, tokens)
         for layer in self.state.paged.k:  # its attention layers' views hold the rows now
             self.state.cache(layer, seq, None)  # (its layer's call sets its window)

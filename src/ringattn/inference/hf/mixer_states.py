@@ -27,8 +27,10 @@ the layer's own forward and a view of the right sequences' states:
 The layer's own call then runs on one zero token without a cache and the hook returns the
 computed rows instead (as in integrations/hf/mixers/hooks.py's head-parallel path). The states are
 whole on every rank (they are small and every rank runs every decode token). A prefix's K/V can
-be copied between sequences; these states cannot be rebuilt from rows, so the server turns prefix
-reuse off for such models (serve/worker.py).
+be shared between sequences; these states cannot be rebuilt from rows, so a prefix entry of a
+hybrid carries a *snapshot* of every mixer's states at its end (`snapshot`), and a sequence that
+adopts the entry whole starts from a copy of it (`restore`): the server's prefix reuse for
+hybrids (serve/pool.py: such a hit ends where an entry ends).
 """
 
 from __future__ import annotations
@@ -112,6 +114,25 @@ class StateView:
                 "conv": {i: t[row : row + 1] for i, t in self.conv.items()},
                 "recurrent": {i: t[row : row + 1] for i, t in self.recurrent.items()},
             }
+
+
+def snapshot(state, seq: int) -> dict:
+    """Copies of every mixer's states of `seq` now ({module key: {"conv", "recurrent"}}), from
+    a KVState's `mixer_states`."""
+    return {key: {kind: {i: t.clone() for i, t in states[kind].items()} for kind in states}
+            for (key, s), states in state.mixer_states.items() if s == seq}  # fmt: skip
+
+
+def restore(state, seq: int, snap: dict) -> None:
+    """Start `seq` from copies of the states in `snap` (a `snapshot`)."""
+    for key, states in snap.items():
+        state.mixer_states[(key, seq)] = {kind: {i: t.clone() for i, t in states[kind].items()}
+                                          for kind in states}  # fmt: skip
+
+
+def snapshot_bytes(snap: dict) -> int:
+    return sum(t.numel() * t.element_size() for states in snap.values()
+               for kind in states.values() for t in kind.values())  # fmt: skip
 
 
 def _cache_name(module: nn.Module) -> str:
