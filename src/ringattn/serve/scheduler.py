@@ -23,9 +23,10 @@ whole chunks and of the first k tokens of the next (truncating is exact, pool.py
 the rest of that chunk as one piece and its later chunks as usual. The pool counts what such a
 sequence holds piece by piece (`Seq.rows`), not by the closed form of an all-fresh prefill. The
 plan (runner.py) goes to every rank as one message; after the step rank 0
-samples every sequence's next token (greedy or seeded, inference/sampling.py) and the next
-plan carries those tokens. Each answer is the one its request gets alone: a sequence's tokens
-depend on its own cache and its own generator only.
+samples every sequence's next token (greedy or seeded, inference/sampling.py, from the logits
+shaped as its request asks: logits.py) and the next plan carries those tokens. Each answer is
+the one its request gets alone: a sequence's tokens depend on its own cache and its own
+generator only.
 """
 
 from __future__ import annotations
@@ -317,7 +318,10 @@ class Scheduler(Allocation):
 
     def _sample(self, rows: list[tuple[Seq, torch.Tensor]]) -> None:
         logits = torch.stack([row for _, row in rows])  # (L, vocab)
-        checks = torch.stack([logits.argmax(-1), torch.isfinite(logits).all(-1).long()])
+        shaped = logits  # penalties, logit_bias, a grammar's mask (logits.py); raw for logprobs
+        if any(seq.shaper is not None and not seq.prefilling for seq, _ in rows):
+            shaped = torch.stack([row if seq.prefilling else seq.shape(row) for seq, row in rows])
+        checks = torch.stack([shaped.argmax(-1), torch.isfinite(logits).all(-1).long()])
         greedy, finite = checks.tolist()  # one host sync for the step
         shared = len(self.step_decode) + len(self.step_chunks) > 1
         users = set()  # of the entries forgotten: they counted on them (pool.forget)
@@ -350,7 +354,7 @@ class Scheduler(Allocation):
             else:
                 if seq.generator is None:
                     seq.generator = seq.sampling.generator(row.device)
-                token = next_token(row, seq.sampling, seq.generator)
+                token = next_token(shaped[j], seq.sampling, seq.generator)
             self._emit(seq, token, row)
 
     def _emit(self, seq: Seq, token: int | None, row: torch.Tensor | None) -> None:
@@ -359,6 +363,9 @@ class Scheduler(Allocation):
             seq.sink(*event)
         if token is None:
             return self.end(seq, "length")
+        refused = seq.took(token)
+        if refused is not None:
+            return self.fail(seq, refused, 500)
         seq.tokens.append(token)
         seq.out.append(token)
         seq.sink("token")
