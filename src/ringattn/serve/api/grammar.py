@@ -79,6 +79,7 @@ class Grammars:
     def json_schema(self, schema: dict, param: str):
         """Answers that are JSON following `schema` (compact: no free whitespace, so a small
         model cannot loop on blank lines; a schema's "x-guidance" key may change that)."""
+        self._ll(param)
         import llguidance
 
         try:
@@ -96,13 +97,13 @@ class Grammars:
         self._ll(param)
         import llguidance
 
-        compact = {"whitespace_flexible": False}  # as json_schema's
-        calls = [{"type": "object", "additionalProperties": False, "x-guidance": compact,
+        calls = [{"type": "object", "additionalProperties": False,
                   "required": ["name", "arguments"],
                   "properties": {"name": {"const": t["name"]},
                                  "arguments": t.get("parameters") or {"type": "object"}}}
                  for t in tools]  # fmt: skip
-        call = json.dumps({"anyOf": calls} if len(calls) > 1 else calls[0])
+        call = {"anyOf": calls} if len(calls) > 1 else calls[0]
+        call = json.dumps({**call, "x-guidance": {"whitespace_flexible": False}})  # (top level)
         blocks = 'call ("\\n" call)*' if several else "call"
         lark = (f"start: {blocks}\n"
                 f'call: "{OPEN}" "\\n"? %json {call} "\\n"? "{CLOSE}"\n')  # fmt: skip
