@@ -97,13 +97,17 @@ def reference(model, tok, ids: list[int], schema: dict, new: int) -> list[int]:
 
 
 def test_the_mask_reads_llguidances_bit_order():
-    class Bits:  # tokens 0, 9, 33 and 40 allowed
+    class Bits:  # tokens 0, 9, 33, 40 and 95 (the sign bit of the third word) allowed
         def compute_bitmask(self) -> bytes:
-            words = [(1 << 0) | (1 << 9), (1 << 1) | (1 << 8)]
-            return b"".join(w.to_bytes(4, "little") for w in words)
+            words = [(1 << 0) | (1 << 9), (1 << 1) | (1 << 8), -(1 << 31)]
+            return b"".join(w.to_bytes(4, "little", signed=True) for w in words)
 
-    allowed = allowed_tokens(Bits(), 70, torch.device("cpu"))
-    assert allowed.shape == (70,) and allowed.nonzero().flatten().tolist() == [0, 9, 33, 40]
+    allowed = allowed_tokens([Bits(), Bits()], 70, torch.device("cpu"))  # logits narrower
+    assert allowed.shape == (2, 70)
+    assert allowed[1].nonzero().flatten().tolist() == [0, 9, 33, 40]
+    allowed = allowed_tokens([Bits()], 100, torch.device("cpu"))  # wider: the rest refused
+    assert allowed.shape == (1, 100)
+    assert allowed[0].nonzero().flatten().tolist() == [0, 9, 33, 40, 95]
 
 
 @needs_llguidance

@@ -149,7 +149,7 @@ def step_cost(args: argparse.Namespace) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from ringattn.serve.api.grammar import Grammars
-    from ringattn.serve.logits import Shaper
+    from ringattn.serve.logits import Shaper, shape_rows
     from ringattn.serve.protocol import Request
 
     tok = AutoTokenizer.from_pretrained(args.hf)
@@ -168,7 +168,7 @@ def step_cost(args: argparse.Namespace) -> dict:
             out = model(ids, past_key_values=cache, use_cache=True)
             logits, cache = out.logits[:, -1].float(), out.past_key_values  # (B, vocab)
             middle = time.perf_counter()
-            tokens = [int(s(row).argmax()) for s, row in zip(shapers, logits)]
+            tokens = shape_rows(logits, shapers).argmax(-1).tolist()
             for s, t in zip(shapers, tokens):
                 if not s.matcher.is_stopped():  # (a finished answer's row is masked still)
                     s.accept(t)

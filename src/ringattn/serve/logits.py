@@ -18,18 +18,42 @@ import torch
 
 from ringattn.serve.protocol import Request
 
-__all__ = ["Shaper", "allowed_tokens"]
+__all__ = ["Shaper", "allowed_tokens", "shape_rows"]
 
 
-def allowed_tokens(matcher, vocab: int, device: torch.device) -> torch.Tensor:
-    """(vocab,) bool on `device`: the tokens the grammar allows next. Its bitmask has token
-    32 j + i at bit i of 32-bit word j, little-endian: bit b of byte k is token 8 k + b."""
-    bits = torch.frombuffer(bytearray(matcher.compute_bitmask()), dtype=torch.uint8)
-    shifts = torch.arange(8, dtype=torch.uint8)
-    allowed = ((bits.unsqueeze(1) >> shifts) & 1).flatten().bool()  # (8 x bytes,)
-    if allowed.numel() < vocab:  # logits wider than the tokenizer: never allowed
-        allowed = torch.cat([allowed, allowed.new_zeros(vocab - allowed.numel())])
-    return allowed[:vocab].to(device, non_blocking=True)
+def allowed_tokens(matchers: list, vocab: int, device: torch.device) -> torch.Tensor:
+    """(len(matchers), vocab) bool on `device`: the tokens each grammar allows next. The
+    bitmasks are gathered on the host and cross to `device` once, then expanded there: token
+    32 j + i is bit i of 32-bit word j (an arithmetic shift keeps bit i of a negative word)."""
+    words = torch.frombuffer(bytearray(b"".join(m.compute_bitmask() for m in matchers)),
+                             dtype=torch.int32).view(len(matchers), -1)  # fmt: skip
+    words = words.to(device, non_blocking=True)
+    shifts = torch.arange(32, dtype=torch.int32, device=device)
+    allowed = ((words.unsqueeze(-1) >> shifts) & 1).flatten(1).bool()  # (n, 32 x words)
+    if allowed.shape[1] < vocab:  # logits wider than the tokenizer: never allowed
+        allowed = torch.cat([allowed, allowed.new_zeros(len(matchers), vocab - allowed.shape[1])],
+                            dim=1)  # fmt: skip
+    return allowed[:, :vocab]
+
+
+def shape_rows(logits: torch.Tensor, shapers: list) -> torch.Tensor:
+    """(L, vocab) float32: row j of `logits` shaped by shapers[j] (None: as it is), the grammar
+    masks of every constrained row in one transfer and one masked_fill; `logits` is left as it
+    is (logprobs are the model's)."""
+    out = logits.float().clone()
+    masked = []
+    for j, shaper in enumerate(shapers):
+        if shaper is not None:
+            if shaper.adjusts:
+                out[j] = shaper(out[j])
+            if shaper.matcher is not None:
+                masked.append(j)
+    if masked:
+        matchers = [shapers[j].matcher for j in masked]
+        allowed = allowed_tokens(matchers, out.shape[-1], out.device)
+        at = torch.tensor(masked, device=out.device)
+        out[at] = out[at].masked_fill(~allowed, -torch.inf)
+    return out
 
 
 class Shaper:
@@ -41,6 +65,8 @@ class Shaper:
         self.counts: torch.Tensor | None = None  # (vocab,) output token counts
         self.seen: torch.Tensor | None = None  # (vocab,) bool: in the prompt or the output
         self.bias: tuple[torch.Tensor, torch.Tensor] | None = None  # (ids, values)
+        self.adjusts = bool(r.logit_bias or r.presence_penalty or r.frequency_penalty
+                            or r.repetition_penalty != 1)  # fmt: skip
 
     def _state(self, row: torch.Tensor) -> None:
         vocab, device = row.shape[-1], row.device
@@ -53,11 +79,11 @@ class Shaper:
                          torch.tensor(values, dtype=torch.float32, device=device))  # fmt: skip
 
     def __call__(self, row: torch.Tensor) -> torch.Tensor:
-        """The shaped copy of `row` (vocab,); `row` itself is left as it is."""
+        """`row` (vocab,) float32, a copy the caller owns, with the biases and penalties
+        (changed in place where it can be; the grammar's mask: shape_rows)."""
         if self.counts is None:
             self._state(row)
         r = self.request
-        row = row.float().clone()
         if self.bias is not None:
             row.index_add_(0, *self.bias)
         if r.repetition_penalty != 1:
@@ -67,8 +93,6 @@ class Shaper:
             row -= r.frequency_penalty * self.counts
         if r.presence_penalty:
             row -= r.presence_penalty * (self.counts > 0).float()
-        if self.matcher is not None:
-            row.masked_fill_(~allowed_tokens(self.matcher, row.shape[-1], row.device), -torch.inf)
         return row
 
     def accept(self, token: int) -> None:

@@ -39,6 +39,7 @@ import torch
 
 from ringattn.inference.sampling import next_token
 from ringattn.serve.allocation import Allocation
+from ringattn.serve.logits import shape_rows
 from ringattn.serve.pool import BlockPool, Shares
 from ringattn.serve.protocol import IDLE_S, Job
 from ringattn.serve.sequence import Seq
@@ -320,7 +321,7 @@ class Scheduler(Allocation):
         logits = torch.stack([row for _, row in rows])  # (L, vocab)
         shaped = logits  # penalties, logit_bias, a grammar's mask (logits.py); raw for logprobs
         if any(seq.shaper is not None and not seq.prefilling for seq, _ in rows):
-            shaped = torch.stack([row if seq.prefilling else seq.shape(row) for seq, row in rows])
+            shaped = shape_rows(logits, [None if s.prefilling else s.shaper for s, _ in rows])
         checks = torch.stack([shaped.argmax(-1), torch.isfinite(logits).all(-1).long()])
         greedy, finite = checks.tolist()  # one host sync for the step
         shared = len(self.step_decode) + len(self.step_chunks) > 1

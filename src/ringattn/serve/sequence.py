@@ -53,10 +53,6 @@ class Seq:
     def prefilling(self) -> bool:
         return self.done < self.target
 
-    def shape(self, row: torch.Tensor) -> torch.Tensor:
-        """The logits it samples from: `row` shaped as its request asks (logits.py), or `row`."""
-        return row if self.shaper is None else self.shaper(row)
-
     def took(self, token: int) -> str | None:
         """Record a sampled token with its shaper; an error message if its grammar refuses it."""
         if self.shaper is None:
