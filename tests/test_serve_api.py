@@ -120,7 +120,10 @@ def test_bad_requests_get_400_and_never_reach_the_ranks(served):
     long_prompt = "ring attention " * CONTEXT
     cases = [
         ({"messages": []}, "messages must hold at least one message"),
-        ({"messages": [{"role": "wizard", "content": "hi"}]}, "role 'wizard' is not one of"),
+        (
+            {"messages": [{"role": "wizard", "content": "hi"}]},
+            "messages.0.role: Input should be 'system', 'developer', 'user'",
+        ),
         ({"messages": [{"role": "user", "content": long_prompt}]}, "maximum context length"),
         ({"messages": HELLO, "max_tokens": CONTEXT}, "maximum context length"),
         ({"messages": HELLO, "max_tokens": "5"}, "max_tokens: Input should be a valid integer"),

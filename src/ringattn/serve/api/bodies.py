@@ -57,7 +57,7 @@ class Tool(_Strict):
 
 
 class Message(_Strict):
-    role: str
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_calls: list[Tool] | None = None

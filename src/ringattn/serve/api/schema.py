@@ -42,7 +42,6 @@ from ringattn.serve.protocol import Request
 
 __all__ = ["APIError", "ChatBody", "CompletionBody", "Limits", "admit", "parse"]
 
-ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_STOP = 4
 MAX_PROMPTS = 256  # prompts in one completions request
 MAX_STOP_CHARS = 256  # a stop string holds back as many characters of the stream
@@ -111,9 +110,6 @@ def check_chars(chars: int, limits: Limits, where: str) -> None:
 def _message(m: Message, i: int) -> dict:
     """One message as chat templates take it: an assistant's tool calls with their arguments as
     objects (Hermes / Qwen templates write them with `tojson`), as vLLM passes them."""
-    if m.role not in ROLES:
-        raise APIError(f"messages[{i}].role {m.role!r} is not one of {', '.join(ROLES)}",
-                       param=f"messages.{i}.role")  # fmt: skip
     out = {"role": m.role, "content": _text(m, i)}
     if m.name is not None:
         out["name"] = m.name
