@@ -193,8 +193,8 @@ def test_two_ranks_shape_logits_and_follow_a_grammar_as_one_process(servers):
         return
     messages = [{"role": "user", "content": PROMPTS[2]}]
     chat = tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
-    want = structured_reference(model, tok, list(chat), SCHEMA, 60)
-    reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=60,
+    want = structured_reference(model, tok, list(chat), SCHEMA, 100)
+    reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=100,
                                            temperature=0, response_format=FORMAT)  # fmt: skip
     assert reply.choices[0].message.content == tok.decode(want, skip_special_tokens=True)
     assert follows(reply.choices[0].message.content)

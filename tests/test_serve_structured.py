@@ -26,7 +26,7 @@ pytest.importorskip("uvicorn")
 from ringattn.serve.api import grammar
 from ringattn.serve.logits import allowed_tokens
 from ringattn.serve.worker import SAMPLING
-from serve_model import served_tiny
+from serve_model import CALL, WEATHER, InProcess, save_tool_model, served_tiny
 
 needs_llguidance = pytest.mark.skipif(not grammar.available(), reason="llguidance not installed")
 HELLO = [{"role": "user", "content": "hello world"}]
@@ -84,7 +84,9 @@ def reference(model, tok, ids: list[int], schema: dict, new: int) -> list[int]:
     vocab = model.config.vocab_size
     lltok = llguidance.hf.from_tokenizer(tok, n_vocab=vocab, eos_token=[tok.eos_token_id])
     text = llguidance.LLMatcher.grammar_from_json_schema(
-        json.dumps(schema), defaults={"whitespace_flexible": False})  # fmt: skip
+        json.dumps(schema),
+        defaults={"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "},
+    )  # as json.dumps lays JSON out
     matcher, out = llguidance.LLMatcher(lltok, text, log_level=0), []
     while len(out) < new and not (out and out[-1] == tok.eos_token_id):
         with torch.no_grad():
@@ -114,12 +116,12 @@ def test_the_mask_reads_llguidances_bit_order():
 def test_greedy_json_schema_is_the_references_answer(served):
     _, client, model, tok, _ = served
     ids = list(tok.apply_chat_template(HELLO, add_generation_prompt=True, return_dict=False))
-    want = reference(model, tok, ids, SCHEMA, 60)
+    want = reference(model, tok, ids, SCHEMA, 100)
     assert want[-1] == tok.eos_token_id  # complete, then ended by the grammar
     reply = client.chat.completions.create(
         model="tiny",
         messages=HELLO,
-        max_tokens=60,
+        max_tokens=100,
         temperature=0,
         extra_body={"response_format": FORMAT},
     )
@@ -132,7 +134,7 @@ def test_greedy_json_schema_is_the_references_answer(served):
     text = client.completions.create(
         model="tiny",
         prompt="the quick brown",
-        max_tokens=60,
+        max_tokens=100,
         temperature=0,
         extra_body={"response_format": FORMAT},
     )
@@ -143,7 +145,7 @@ def test_greedy_json_schema_is_the_references_answer(served):
 @pytest.mark.skipif(not SAMPLING, reason="this build decodes greedily only")
 def test_sampled_choices_streamed_or_not_all_follow_the_schema(served):
     _, client, *_ = served
-    options = {"model": "tiny", "messages": HELLO, "max_tokens": 60, "temperature": 1.2,
+    options = {"model": "tiny", "messages": HELLO, "max_tokens": 100, "temperature": 1.2,
                "seed": 4, "n": 3, "response_format": FORMAT}  # fmt: skip
     whole = client.chat.completions.create(**options)
     answers = [c.message.content for c in whole.choices]
@@ -183,6 +185,30 @@ def test_tool_choice_required_and_named_give_calls_that_follow_the_parameters(se
 
 
 @needs_llguidance
+def test_a_forced_call_from_a_model_that_writes_it_anyway_is_its_own_answer(tmp_path):
+    """The tool model of serve_model.py writes `<tool_call>CALL</tool_call>` unforced, CALL one
+    added token laid out as json.dumps does: forced by tool_choice ("required", or naming the
+    function) the grammar allows each of its tokens, so the answer is the same call."""
+    directory = tmp_path / "tools"
+    save_tool_model(directory)
+    server = InProcess(directory)
+    try:
+        client = openai.OpenAI(base_url=server.url, api_key="-", max_retries=0, timeout=60)
+        named = {"type": "function", "function": {"name": "get_weather"}}
+        for choice in ("auto", "required", named):
+            reply = client.chat.completions.create(model="tiny", messages=HELLO, max_tokens=8,
+                                                   temperature=0, tools=[WEATHER],
+                                                   tool_choice=choice)  # fmt: skip
+            calls = reply.choices[0].message.tool_calls
+            assert reply.choices[0].finish_reason == "tool_calls" and len(calls) == 1, choice
+            assert calls[0].function.name == "get_weather"
+            assert json.loads(calls[0].function.arguments) == json.loads(CALL)["arguments"]
+            assert reply.usage.completion_tokens == 4  # <tool_call> CALL </tool_call> end
+    finally:
+        server.close()
+
+
+@needs_llguidance
 def test_what_cannot_be_honoured_is_a_400_naming_the_field(served):
     server, client, *_ = served
     before = server.jobs.puts
@@ -210,7 +236,7 @@ def test_what_cannot_be_honoured_is_a_400_naming_the_field(served):
     reply = client.chat.completions.create(
         model="tiny",
         messages=HELLO,
-        max_tokens=60,
+        max_tokens=100,
         temperature=0,
         tools=strict,
         tool_choice="required",

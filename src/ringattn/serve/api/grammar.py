@@ -30,6 +30,9 @@ from ringattn.serve.api.errors import APIError
 __all__ = ["Grammars", "available"]
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"  # text.ToolCalls parses the same blocks
+# JSON as json.dumps (and Jinja's tojson, which chat templates write tool calls with) lays it
+# out: ", " and ": ", no other whitespace, so a small model cannot loop on blank lines
+LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 def available() -> bool:
@@ -77,14 +80,14 @@ class Grammars:
         return matcher
 
     def json_schema(self, schema: dict, param: str):
-        """Answers that are JSON following `schema` (compact: no free whitespace, so a small
-        model cannot loop on blank lines; a schema's "x-guidance" key may change that)."""
+        """Answers that are JSON following `schema`, laid out as LAYOUT (a schema's
+        "x-guidance" key may change that)."""
         self._ll(param)
         import llguidance
 
         try:
             grammar = llguidance.LLMatcher.grammar_from_json_schema(
-                json.dumps(schema), defaults={"whitespace_flexible": False}
+                json.dumps(schema), defaults=LAYOUT
             )
         except ValueError as err:
             raise APIError(f"{param} is not a JSON schema: {err}", param=param) from None
@@ -103,8 +106,16 @@ class Grammars:
                                  "arguments": t.get("parameters") or {"type": "object"}}}
                  for t in tools]  # fmt: skip
         call = {"anyOf": calls} if len(calls) > 1 else calls[0]
-        call = json.dumps({**call, "x-guidance": {"whitespace_flexible": False}})  # (top level)
+        call = json.dumps({**call, "x-guidance": LAYOUT})  # (its options: at the top level)
         blocks = 'call ("\\n" call)*' if several else "call"
-        lark = (f"start: {blocks}\n"
-                f'call: "{OPEN}" "\\n"? %json {call} "\\n"? "{CLOSE}"\n')  # fmt: skip
+        opened, closed = self._tag(OPEN), self._tag(CLOSE)
+        lark = f'start: {blocks}\ncall: {opened} "\\n"? %json {call} "\\n"? {closed}\n'
         return self.compile(llguidance.LLMatcher.grammar_from_lark(lark), param)
+
+    def _tag(self, tag: str) -> str:
+        """A Lark item for `tag`: its text, or the token the tokenizer has for it (an added
+        token, such as Qwen's <tool_call>, is one token to llguidance, not its characters)."""
+        token = self.tokenizer.convert_tokens_to_ids(tag)
+        if isinstance(token, int) and token != self.tokenizer.unk_token_id:
+            return f'("{tag}" | <[{token}]>)'
+        return f'"{tag}"'
