@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -217,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=40, help="decode steps of --step-cost")
     args = p.parse_args(argv)
     args.cpus = ""  # (serve_servers.server_argv's pinning: not used here)
+    # a SIGTERM (a `timeout`) unwinds through measure's finally: the server goes down with us
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.step_cost:
         head = record.header(__file__, argv, ["transformers", "llguidance"])
         result = step_cost(args)
