@@ -109,6 +109,9 @@ def measure(kind: str, args: argparse.Namespace) -> dict:
     threads = max(1, len(os.sched_getaffinity(0)) // nproc)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1"}
     server = Server(argv, env, ringattn_ready)
+    # a SIGTERM (a `timeout`) takes the server down with us: requests in flight would keep
+    # the worker threads, and so a plain exit, waiting
+    signal.signal(signal.SIGTERM, lambda *_: (server.stop(), os._exit(143)))
     try:
         client = openai.OpenAI(base_url=server.url, api_key="-", max_retries=0, timeout=3600)
         model = client.models.list().data[0].id
@@ -218,8 +221,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=40, help="decode steps of --step-cost")
     args = p.parse_args(argv)
     args.cpus = ""  # (serve_servers.server_argv's pinning: not used here)
-    # a SIGTERM (a `timeout`) unwinds through measure's finally: the server goes down with us
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.step_cost:
         head = record.header(__file__, argv, ["transformers", "llguidance"])
         result = step_cost(args)
