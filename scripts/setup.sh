@@ -61,6 +61,14 @@ echo "[setup] installing ringattn (editable) with dev, plot, hf and serve extras
     "($TRANSFORMERS_PIN ${SERVE_PINS[*]}; $OPENAI_PIN for tests)"
 pip_install -e ".[dev,plot,hf,serve]" "$TRANSFORMERS_PIN" "${SERVE_PINS[@]}" "$OPENAI_PIN"
 
+# Optional: llguidance, serve's grammars (the `structured` extra: response_format, tool_choice
+# required or a named function); tests/test_serve_structured.py skips without it.
+LLGUIDANCE_PIN="llguidance==1.9.1"
+if ! "$PY" -c "import llguidance" >/dev/null 2>&1; then
+    echo "[setup] installing $LLGUIDANCE_PIN (optional: serve's structured outputs)"
+    pip_install "$LLGUIDANCE_PIN" || echo "[setup] $LLGUIDANCE_PIN did not install; structured outputs refuse and their tests skip"
+fi
+
 # Tests only: TRL's SFTTrainer and PEFT's LoRA, pinned, for the Trainer integration's equivalence
 # tests (tests/test_hf_trainer*.py: ringattn.hf.with_context_parallel); not dependencies of ringattn.
 TRAINER_TEST_PINS=("trl==1.16.0" "peft==0.21.2")

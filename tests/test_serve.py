@@ -5,8 +5,10 @@ tokens, concurrent requests joining each other's steps) serves the answers and t
 a rank to SIGKILL; B splits the model over --tp 2, needs an API key and is stopped with SIGTERM.
 Every answer of a two-rank server must equal transformers' greedy `model.generate` of that
 prompt alone (a seeded sampled one: the seeded ringattn.hf.generate on one process), also when
-requests come concurrently (batched); a refused request must leave the ranks' served count
-(their heartbeat files) unchanged; a stop must end every rank within seconds.
+requests come concurrently (batched), and when rank 0 shapes the logits (a logit_bias, a
+penalty, a JSON schema's grammar) before it samples for the group; a refused request must
+leave the ranks' served count (their heartbeat files) unchanged; a stop must end every rank
+within seconds.
 """
 
 from __future__ import annotations
@@ -25,8 +27,12 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
 import ringattn.hf
+from ringattn.serve.api import grammar
 from serve_model import Server, alive, save_chat_model
+from test_serve_fields import reference as fields_reference
 from test_serve_openai import TOL, check_completion, log_softmax
+from test_serve_structured import FORMAT, SCHEMA, follows
+from test_serve_structured import reference as structured_reference
 
 PROMPTS = ["hello world", "the lazy dog", "ring attention passes keys", "how are you today?"]
 SAMPLED = {"temperature": 1.2, "top_p": 0.9, "seed": 11}  # PROMPTS[0]'s settings
@@ -169,6 +175,29 @@ def test_two_ranks_logprobs_echo_and_n_equal_one_process(servers):
             assert abs(item.logprob - float(ref[seq[-1]])) < TOL
             top = ref.topk(2).values.tolist()
             assert max(abs(t.logprob - v) for t, v in zip(item.top_logprobs, top)) < TOL
+
+
+def test_two_ranks_shape_logits_and_follow_a_grammar_as_one_process(servers):
+    """Rank 0 samples for the group: a logit_bias with a presence penalty, and a JSON schema's
+    grammar (with llguidance), over cp 2 give one process's reference answers."""
+    started, model, tok, _ = servers
+    client = openai.OpenAI(base_url=started["a"].url, api_key="-", max_retries=0, timeout=120)
+    ids = tok(PROMPTS[1])["input_ids"]
+    top = fields_reference(model, ids, 2)[1]
+    want = fields_reference(model, ids, 10, bias={top: 1.0}, presence=2.0)
+    reply = client.completions.create(model="tiny", prompt=ids, max_tokens=10, temperature=0,
+                                      logprobs=0, extra_body={"logit_bias": {str(top): 1.0},
+                                                              "presence_penalty": 2.0})  # fmt: skip
+    assert reply.choices[0].logprobs.tokens == [tok.decode([t]) for t in want]
+    if not grammar.available():
+        return
+    messages = [{"role": "user", "content": PROMPTS[2]}]
+    chat = tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
+    want = structured_reference(model, tok, list(chat), SCHEMA, 100)
+    reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=100,
+                                           temperature=0, response_format=FORMAT)  # fmt: skip
+    assert reply.choices[0].message.content == tok.decode(want, skip_special_tokens=True)
+    assert follows(reply.choices[0].message.content)
 
 
 def test_a_dead_rank_ends_the_server_naming_it(servers):

@@ -6,6 +6,9 @@ builder: nothing is downloaded), on the tiny chat model of serve_model.py:
     prompts per request (lm-eval's loglikelihood shape: echo, logprobs 1, max_tokens 1);
   - tiny_gen, `generate_until`: through `local-completions` (token ids) and, with the chat
     template, through `local-chat-completions`.
+Then `local-completions` once more with no tokenizer at all: lm-eval finds the server's
+/tokenizer_info and /tokenize (vLLM's shapes) and tokenizes through them ("remote"), with the
+model named by the directory's basename, which lm-eval could not load a tokenizer from.
 The server (cp 2, prompts in chunks of 8 tokens) must give the same scores as lm-eval's `hf`
 backend on the same weights, every continuation's loglikelihood within 1e-3 and the same
 is_greedy, and every generation the same text. The model is named as the server was launched
@@ -25,6 +28,7 @@ pytest.importorskip("uvicorn")
 lm_eval = pytest.importorskip("lm_eval")
 pytest.importorskip("tenacity")  # lm-eval's API models (its `api` extra)
 
+from lm_eval.api.registry import get_model
 from lm_eval.tasks import TaskManager
 
 from serve_model import Server, save_chat_model
@@ -67,7 +71,7 @@ def tasks(directory) -> TaskManager:
     return TaskManager(include_path=str(directory))
 
 
-def evaluate(manager: TaskManager, model: str, args: dict, names: list[str], chat: bool) -> dict:
+def evaluate(manager: TaskManager, model, args: dict, names: list[str], chat: bool) -> dict:
     return lm_eval.simple_evaluate(model=model, model_args=args, tasks=names, log_samples=True,
                                    task_manager=manager, apply_chat_template=chat)  # fmt: skip
 
@@ -104,9 +108,16 @@ def test_lm_eval_scores_the_server_as_its_hf_backend(tmp_path):
         chatted = evaluate(manager, "local-chat-completions",
                            {**common, "base_url": f"{server.url}/chat/completions"},
                            ["tiny_gen"], chat=True)  # fmt: skip
+        remote = get_model("local-completions")(
+            **{**common, "model": directory.name, "base_url": f"{server.url}/completions",
+               "batch_size": 4})  # fmt: skip
+        assert remote.tokenizer_backend == "remote"  # auto-detected: no local tokenizer
+        remotely = evaluate(manager, remote, {}, ["tiny_mc", "tiny_gen"], chat=False)
     finally:
         server.stop()
     check_same(served, plain, "tiny_mc")
     check_same(served, plain, "tiny_gen")
+    check_same(remotely, plain, "tiny_mc")
+    check_same(remotely, plain, "tiny_gen")
     check_same(chatted, chat, "tiny_gen")
     assert len(plain["samples"]["tiny_mc"]) == len(DOCS)

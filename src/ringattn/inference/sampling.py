@@ -1,12 +1,13 @@
-"""Choosing the next token: greedy, or sampling with temperature, top-k and top-p.
+"""Choosing the next token: greedy, or sampling with temperature, min-p, top-k and top-p.
 
 Every rank holds the same logits (the decode merge gives every rank the same bits) and draws from
 a generator seeded with the same seed, so every rank picks the same token without communicating.
 
     temperature < GREEDY_BELOW (0 included)   argmax (greedy)
     otherwise         softmax((logits - max) / temperature) in float64 (the max subtracted first:
-                      no temperature overflows it, 1e-310 included), keep the top_k most likely
-                      (0: all), then the smallest set of most likely tokens whose probability
+                      no temperature overflows it, 1e-310 included), drop the tokens less likely
+                      than min_p x the most likely (0: none; vLLM's min_p), keep the top_k most
+                      likely (0: all), then the smallest set of most likely tokens whose probability
                       reaches top_p (1: all), renormalise and draw once with torch.multinomial
 """
 
@@ -33,6 +34,8 @@ class Sampling:
     """Keep the smallest set of most likely tokens whose probability reaches top_p; 1 keeps all."""
     seed: int = 0
     """Seed of the generator every rank draws from (the same on every rank)."""
+    min_p: float = 0.0
+    """Drop tokens whose probability is under min_p x the most likely one's; 0 keeps all."""
 
     def check(self) -> None:
         """Raise ValueError naming the field that is out of range."""
@@ -44,6 +47,8 @@ class Sampling:
             raise ValueError(f"top_k must be an int >= 0 (0 = no limit), got {self.top_k!r}")
         if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1] (1 = no limit), got {self.top_p!r}")
+        if not (isinstance(self.min_p, (int, float)) and 0 <= self.min_p <= 1):
+            raise ValueError(f"min_p must be in [0, 1] (0 = no limit), got {self.min_p!r}")
         if not isinstance(self.seed, int):
             raise TypeError(f"seed must be an int, got {self.seed!r}")
         if not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]:
@@ -66,6 +71,8 @@ def next_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Genera
         return int(logits.argmax())
     logits = logits.double()
     logits = (logits - logits.max()) / sampling.temperature  # <= 0, the max 0: exp never overflows
+    if sampling.min_p > 0:  # p / p_max = exp(logit - 0): keep logit >= log(min_p)
+        logits = logits.masked_fill(logits < math.log(sampling.min_p), -math.inf)
     if sampling.top_k and sampling.top_k < logits.numel():
         kth = torch.topk(logits, sampling.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, -math.inf)

@@ -1,9 +1,11 @@
 """What crosses from the HTTP layer to the ranks, and back.
 
 Request   one admitted request: prompt token ids, max_new_tokens, temperature, top_p, seed,
-          stop strings, logprobs asked (of its tokens, of its prompt). Rank 0's scheduler
-          runs it; the ranks see only its token ids, in the step plans rank 0 broadcasts as
-          JSON (comm.broadcast_json: data, never a pickle).
+          stop strings, logprobs asked (of its tokens, of its prompt), and how rank 0 shapes
+          its logits before sampling (penalties, logit_bias, top_k, min_p, a compiled grammar:
+          serve/logits.py). Rank 0's scheduler runs it; the ranks see only its token ids,
+          in the step plans rank 0 broadcasts as JSON (comm.broadcast_json: data, never a
+          pickle).
 message   what rank 0 broadcasts each turn of the rank loop: {"op": "step", ...} (one step's
           plan: runner.py), {"op": "idle"} when no request came within IDLE_S (the collective
           keeps the idle ranks inside the process-group timeout), or {"op": "stop"}.
@@ -26,7 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from datetime import timedelta
 
 import torch
@@ -52,9 +54,24 @@ class Request:
     stop: list[str] = field(default_factory=list)
     logprobs: int | None = None  # each token's logprob and this many alternatives (None: none)
     prompt_logprobs: int | None = None  # the same for the prompt's tokens (echo)
+    top_k: int = 0  # 0: all
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None  # token id -> bias
+    grammar: object | None = field(default=None, compare=False, repr=False)
+    """An llguidance LLMatcher compiled at admission (api/grammar.py); each choice's sequence
+    decodes with its own copy. Rank 0's alone: not part of to_json."""
+
+    @property
+    def shaped(self) -> bool:
+        """Whether rank 0 changes its logits before sampling (serve/logits.py)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias
+                    or self.repetition_penalty != 1 or self.grammar is not None)  # fmt: skip
 
     def to_json(self) -> dict:
-        return asdict(self)
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "grammar"}
 
     @classmethod
     def from_json(cls, data: dict) -> Request:

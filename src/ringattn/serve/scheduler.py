@@ -23,9 +23,9 @@ whole chunks and of the first k tokens of the next (truncating is exact, pool.py
 the rest of that chunk as one piece and its later chunks as usual. The pool counts what such a
 sequence holds piece by piece (`Seq.rows`), not by the closed form of an all-fresh prefill. The
 plan (runner.py) goes to every rank as one message; after the step rank 0
-samples every sequence's next token (greedy or seeded, inference/sampling.py) and the next
-plan carries those tokens. Each answer is the one its request gets alone: a sequence's tokens
-depend on its own cache and its own generator only.
+samples every sequence's next token (greedy or seeded, inference/sampling.py, from logits shaped
+as its request asks: logits.py) and the next plan carries those tokens. Each answer is the one
+its request gets alone: a sequence's tokens depend on its own cache and its own generator only.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ import torch
 
 from ringattn.inference.sampling import next_token
 from ringattn.serve.allocation import Allocation
+from ringattn.serve.logits import shape_rows
 from ringattn.serve.pool import BlockPool
 from ringattn.serve.protocol import IDLE_S, Job
 from ringattn.serve.sequence import Seq
@@ -318,7 +319,9 @@ class Scheduler(Allocation):
 
     def _sample(self, rows: list[tuple[Seq, torch.Tensor]]) -> None:
         logits = torch.stack([row for _, row in rows])  # (L, vocab)
-        checks = torch.stack([logits.argmax(-1), torch.isfinite(logits).all(-1).long()])
+        shapers = [None if s.prefilling else s.shaper for s, _ in rows]  # logits.py; logprobs
+        shaped = logits if shapers.count(None) == len(shapers) else shape_rows(logits, shapers)
+        checks = torch.stack([shaped.argmax(-1), torch.isfinite(logits).all(-1).long()])
         greedy, finite = checks.tolist()  # one host sync for the step
         shared = len(self.step_decode) + len(self.step_chunks) > 1
         users = set()  # of the entries forgotten: they counted on them (pool.forget)
@@ -351,7 +354,7 @@ class Scheduler(Allocation):
             else:
                 if seq.generator is None:
                     seq.generator = seq.sampling.generator(row.device)
-                token = next_token(row, seq.sampling, seq.generator)
+                token = next_token(shaped[j], seq.sampling, seq.generator)
             self._emit(seq, token, row)
 
     def _emit(self, seq: Seq, token: int | None, row: torch.Tensor | None) -> None:
@@ -360,6 +363,8 @@ class Scheduler(Allocation):
             seq.sink(*event)
         if token is None:
             return self.end(seq, "length")
+        if (refused := seq.took(token)) is not None:
+            return self.fail(seq, refused, 500)
         seq.tokens.append(token)
         seq.out.append(token)
         seq.sink("token")

@@ -1,6 +1,7 @@
 """One request as rank 0's scheduler runs it (nano-vllm's engine/sequence.py): its tokens so
-far, its place in the ranks' caches, its prefill progress, its sampler, its text stream and the
-logprobs it reports. The scheduler (scheduler.py) moves it between waiting, running and ended.
+far, its place in the ranks' caches, its prefill progress, its sampler (and the logit changes its
+request asks for: logits.py), its text stream and the logprobs it reports. The scheduler
+(scheduler.py) moves it between waiting, running and ended.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import torch
 
 from ringattn.inference.hf.scoring import Logprobs
 from ringattn.inference.sampling import Sampling
+from ringattn.serve.logits import Shaper
 from ringattn.serve.pool import Piece, Point
 from ringattn.serve.protocol import Job
 from ringattn.serve.text import TextStream
@@ -23,7 +25,9 @@ class Seq:
         self.job, self.request, self.sink = job, job.request, sink
         self.text = TextStream(tokenizer, self.request.stop)
         r = self.request
-        self.sampling = Sampling(temperature=r.temperature, top_p=r.top_p, seed=r.seed or 0)
+        self.sampling = Sampling(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
+                                 seed=r.seed or 0, min_p=r.min_p)  # fmt: skip
+        self.shaper = Shaper(r) if r.shaped else None
         self.generator: torch.Generator | None = None  # made on the logits' device
         self.tokens = list(r.ids)  # what the cache holds once the pending token is fed
         self.out: list[int] = []
@@ -48,3 +52,13 @@ class Seq:
     @property
     def prefilling(self) -> bool:
         return self.done < self.target
+
+    def took(self, token: int) -> str | None:
+        """Record a sampled token with its shaper; an error message if its grammar refuses it."""
+        if self.shaper is None:
+            return None
+        try:
+            self.shaper.accept(token)
+        except RuntimeError as err:
+            return f"the server failed while generating this request ({err})"
+        return None

@@ -115,8 +115,8 @@ def limits(model, tokenizer=None, max_body_bytes: int | None = None,
            max_model_len: int | None = None) -> Limits:  # fmt: skip
     """What admission checks against: the context (`served_context`), the vocabulary, the
     sampling defaults, the most characters a prompt can have and still fit (context x the
-    longest token's characters, with `tokenizer`) and the largest body (default
-    BODY_BYTES_PER_TOKEN x context)."""
+    longest token's characters, with `tokenizer`), the largest body (default
+    BODY_BYTES_PER_TOKEN x context) and the end-of-sequence ids (with `tokenizer`)."""
     text = model.config.get_text_config()
     gen = getattr(model, "generation_config", None)
     sampled = bool(getattr(gen, "do_sample", False))
@@ -132,6 +132,7 @@ def limits(model, tokenizer=None, max_body_bytes: int | None = None,
         default_temperature=float(gen.temperature or 1.0) if sampled else 0.0,
         default_top_p=float(gen.top_p or 1.0) if sampled else 1.0,
         max_prompt_chars=chars, max_body_bytes=int(max_body_bytes),
+        eos=tuple(eos_ids(model, tokenizer)) if tokenizer is not None else (),
     )  # fmt: skip
 
 

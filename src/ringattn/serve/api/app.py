@@ -7,6 +7,8 @@
                                 `data: [DONE]` (a usage chunk first with stream_options)
     POST /v1/completions        prompts (text or token ids, one or a list) -> n choices each,
                                 streamed the same way; logprobs, echo (choices.py)
+    POST /tokenize, /detokenize, GET /tokenizer_info   the served tokenizer, in vLLM's shapes
+                                (tokenize.py; lm-eval's "remote" tokenizer)
     GET  /health                200 {"status": "ok", ...} while the server runs
     GET  /metrics               Prometheus text (metrics.py)
     GET  /openapi.json          the endpoints, their bodies and their error responses
@@ -21,7 +23,8 @@ admitted request becomes one `Job` per choice in `jobs`, a queue the worker (mai
 from in order; their events come back on one asyncio queue. A client that goes away (a closed
 stream, a dropped connection) sets the jobs' `cancelled`: the worker drops them or ends their
 sequences at the next step. With `api_key`, every /v1 route needs `Authorization: Bearer <key>`
-(401 otherwise, compared in constant time); /health, /metrics and /openapi.json do not.
+(401 otherwise, compared in constant time), and so do the tokenizer routes; /health, /metrics
+and /openapi.json do not.
 
 FastAPI and uvicorn are the optional `serve` extra, so they are imported inside the functions
 that use them (and this module has no `from __future__ import annotations`: FastAPI reads the
@@ -36,7 +39,9 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
+from ringattn.serve.api import tokenize
 from ringattn.serve.api.choices import Choice, gather, stream
+from ringattn.serve.api.grammar import Grammars
 from ringattn.serve.api.openapi import install_openapi, post_route, responses
 from ringattn.serve.api.schema import (
     APIError,
@@ -51,6 +56,7 @@ from ringattn.serve.api.schema import (
 from ringattn.serve.metrics import Metrics
 from ringattn.serve.protocol import Job
 
+TOKENIZER_ROUTES = ("/tokenize", "/detokenize", "/tokenizer_info")
 RETRY_AFTER_S = 1  # Retry-After of a 503 (the queue is full)
 DRAIN_BYTES = 64 << 20  # a refused body is read and dropped up to this, then the line is cut
 
@@ -66,14 +72,17 @@ def build_app(model_name: str, tokenizer, limits: Limits, jobs: queue.Queue,
     from fastapi.responses import PlainTextResponse
 
     app = FastAPI(title="ringattn serve", docs_url=None, redoc_url=None)
-    install_openapi(app, (ChatBody, CompletionBody))
+    install_openapi(app, (ChatBody, CompletionBody, tokenize.TokenizeCompletionBody,
+                          tokenize.TokenizeChatBody, tokenize.DetokenizeBody))  # fmt: skip
     created = int(time.time())
     metrics = metrics if metrics is not None else Metrics(jobs.qsize)
     admission = ThreadPoolExecutor(1, thread_name_prefix="ringattn-admit")  # one tokenizer user
+    grammars = Grammars(tokenizer, limits.vocab_size, list(limits.eos))  # (its user too)
 
     @app.middleware("http")
     async def _auth(request: Request, call_next):
-        if api_key is not None and request.url.path.startswith("/v1"):
+        path = request.url.path
+        if api_key is not None and (path.startswith("/v1") or path in TOKENIZER_ROUTES):
             given = request.headers.get("authorization", "")
             if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
                 return _error(APIError("Incorrect or missing API key: send the header "
@@ -109,11 +118,39 @@ def build_app(model_name: str, tokenizer, limits: Limits, jobs: queue.Queue,
             return _error(_unknown_model(name))
         return _model_card(model_name, created)
 
+    def _check_model(name: str | None) -> None:
+        if name is not None and name != model_name and name not in aliases:
+            raise _unknown_model(name)
+
     def _admit(raw: bytes, body_type: type):
         body = parse(raw, body_type)
-        if body.model is not None and body.model != model_name and body.model not in aliases:
-            raise _unknown_model(body.model)
-        return body, admit(body, tokenizer, limits)
+        _check_model(body.model)
+        return body, admit(body, tokenizer, limits, grammars)
+
+    async def _tokenizer_call(request: Request, work):
+        """A tokenizer route's body through `work` on the admission thread (the one user of
+        the tokenizer), its model checked; the answer or the error."""
+        try:
+            raw = await _read_body(request, limits.max_body_bytes)
+            loop = asyncio.get_running_loop()
+            name, answer = await loop.run_in_executor(admission, work, raw, tokenizer, limits)
+            _check_model(name)
+        except APIError as err:
+            return _error(err)
+        return answer
+
+    @app.post("/tokenize", **post_route(tokenize.TokenizeCompletionBody,
+                                        tokenize.TokenizeChatBody, streams=False))  # fmt: skip
+    async def tokenize_route(request: Request):
+        return await _tokenizer_call(request, tokenize.tokenize)
+
+    @app.post("/detokenize", **post_route(tokenize.DetokenizeBody, streams=False))
+    async def detokenize_route(request: Request):
+        return await _tokenizer_call(request, tokenize.detokenize)
+
+    @app.get("/tokenizer_info", responses=responses(401))
+    async def tokenizer_info() -> dict:
+        return tokenize.tokenizer_info(tokenizer, limits)
 
     def _choices(body, jobs: list[Job], kind: str) -> list[Choice]:
         """One Choice per job; completions with echo start with their prompt's text."""

@@ -13,7 +13,8 @@ from pydantic import BaseModel
 __all__ = ["ErrorBody", "install_openapi", "post_route", "responses"]
 
 ERRORS = {
-    400: "invalid request: a field out of its bounds, a prompt over the context, a bad template",
+    400: "invalid request: an unknown field, a field out of its bounds, a prompt over the "
+    "context, a bad template, a schema that cannot be compiled",
     401: "the API key is missing or wrong (when the server has one)",
     404: "no such model",
     413: "the body is larger than the server takes (refused before it is read in full)",
@@ -40,16 +41,21 @@ def responses(*statuses: int) -> dict:
     return {s: {"model": ErrorBody, "description": ERRORS[s]} for s in statuses}
 
 
-def post_route(body: type[BaseModel]) -> dict:
-    """The keywords of a POST route taking `body` as JSON: its schema and its errors."""
-    content = {"application/json": {"schema": {"$ref": f"#/components/schemas/{body.__name__}"}}}
-    stream = {"text/event-stream": {"schema": {"type": "string"}}}
+def post_route(*bodies: type[BaseModel], streams: bool = True) -> dict:
+    """The keywords of a POST route taking one of `bodies` as JSON: their schemas and its
+    errors; `streams`: the answer may be server-sent events."""
+    refs = [{"$ref": f"#/components/schemas/{body.__name__}"} for body in bodies]
+    content = {"application/json": {"schema": refs[0] if len(refs) == 1 else {"oneOf": refs}}}
+    answer = {"description": "the answer (JSON)"}
+    errors = responses(400, 401, 404, 413)
+    if streams:
+        answer = {"description": "the answer (JSON), or server-sent events with `stream: true`",
+                  "content": {"text/event-stream": {"schema": {"type": "string"}}}}  # fmt: skip
+        errors = responses(400, 401, 404, 413, 499, 500, 503)
     return {
-        "responses": {200: {"description": "the answer (JSON), or server-sent events with "
-                            "`stream: true`", "content": stream},
-                      **responses(400, 401, 404, 413, 499, 500, 503)},
+        "responses": {200: answer, **errors},
         "openapi_extra": {"requestBody": {"required": True, "content": content}},
-    }  # fmt: skip
+    }
 
 
 def install_openapi(app, bodies: tuple[type[BaseModel], ...] = ()) -> None:

@@ -1,18 +1,22 @@
 """The OpenAI request bodies, checked, and turned into a `Request` the ranks can run.
 
-    body (JSON bytes) --pydantic, strict types--> ChatBody / CompletionBody
+    body (JSON bytes) --pydantic, strict types, unknown fields refused--> ChatBody /
+      CompletionBody (bodies.py)
       --admit--> checks the API would refuse (empty messages, unknown roles, too many or too
-                 long stop strings, n or logprobs out of bounds, a tool_choice that needs
-                 constrained decoding), a prompt too long in characters to fit however it
-                 tokenizes (refused before the template and the tokenizer run), the chat
-                 template with the tools (tokenizer.apply_chat_template(tools=...)), the
-                 context limit (prompt + max_tokens <= the model's max_position_embeddings)
+                 long stop strings, n or logprobs out of bounds), the sampling fields and the
+                 grammar of response_format / tool_choice (constraints.py, compiled once per
+                 request), a prompt too long in characters to fit however it tokenizes
+                 (refused before the template and the tokenizer run), the chat template with
+                 the tools (tokenizer.apply_chat_template(tools=...)), the context limit
+                 (prompt + max_tokens <= the model's max_position_embeddings)
       --> Requests, one per choice: prompt i's j-th of n is choice i * n + j (token ids,
-          max_new_tokens, temperature, top_p, seed + j, stop, logprobs asked)
+          max_new_tokens, temperature, top_p, seed + j, stop, logprobs asked, top_k, min_p,
+          the penalties and biases, the grammar)
 
 Every field is bounded: max_tokens by the context, temperature [0, 2], top_p (0, 1], seed
 [0, 2^63), stop (up to MAX_STOP strings of up to MAX_STOP_CHARS), the prompt (its characters,
-then its tokens); the body's bytes are bounded before it is parsed (app.py: 413). Every refusal
+then its tokens), the others as bodies.py says; the body's bytes are bounded before it is
+parsed (app.py: 413). A field the server does not know is refused, naming it. Every refusal
 is an `APIError` (HTTP 400 with the API's error body: message, type, param, code), raised on
 rank 0 before anything is sent to the other ranks. Completions tokenize text with the
 tokenizer's special tokens (a BOS where the model has one), as the model was trained.
@@ -27,99 +31,20 @@ from __future__ import annotations
 import json
 import secrets
 from dataclasses import dataclass
-from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ValidationError
 
+from ringattn.serve.api.bodies import SEED_LIMIT, ChatBody, CompletionBody, Message, _Common
+from ringattn.serve.api.constraints import grammar_of, shaping
+from ringattn.serve.api.errors import APIError
+from ringattn.serve.api.grammar import Grammars
 from ringattn.serve.protocol import Request
 
 __all__ = ["APIError", "ChatBody", "CompletionBody", "Limits", "admit", "parse"]
 
-ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_STOP = 4
-MAX_LOGPROBS = 20  # alternatives per token (OpenAI's top_logprobs bound, vLLM's max_logprobs)
-MAX_N = 16  # choices per prompt
 MAX_PROMPTS = 256  # prompts in one completions request
 MAX_STOP_CHARS = 256  # a stop string holds back as many characters of the stream
-SEED_LIMIT = 2**63
-
-
-class APIError(Exception):
-    """A refused request: HTTP `status` with the API's error body."""
-
-    def __init__(self, message: str, param: str | None = None, code: str | None = None,
-                 status: int = 400, kind: str = "invalid_request_error"):  # fmt: skip
-        super().__init__(message)
-        self.message, self.param, self.code, self.status, self.kind = (
-            message, param, code, status, kind)  # fmt: skip
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param,
-                          "code": self.code}}  # fmt: skip
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-
-
-class TextPart(_Strict):
-    type: Literal["text"]
-    text: str
-
-
-class Function(_Strict):
-    name: str
-    description: str | None = None
-    parameters: dict | None = None
-    arguments: str | None = None  # an assistant's call: its arguments as a JSON string
-
-
-class Tool(_Strict):
-    """A tool the model may call (`tools`), or an assistant's call of one (`tool_calls`)."""
-
-    type: Literal["function"] = "function"
-    function: Function
-    id: str | None = None
-
-
-class Message(_Strict):
-    role: str
-    content: str | list[TextPart] | None = None
-    name: str | None = None
-    tool_calls: list[Tool] | None = None
-    tool_call_id: str | None = None
-
-
-class StreamOptions(_Strict):
-    include_usage: bool = False
-
-
-class _Common(_Strict):
-    model: str | None = None
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
-    seed: int | None = Field(None, ge=0, lt=SEED_LIMIT)
-    stop: str | list[str] | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1, le=MAX_N)
-
-
-class ChatBody(_Common):
-    messages: list[Message]
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: list[Tool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | Tool | None = None
-
-
-class CompletionBody(_Common):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(None, ge=0)
-    echo: bool = False
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
 
 @dataclass(frozen=True)
@@ -133,18 +58,28 @@ class Limits:
     default_top_p: float = 1.0
     max_prompt_chars: int | None = None  # more characters cannot fit the context (None: no bound)
     max_body_bytes: int = 16 << 20  # a bigger body is refused unread (413)
+    eos: tuple[int, ...] = ()  # end-of-sequence ids: where a grammar lets the answer end
 
 
-def parse(raw: bytes, body_type: type[_Common]) -> _Common:
-    """The JSON body as `body_type`; APIError naming the first wrong field."""
+def parse(raw: bytes, body_type: type):
+    """The JSON body as `body_type`; APIError naming the first unknown field, else the first
+    wrong one."""
     try:
         return body_type.model_validate_json(raw)
     except ValidationError as err:
-        first = err.errors()[0]
+        errors = err.errors()
+        unknown = [e for e in errors if e["type"] == "extra_forbidden"]
+        first = (unknown or errors)[0]
         where = ".".join(str(p) for p in first["loc"] if not isinstance(p, str) or p not in
                          ("str", "list[int]", "list[str]", "list[list[int]]", "list[TextPart]",
                           "Tool", "literal['none','auto','required']"))  # fmt: skip
         param = where or None
+        if unknown:
+            known = ", ".join(sorted(body_type.model_fields)) if "." not in where else ""
+            raise APIError(f"unknown field {where!r}: this server does not know it, and it would "
+                           f"not silently ignore it; remove it"
+                           + (f" (the fields of this route: {known})" if known else ""),
+                           param=param, code="unknown_field") from None  # fmt: skip
         raise APIError(f"invalid request body: {where or 'body'}: {first['msg']}"
                        f" ({err.error_count()} error(s))", param=param) from None  # fmt: skip
 
@@ -160,7 +95,7 @@ def _text(message: Message, index: int) -> str:
     return message.content
 
 
-def _check_chars(chars: int, limits: Limits, where: str) -> None:
+def check_chars(chars: int, limits: Limits, where: str) -> None:
     """Refuse a prompt whose text cannot fit the context however it tokenizes (no token covers
     more characters than the vocabulary's longest), before the template and tokenizer run."""
     if limits.max_prompt_chars is not None and chars > limits.max_prompt_chars:
@@ -175,9 +110,6 @@ def _check_chars(chars: int, limits: Limits, where: str) -> None:
 def _message(m: Message, i: int) -> dict:
     """One message as chat templates take it: an assistant's tool calls with their arguments as
     objects (Hermes / Qwen templates write them with `tojson`), as vLLM passes them."""
-    if m.role not in ROLES:
-        raise APIError(f"messages[{i}].role {m.role!r} is not one of {', '.join(ROLES)}",
-                       param=f"messages.{i}.role")  # fmt: skip
     out = {"role": m.role, "content": _text(m, i)}
     if m.name is not None:
         out["name"] = m.name
@@ -196,46 +128,52 @@ def _message(m: Message, i: int) -> dict:
 
 
 def tools_of(body: ChatBody) -> list[dict] | None:
-    """The tools the template is given: none with tool_choice "none"; "required" or one named
-    function would need constrained decoding, which this server does not do (refused)."""
-    choice = body.tool_choice
-    if choice == "required" or isinstance(choice, Tool):
-        named = "'required'" if choice == "required" else f"function {choice.function.name!r}"
-        raise APIError(f"tool_choice {named} needs constrained decoding, which this server does "
-                       f"not do; send tool_choice 'auto' (the model decides) or 'none'",
-                       param="tool_choice")  # fmt: skip
-    if not body.tools or choice == "none":
+    """The tools the template is given: none with tool_choice "none" (or no tools)."""
+    if not body.tools or body.tool_choice == "none":
         return None
     return [{"type": "function", "function": t.function.model_dump(exclude_none=True)}
             for t in body.tools]  # fmt: skip
 
 
-def chat_ids(body: ChatBody, tokenizer, limits: Limits | None = None) -> list[int]:
-    """The messages (and tools) through the tokenizer's chat template, ending with the
-    assistant's turn."""
-    if not body.messages:
+def template_ids(messages: list[Message], tools: list[dict] | None, tokenizer,
+                 limits: Limits | None = None, *, add_generation_prompt: bool = True,
+                 continue_final_message: bool = False, add_special_tokens: bool = False,
+                 ) -> list[int]:  # fmt: skip
+    """The messages (and tools) through the tokenizer's chat template: by default ending with
+    the assistant's turn, the special tokens the template writes and no others."""
+    if not messages:
         raise APIError("messages must hold at least one message", param="messages")
-    if limits is not None and len(body.messages) > limits.context:  # each takes a token at least
-        raise APIError(f"{len(body.messages)} messages cannot fit the context of "
+    if limits is not None and len(messages) > limits.context:  # each takes a token at least
+        raise APIError(f"{len(messages)} messages cannot fit the context of "
                        f"{limits.context} tokens", param="messages",
                        code="context_length_exceeded")  # fmt: skip
-    messages = [_message(m, i) for i, m in enumerate(body.messages)]
-    tools = tools_of(body)
+    rendered = [_message(m, i) for i, m in enumerate(messages)]
     if limits is not None:
-        chars = sum(len(m["content"]) for m in messages) + len(json.dumps(tools or ""))
-        _check_chars(chars, limits, "messages")
+        chars = sum(len(m["content"]) for m in rendered) + len(json.dumps(tools or ""))
+        check_chars(chars, limits, "messages")
     if getattr(tokenizer, "chat_template", None) is None:
         raise APIError("the model's tokenizer has no chat template; use /v1/completions")
     from jinja2 import TemplateError  # transformers' chat templates are Jinja
 
+    options = {"tools": tools, "add_generation_prompt": add_generation_prompt,
+               "continue_final_message": continue_final_message}  # fmt: skip
     try:
-        ids = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
-                                            tokenize=True, return_dict=False)  # fmt: skip
+        if add_special_tokens:  # (vLLM's /tokenize option) the text, then the tokenizer's own
+            text = tokenizer.apply_chat_template(rendered, tokenize=False, **options)
+            ids = tokenizer(text, add_special_tokens=True)["input_ids"]
+        else:
+            ids = tokenizer.apply_chat_template(rendered, tokenize=True, return_dict=False,
+                                                **options)  # fmt: skip
     except (TemplateError, ValueError, TypeError, KeyError) as err:  # raise_exception, Jinja
         raise APIError(f"the chat template refused the messages: {err}", param="messages") from None
     if isinstance(ids, dict) or hasattr(ids, "keys"):
         ids = ids["input_ids"]
     return [int(t) for t in ids]
+
+
+def chat_ids(body: ChatBody, tokenizer, limits: Limits | None = None) -> list[int]:
+    """A chat request's prompt: its messages and tools through the chat template."""
+    return template_ids(body.messages, tools_of(body), tokenizer, limits)
 
 
 def prompts_of(body: CompletionBody) -> list[str | list[int]]:
@@ -256,7 +194,7 @@ def completion_ids(prompt: str | list[int], tokenizer, limits: Limits) -> list[i
     if isinstance(prompt, str):
         if not prompt:
             raise APIError("the prompt is empty (no tokens)", param="prompt")
-        _check_chars(len(prompt), limits, "prompt")
+        check_chars(len(prompt), limits, "prompt")
         ids = list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
     else:
         ids = list(prompt)
@@ -284,9 +222,12 @@ def _room(ids: list[int], asked: int | None, limits: Limits, where: str) -> int:
     return room if asked is None else asked
 
 
-def admit(body: _Common, tokenizer, limits: Limits) -> list[Request]:
+def admit(body: _Common, tokenizer, limits: Limits,
+          grammars: Grammars | None = None) -> list[Request]:  # fmt: skip
     """The checked `Request`s for `body` (ChatBody or CompletionBody): choice i * n + j is
-    prompt i's j-th of n; or APIError. Choice j of a seeded request samples with seed + j."""
+    prompt i's j-th of n; or APIError. Choice j of a seeded request samples with seed + j.
+    `grammars` (api/grammar.Grammars) compiles a response_format's or tool_choice's grammar,
+    once for all the choices (each decodes with its own copy)."""
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if len(stop) > MAX_STOP or any(not 0 < len(s) <= MAX_STOP_CHARS for s in stop):
         raise APIError(f"stop takes up to {MAX_STOP} non-empty strings of up to "
@@ -310,6 +251,9 @@ def admit(body: _Common, tokenizer, limits: Limits) -> list[Request]:
         prompts = [completion_ids(p, tokenizer, limits) for p in prompts_of(body)]
         where, logprobs = "prompt", body.logprobs
         prompt_logprobs = logprobs if body.echo else None
+    shaped = shaping(body, limits.vocab_size)
+    grammars = grammars or Grammars(tokenizer, limits.vocab_size, list(limits.eos))
+    shaped["grammar"] = grammar_of(body, grammars)
     requests = []
     for ids in prompts:
         new = _room(ids, asked, limits, where)
@@ -318,5 +262,5 @@ def admit(body: _Common, tokenizer, limits: Limits) -> list[Request]:
             if temperature > 0 and seed is None:
                 seed = secrets.randbits(62)  # drawn once here: every rank samples the same tokens
             requests.append(Request(ids, new, float(temperature), float(top_p), seed, stop,
-                                    logprobs, prompt_logprobs))  # fmt: skip
+                                    logprobs, prompt_logprobs, **shaped))  # fmt: skip
     return requests
