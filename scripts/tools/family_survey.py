@@ -71,6 +71,7 @@ SETTINGS: dict[str, dict] = {
         "ffn_config": {"ffn_hidden_size": 64, "moe_num_experts": 4, "moe_top_k": 2},
     },
     "gemma2": {"attn_logit_softcapping": 0.3},
+    "granitemoeshared": {"shared_intermediate_size": 32},  # its default 0 builds no shared MLP
     "vaultgemma": {"attn_logit_softcapping": 0.3},
     "dots1": {
         "n_routed_experts": 4,
