@@ -19,8 +19,8 @@ A causal convolution of width K reads the K-1 inputs before each run: each run's
 travel in an all-gather of the same kind (its "tail"), and a run's halo is taken from the tails
 of the runs before it in its document (a run shorter than K-1 leaves the rest to the one before).
 
-Everything here but `gather_runs` is pure: a `Runs` is derived from the placement, which every
-rank computes alike, so no rank waits for another to learn the structure. `gather_runs` is an
+Everything here but `Exchange.gather` is pure: a `Runs` is derived from the placement, which every
+rank computes alike, so no rank waits for another to learn the structure. `Exchange.gather` is an
 all-gather whose backward sums each rank's gradient contributions into the owner's slot (a
 reduce-scatter): the state gradients go back to the ranks whose runs produced the states.
 
