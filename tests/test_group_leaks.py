@@ -26,6 +26,13 @@ def test_group_cache_returns_the_same_groups(pools):
         assert all(checks.values()), f"rank {rank}: {checks}"
 
 
+def test_a_server_started_twice_reuses_its_side_group(pools):
+    """serve/protocol.py's Verdict made its gloo side group per server start; now once per
+    timeout (comm/group_cache.py)."""
+    for rank, checks in enumerate(pools(2).run("workers_group_leaks:verdicts")):
+        assert all(checks.values()), f"rank {rank}: {checks}"
+
+
 def _heavy_cases(tmp_path) -> list[tuple[str, tuple]]:
     """(worker, args) at W = 4 of every path that built groups per call (module docstring), each
     writing under `tmp_path` (a fresh one per round: a run finding its checkpoint resumes)."""

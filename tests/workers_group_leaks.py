@@ -49,3 +49,21 @@ def memo(rank: int, world_size: int) -> dict[str, bool]:
         "outside is NON_GROUP_MEMBER": (first[0] is dist.GroupMember.NON_GROUP_MEMBER)
         == (rank not in half),
     }
+
+
+def verdicts(rank: int, world_size: int) -> dict[str, bool]:
+    """serve's Verdict (a gloo side group per server start) made twice with one timeout: the
+    same group back, and no thread more; another timeout makes another group."""
+    from ringattn.comm import resolve_group
+    from ringattn.serve.protocol import Verdict
+
+    info = resolve_group(None)
+    first = Verdict(info, 7.0)
+    before = threads(rank, world_size)["all"]
+    second = Verdict(info, 7.0)
+    return {
+        "same group": first.side.group is second.side.group,
+        "no thread more": threads(rank, world_size)["all"] == before,
+        "a side group": first.side.group is not info.group,
+        "another timeout, another group": Verdict(info, 8.0).side.group is not first.side.group,
+    }

@@ -32,9 +32,8 @@ from dataclasses import dataclass, field, fields
 from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 
-from ringattn.comm import GroupInfo, all_gather_ints, broadcast_json, resolve_group
+from ringattn.comm import GroupInfo, all_gather_ints, broadcast_json, group_cache, resolve_group
 
 __all__ = ["AGREE_S", "IDLE_S", "Job", "Request", "Verdict", "exchange"]
 
@@ -99,13 +98,18 @@ class Verdict:
     launcher ends the server naming it (runtime/launch.py), instead of every rank waiting out
     the process-group timeout (300 s) in the step's collective. A step that succeeded costs
     nothing: only a rank whose step raised communicates here.
+
+    The side group is made once per process and timeout (comm/group_cache.py): a server
+    started again in the same process (a notebook, a test pool) reuses it instead of leaving
+    the earlier one's gloo threads behind. A gloo group's timeout is fixed when it is made,
+    so another `timeout_s` is another group.
     """
 
     def __init__(self, info: GroupInfo, timeout_s: float = AGREE_S):
         self.side, self.timeout_s = info, timeout_s
         if info.world_size > 1:  # every rank, in the same order (torch's rule for new_group)
-            group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
-            self.side = resolve_group(group)
+            timeout = timedelta(seconds=timeout_s)
+            self.side = resolve_group(group_cache.new_group(backend="gloo", timeout=timeout))
 
     def check(self, step: int, err: BaseException) -> None:
         """Return if step number `step`, which raised `err` here, raised on every rank."""
