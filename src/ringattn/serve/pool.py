@@ -208,6 +208,11 @@ class BlockPool:
                 idle.get(other, True) for other in self.dependents.get(i, ()))  # fmt: skip
         return [i for i in self.cached if idle[i]]
 
+    def fits(self, seq: int, tokens: int) -> bool:
+        """Whether `grow(seq, tokens)` would succeed (evicting idle entries); nothing changes."""
+        need = self.blocks(tokens) - self.held.get(seq, 0)
+        return need <= 0 or need <= self.free + sum(self.cached[i].blocks for i in self._idle())
+
     def grow(self, seq: int, tokens: int) -> bool:
         """Let `seq` hold `tokens` tokens per rank alone (a whole number of blocks: the
         scheduler counts by region); False (nothing changes) if the pool is full. A count that

@@ -9,23 +9,21 @@ Each step (nano-vllm's scheduler, vLLM's chunked prefill):
        request that could never fit the pool is refused (400, with the numbers), one that does
        not fit now waits (at the head of the line: first come, first served). A running
        sequence that finds no blocks for its token or its piece preempts the newest running
-       ones, itself last (allocation.py: the oldest always goes on, so nothing deadlocks)
+       ones, itself last (allocation.py's BlockManager: the oldest always goes on)
     4. the short lane: a head of the line that still waits is admitted anyway when the rest of
        its prompt (after the prefix cache) is at most a quarter of the budget, all in this step
        (as vLLM's partial prefills): a chat does not wait out a long prompt's whole prefill
 
 A prompt goes in chunks at fixed multiples of C = --max-batch-tokens (DESIGN.md §12): chunk c
 holds tokens [cC, (c + 1)C), placed by the layout within itself, so the K/V a rank holds of a
-prefix never depends on what follows it. Every chunk with a full block of B = --kv-block-size
-tokens is kept in every rank's prefix store, with a chained hash per block (pool.py). A request
-starts from the longest prefix of its own that the store holds, at block granularity: copies of
-whole chunks and of the first k tokens of the next (truncating is exact, pool.py), then computes
-the rest of that chunk as one piece and its later chunks as usual. The pool counts what such a
-sequence holds piece by piece (`Seq.rows`), not by the closed form of an all-fresh prefill. The
-plan (runner.py) goes to every rank as one message; after the step rank 0
-samples every sequence's next token (greedy or seeded, inference/sampling.py, from logits shaped
-as its request asks: logits.py) and the next plan carries those tokens. Each answer is the one
-its request gets alone: a sequence's tokens depend on its own cache and its own generator only.
+prefix never depends on what follows it. A request starts from the longest prefix of its own that
+the prefix store holds (pool.py), and every chunk with a full block of B = --kv-block-size tokens
+is kept there. The scheduler decides what runs; its BlockManager (allocation.py) holds the
+running sequences' blocks: their sizes, the prefix they share, who is preempted. The plan
+(runner.py) goes to every rank as one message; after the step rank 0 samples every sequence's
+next token (greedy or seeded, inference/sampling.py, from logits shaped as its request asks:
+logits.py) and the next plan carries those tokens. Each answer is the one its request gets
+alone: a sequence's tokens depend on its own cache and its own generator only.
 """
 
 from __future__ import annotations
@@ -37,7 +35,7 @@ from collections import deque
 import torch
 
 from ringattn.inference.sampling import next_token
-from ringattn.serve.allocation import Allocation
+from ringattn.serve.allocation import BlockManager, Grant
 from ringattn.serve.logits import shape_rows
 from ringattn.serve.pool import BlockPool
 from ringattn.serve.protocol import IDLE_S, Job
@@ -50,24 +48,20 @@ __all__ = ["SHORT_LANE", "Scheduler", "Seq"]  # Seq: from sequence.py
 SHORT_LANE = 4
 
 
-class Scheduler(Allocation):
-    """Rank 0's view of every sequence and of the ranks' pool (module docstring; who gets
-    blocks and who is preempted: allocation.py)."""
+class Scheduler:
+    """Rank 0's view of every sequence and of the ranks' pool (module docstring); `blocks`
+    holds the running sequences' blocks (allocation.py)."""
 
     def __init__(self, jobs: queue.Queue, http, tokenizer, eos: list[int], pool: BlockPool,
                  shares: Shares, chunk: int, max_running: int, prefix_cache: bool = True,
                  metrics=None, make_sink=None):  # fmt: skip
         self.jobs, self.http, self.tokenizer, self.eos = jobs, http, tokenizer, set(eos)
-        self.pool, self.shares, self.chunk = pool, shares, chunk
-        self.max_running, self.prefix_cache, self.metrics = max_running, prefix_cache, metrics
+        self.blocks = BlockManager(pool, shares, chunk, prefix_cache)
+        self.chunk, self.max_running, self.metrics = chunk, max_running, metrics
         self.make_sink = make_sink
-        self.running: list[Seq] = []
         self.waiting: deque[Seq | Job] = deque()  # preempted sequences, then a held job
-        self.freed: list[int] = []
-        self.next_id = 0
         self.step_decode: list[Seq] = []
         self.step_chunks: list[tuple[Seq, int]] = []
-        self.step_kept: list[int] = []  # prefix entries this step's chunks store on every rank
         # the engine packs the first pieces of a step's new sequences as documents of one
         # placement; a layout that splits the whole packed sequence (contiguous), not each
         # document, could put a whole piece on one rank, beyond what `rows` counts: there
@@ -76,38 +70,31 @@ class Scheduler(Allocation):
         self.step_fresh = False  # this step starts a sequence from scratch
 
     @property
+    def pool(self) -> BlockPool:
+        return self.blocks.pool
+
+    @property
+    def running(self) -> list[Seq]:
+        """The running sequences, oldest first (the block manager's)."""
+        return self.blocks.running
+
+    @property
+    def freed(self) -> list[int]:
+        """Sequence ids freed since the last plan."""
+        return self.blocks.freed
+
+    @property
     def held(self) -> int:
         """Requests out of the queue but not running (preempted or waiting for blocks)."""
         return len(self.waiting)
 
-    def rows(self, seq: Seq, piece: int = 0, decode: int = 0) -> int:
-        """Rows (whole blocks) seq holds alone on the fullest rank once a prompt piece of
-        `piece` tokens and `decode` more decoded tokens are in, by region (pool.py): the
-        earlier chunks no entry holds (`Seq.private`), the chunk being filled, the decoded."""
-        block = self.pool.block_size
-        blocks = seq.private + self.pool.blocks(self._own(seq, piece))
-        decoded = -(-(max(0, seq.done - seq.target) + decode) // self.shares.world_size)
-        return block * (blocks + self.pool.blocks(decoded))
-
-    def _own(self, seq: Seq, piece: int = 0) -> int:
-        """Rows (whole blocks) of the chunk being filled that seq holds alone once a piece of
-        `piece` tokens is in: its computed pieces' (an upper bound over the ranks), and one
-        block when an adopted prefix ends inside a block (copied on write: paged.py); the
-        adopted whole blocks are the entry's."""
-        computed = self.shares.rows(seq.pieces[len(seq.adopted) :])
-        computed += self.shares.chunk_rows(piece) if piece else 0
-        return (self.pool.blocks(computed) + seq.cow) * self.pool.block_size
-
     # ---- ending sequences ----
 
     def _drop(self, seq: Seq) -> None:
-        if seq in self.running:  # the gauge moves before its client hears the end
-            self.running.remove(seq)
+        ran = seq in self.running
+        self.blocks.free(seq)
+        if ran:  # the gauges move before its client hears the end
             self._gauges()
-        if seq.id >= 0:
-            self.pool.release(seq.id)
-            self.freed.append(seq.id)
-            seq.id = -1
 
     def end(self, seq: Seq, finish: str) -> None:
         """Finish `seq`: its last text and ("done", finish, usage)."""
@@ -123,13 +110,59 @@ class Scheduler(Allocation):
         self._drop(seq)
         seq.sink("error", message, status)
 
+    def _back(self, seq: Seq, plan: dict | None = None, sid: int = -1) -> None:
+        """Preempted `seq` (id `sid` until then) leaves the step being planned (`plan`) and
+        comes back first in line."""
+        if plan is not None:
+            self._unplan(plan, seq, sid)
+        self.waiting.appendleft(seq)
+        if self.metrics is not None:
+            self.metrics.preemptions += 1
+
+    def preempt(self, seq: Seq) -> None:
+        """Free seq's blocks; it comes back first in line and recomputes its cache."""
+        self.blocks.preempt(seq)
+        self._back(seq)
+
+    def _granted(self, plan: dict, seq: Seq, grant: Grant) -> bool:
+        """Act on what the block manager did for `seq`: those it preempted leave the plan;
+        one that never fits alone fails (400). Whether `seq` holds its rows."""
+        for victim, sid in grant.preempted:
+            self._back(victim, plan, sid)
+        if grant.refusal is not None:
+            self._unplan(plan, seq, seq.id)
+            self.fail(seq, grant.refusal, 400)
+        return grant.ok
+
+    def _unplan(self, plan: dict, seq: Seq, sid: int) -> None:
+        """Take `seq` (id `sid`) out of the step being planned (its decode and its piece)."""
+        assert sid not in [s for s, _, _ in plan["open"]], "a new sequence is never preempted"
+        plan["decode"] = [d for d in plan["decode"] if d[0] != sid]
+        self.step_decode = [s for s in self.step_decode if s is not seq]
+        plan["chunks"] = [c for c in plan["chunks"] if c[0] != sid]
+        self.step_chunks = [(s, n) for s, n in self.step_chunks if s is not seq]
+
+    def admit_alone(self, plan: dict, seq: Seq, budget: int) -> None:
+        """Admit `seq`, which must run alone (a failed step's), from the head of the line,
+        preempting the newest running sequences while it does not fit (allocation.py)."""
+        while seq in self.waiting:
+            self.waiting.remove(seq)
+            self.waiting.appendleft(seq)  # first in line, before those it preempted
+            self._admit(plan, budget, 1)
+            if seq in self.running or seq not in self.waiting or not self.running:
+                return  # in; or gone (cancelled meanwhile: another may have been admitted)
+            victim = self.running[-1]
+            sid = victim.id
+            self.blocks.preempt(victim)
+            self._back(victim, plan, sid)
+
     # ---- the plan ----
 
     def plan(self) -> dict:
         """The next step's plan (runner.py), "idle" when nothing runs, "stop" at the end."""
-        self.step_decode, self.step_chunks, self.step_kept = [], [], []
+        self.step_decode, self.step_chunks = [], []
         self.step_fresh = False
-        self.pool.start_step()
+        self.blocks.start_step()
         if not self.running and not self.waiting:
             try:
                 self.waiting.append(self.jobs.get(timeout=IDLE_S))
@@ -170,15 +203,15 @@ class Scheduler(Allocation):
             plan = {"op": "step", "open": [], "decode": [], "chunks": [], **plan}
             plan["op"] = "step"
         if plan["op"] == "step":
-            plan["free"], plan["evict"] = self.freed, self.pool.evicted
-            self.freed, self.pool.evicted = [], []
+            plan["free"], plan["evict"] = self.blocks.take_freed(), self.pool.evicted
+            self.pool.evicted = []
         return plan
 
     def _decodes(self, plan: dict, only: Seq | None) -> None:
         for seq in list(self.running) if only is None else [only]:
             if seq.prefilling or seq not in self.running:
                 continue
-            if self.allocate(plan, seq, self.rows(seq, decode=1)):
+            if self._granted(plan, seq, self.blocks.append(seq)):
                 plan["decode"].append([seq.id, seq.tokens[-1]])
                 self.step_decode.append(seq)
 
@@ -189,26 +222,13 @@ class Scheduler(Allocation):
         fresh = seq not in self.running and seq.done == 0
         if n > budget or (fresh and self.packs and self.step_fresh):
             return 0  # (a second packed first piece would not be placed alone: __init__)
-        rows = self.rows(seq, piece=n)
+        rows = self.blocks.rows(seq, piece=n)
         if seq in self.running:  # preempting the newest running ones if need be
-            if not self.allocate(plan, seq, rows):
+            if not self._granted(plan, seq, self.blocks.allocate(seq, rows)):
                 return 0
-        elif not self.pool.grow(seq.id, rows):  # a request in line waits for blocks
+        elif not self.blocks.grow(seq, rows):  # a request in line waits for blocks
             return 0
-        c, at = divmod(seq.done, self.chunk)
-        end = at + n  # tokens of chunk c in the cache after this piece
-        keep = None
-        if self.prefix_cache and (end == self.chunk or seq.done + n == seq.target):
-            points = [p for p in seq.hashes[c] if p[0] <= end] if c < len(seq.hashes) else []
-            pieces = [*seq.pieces, (at, n, n)]
-            moved = self.pool.blocks(self._own(seq, n))  # seq's count of the chunk: the entry's
-            base = seq.base if seq.adopted else None  # the entry seq shares blocks of
-            entry = self.pool.keep(c, points, pieces, self.shares.rows(pieces), seq.id, moved,
-                                   base)  # fmt: skip
-            if entry is not None:
-                keep = [entry, c * self.chunk]
-                self.step_kept.append(entry)
-        seq.keeping = keep is not None
+        keep = self.blocks.keep(seq, n)  # kept in the prefix store if it completes a chunk
         plan["chunks"].append([seq.id, seq.tokens[seq.done : seq.done + n], keep])
         if seq.logprobs.scoring:  # echo: this piece's prompt logprobs (scoring.py)
             plan["chunks"][-1].append(seq.logprobs.prompt_k)
@@ -238,7 +258,7 @@ class Scheduler(Allocation):
             seq = item if isinstance(item, Seq) else Seq(item, self.make_sink(item), self.tokenizer)
             self.waiting[0] = seq
             if not seq.job.cancelled:
-                refusal = self.never_fits(seq)
+                refusal = self.blocks.never_fits(seq)
                 if refusal is None:
                     return seq
                 self.waiting.popleft()
@@ -262,33 +282,22 @@ class Scheduler(Allocation):
             seq = self._next()
             if seq is None:
                 return
-            seq.target = len(seq.tokens)
-            seq.id, pinned = self.next_id, set(self.pool.pinned)
-            reuse = self.reuse(seq)
+            reuse = self.blocks.open(seq)
             if whole and seq.target - seq.done > budget:  # it waits at the head of the line
-                self.pool.pinned, seq.id = pinned, -1
-                seq.restart()
+                self.blocks.unopen(seq)
                 return
             if reuse and not self._chunk(plan, seq, budget):
-                # the copies do not fit beside their originals: compute it all instead
-                self.pool.pinned = pinned  # (an entry pinned by another stays pinned)
-                reuse = []
-                seq.restart()
+                reuse = []  # the copies do not fit beside their originals: compute it all
+                self.blocks.drop_reuse(seq)
             if not reuse and not self._chunk(plan, seq, budget):
-                self.pool.release(seq.id)
-                seq.id, seq.done = -1, 0
+                self.blocks.unopen(seq)
                 return  # it waits for blocks (or the next step's budget) at the head of the line
             budget -= self.step_chunks[-1][1]
-            self.next_id += 1
             self.waiting.popleft()
-            self.running.append(seq)
             plan["open"].append([seq.id, [entry for entry, _ in reuse], seq.done])
-            self.pool.use(seq.id, [entry for entry, _ in reuse])  # their blocks: shared
+            self.blocks.admit(seq, reuse)  # (reuse's blocks: shared)
             plan["new"] += not seq.started
             seq.started = True
-            if reuse:
-                self.pool.hits += 1
-                self.pool.hit_tokens += seq.done
 
     # ---- after the step ----
 
@@ -304,14 +313,7 @@ class Scheduler(Allocation):
             rows.append((seq, decoded[j]))
         for j, ((seq, n), logits) in enumerate(zip(self.step_chunks, chunks)):
             seq.logprobs.piece(seq.done, n, (scores or {}).get(j), logits)
-            seq.rows += self.shares.chunk_rows(n)
-            at = seq.done % self.chunk
-            seq.pieces = [*seq.pieces, (at, n, n)]
-            seq.done += n
-            if at + n == self.chunk or seq.done == seq.target:  # its region is complete:
-                if not seq.keeping:  # held by an entry, or by seq alone from now on
-                    seq.private += self.pool.blocks(self._own(seq))
-                seq.pieces, seq.adopted, seq.cow, seq.base = [], [], 0, None
+            self.blocks.computed(seq, n)
             rows.append((seq, logits))  # every piece's last row: a NaN anywhere is seen
         if rows:
             self._sample(rows)
@@ -326,9 +328,7 @@ class Scheduler(Allocation):
         shared = len(self.step_decode) + len(self.step_chunks) > 1
         users = set()  # of the entries forgotten: they counted on them (pool.forget)
         if not all(finite):  # the chunks this step kept may hold the NaN's rows: forgotten
-            for entry in self.step_kept:
-                users |= self.pool.forget(entry)
-            self.step_kept = []
+            users = self.blocks.forget_kept()
         for j, (seq, row) in enumerate(rows):
             if not finite[j] and shared:  # (after() reset failures: this step went through)
                 # a NaN of one packed prompt reaches the others' rows (0 x NaN in a masked
@@ -380,9 +380,7 @@ class Scheduler(Allocation):
         """The step raised (on every rank alike): its sequences recompute, each alone until a step
         of it succeeds; one failing alone fails (400 for a ValueError, else 500), the others go
         on. The chunks it was to keep are forgotten on every rank (it may have stopped midway)."""
-        users = set()
-        for h in self.step_kept:
-            users |= self.pool.forget(h)
+        users = self.blocks.forget_kept()
         stepped = self.step_decode + [s for s, _ in self.step_chunks]
         for seq in [s for s in self.running if s.id in users and s not in stepped]:
             self.preempt(seq)  # (a user outside the step: none today, but it counted on them)
@@ -396,5 +394,5 @@ class Scheduler(Allocation):
                 self.fail(seq, f"the server failed while generating this request "
                                f"({type(err).__name__}); the server keeps serving, retry or "
                                f"change the request", 500)  # fmt: skip
-        self.step_decode, self.step_chunks, self.step_kept = [], [], []
+        self.step_decode, self.step_chunks = [], []
         self._gauges()
