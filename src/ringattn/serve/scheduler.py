@@ -34,13 +34,13 @@ from collections import deque
 
 import torch
 
-from ringattn.inference.sampling import next_token
 from ringattn.serve.allocation import BlockManager, Grant
 from ringattn.serve.logits import shape_rows
 from ringattn.serve.pool import BlockPool
 from ringattn.serve.protocol import IDLE_S, Job
 from ringattn.serve.sequence import Seq
 from ringattn.serve.shares import Shares
+from ringattn.serve.step import Step
 
 __all__ = ["SHORT_LANE", "Scheduler", "Seq"]  # Seq: from sequence.py
 
@@ -60,14 +60,12 @@ class Scheduler:
         self.chunk, self.max_running, self.metrics = chunk, max_running, metrics
         self.make_sink = make_sink
         self.waiting: deque[Seq | Job] = deque()  # preempted sequences, then a held job
-        self.step_decode: list[Seq] = []
-        self.step_chunks: list[tuple[Seq, int]] = []
+        self.step = Step()  # the step being planned, then run
         # the engine packs the first pieces of a step's new sequences as documents of one
         # placement; a layout that splits the whole packed sequence (contiguous), not each
         # document, could put a whole piece on one rank, beyond what `rows` counts: there
         # a step starts one new sequence from scratch, whose piece is then placed alone
         self.packs = shares.world_size > 1 and not shares.layout.per_document
-        self.step_fresh = False  # this step starts a sequence from scratch
 
     @property
     def pool(self) -> BlockPool:
@@ -82,6 +80,14 @@ class Scheduler:
     def freed(self) -> list[int]:
         """Sequence ids freed since the last plan."""
         return self.blocks.freed
+
+    @property
+    def step_decode(self) -> list[Seq]:
+        return self.step.decode
+
+    @property
+    def step_chunks(self) -> list[tuple[Seq, int]]:
+        return self.step.chunks
 
     @property
     def held(self) -> int:
@@ -99,22 +105,17 @@ class Scheduler:
     def end(self, seq: Seq, finish: str) -> None:
         """Finish `seq`: its last text and ("done", finish, usage)."""
         self._drop(seq)
-        piece = seq.text.flush()
-        if piece:
-            seq.sink("text", piece)
-        prompt, completion = len(seq.request.ids), len(seq.out)
-        seq.sink("done", finish, {"prompt_tokens": prompt, "completion_tokens": completion,
-                                  "total_tokens": prompt + completion})  # fmt: skip
+        seq.finish(finish)
 
     def fail(self, seq: Seq, message: str, status: int) -> None:
         self._drop(seq)
         seq.sink("error", message, status)
 
-    def _back(self, seq: Seq, plan: dict | None = None, sid: int = -1) -> None:
-        """Preempted `seq` (id `sid` until then) leaves the step being planned (`plan`) and
-        comes back first in line."""
-        if plan is not None:
-            self._unplan(plan, seq, sid)
+    def _back(self, seq: Seq, sid: int | None = None) -> None:
+        """Preempted `seq` comes back first in line; out of the step being planned when it was
+        in it (as `sid`, the id it had)."""
+        if sid is not None:
+            self.step.drop(seq, sid)
         self.waiting.appendleft(seq)
         if self.metrics is not None:
             self.metrics.preemptions += 1
@@ -124,44 +125,35 @@ class Scheduler:
         self.blocks.preempt(seq)
         self._back(seq)
 
-    def _granted(self, plan: dict, seq: Seq, grant: Grant) -> bool:
-        """Act on what the block manager did for `seq`: those it preempted leave the plan;
+    def _granted(self, seq: Seq, grant: Grant) -> bool:
+        """Act on what the block manager did for `seq`: those it preempted leave the step;
         one that never fits alone fails (400). Whether `seq` holds its rows."""
         for victim, sid in grant.preempted:
-            self._back(victim, plan, sid)
+            self._back(victim, sid)
         if grant.refusal is not None:
-            self._unplan(plan, seq, seq.id)
+            self.step.drop(seq, seq.id)
             self.fail(seq, grant.refusal, 400)
         return grant.ok
 
-    def _unplan(self, plan: dict, seq: Seq, sid: int) -> None:
-        """Take `seq` (id `sid`) out of the step being planned (its decode and its piece)."""
-        assert sid not in [s for s, _, _ in plan["open"]], "a new sequence is never preempted"
-        plan["decode"] = [d for d in plan["decode"] if d[0] != sid]
-        self.step_decode = [s for s in self.step_decode if s is not seq]
-        plan["chunks"] = [c for c in plan["chunks"] if c[0] != sid]
-        self.step_chunks = [(s, n) for s, n in self.step_chunks if s is not seq]
-
-    def admit_alone(self, plan: dict, seq: Seq, budget: int) -> None:
+    def admit_alone(self, seq: Seq, budget: int) -> None:
         """Admit `seq`, which must run alone (a failed step's), from the head of the line,
         preempting the newest running sequences while it does not fit (allocation.py)."""
         while seq in self.waiting:
             self.waiting.remove(seq)
             self.waiting.appendleft(seq)  # first in line, before those it preempted
-            self._admit(plan, budget, 1)
+            self._admit(budget, 1)
             if seq in self.running or seq not in self.waiting or not self.running:
                 return  # in; or gone (cancelled meanwhile: another may have been admitted)
             victim = self.running[-1]
             sid = victim.id
             self.blocks.preempt(victim)
-            self._back(victim, plan, sid)
+            self._back(victim, sid)
 
     # ---- the plan ----
 
     def plan(self) -> dict:
         """The next step's plan (runner.py), "idle" when nothing runs, "stop" at the end."""
-        self.step_decode, self.step_chunks = [], []
-        self.step_fresh = False
+        self.step = Step()
         self.blocks.start_step()
         if not self.running and not self.waiting:
             try:
@@ -173,24 +165,23 @@ class Scheduler:
         for item in [i for i in self.waiting if isinstance(i, Seq) and i.job.cancelled]:
             self.waiting.remove(item)  # preempted, or held for blocks: its client has gone
             self._cancelled(item)
-        plan = {"op": "step", "open": [], "decode": [], "chunks": [], "new": 0}
         # a sequence whose step failed runs alone until a step of it succeeds: a failure that
         # is its own then fails it alone, and its step-mates go on (Scheduler.failed)
         suspect = [s for s in (*self.running, *self.waiting) if isinstance(s, Seq) and s.failures]
         only = suspect[0] if suspect else None
-        self._decodes(plan, only)
-        budget = self._prefills(plan, self.chunk, only)
+        self._decodes(only)
+        budget = self._prefills(self.chunk, only)
         if only is None:
-            self._admit(plan, budget, self.max_running)
+            self._admit(budget, self.max_running)
         elif only not in self.running:
-            self.admit_alone(plan, only, budget)
+            self.admit_alone(only, budget)
         if only is None:  # the short lane: a short prompt does not wait out a long prefill
-            self._admit(plan, self.chunk // SHORT_LANE, self.max_running, whole=True)
+            self._admit(self.chunk // SHORT_LANE, self.max_running, whole=True)
         self._gauges()
-        if not (plan["open"] or plan["decode"] or plan["chunks"]):
-            plan = {"op": "idle"}
+        if self.step.empty:
             time.sleep(0.01)  # only a held request waits (for blocks): do not spin
-        return self._flush(plan)
+            return self._flush({"op": "idle"})
+        return self._flush(self.step.message)
 
     def _gauges(self) -> None:
         if self.metrics is not None:
@@ -207,40 +198,34 @@ class Scheduler:
             self.pool.evicted = []
         return plan
 
-    def _decodes(self, plan: dict, only: Seq | None) -> None:
+    def _decodes(self, only: Seq | None) -> None:
         for seq in list(self.running) if only is None else [only]:
-            if seq.prefilling or seq not in self.running:
-                continue
-            if self._granted(plan, seq, self.blocks.append(seq)):
-                plan["decode"].append([seq.id, seq.tokens[-1]])
-                self.step_decode.append(seq)
+            ok = not seq.prefilling and seq in self.running  # (not preempted meanwhile)
+            if ok and self._granted(seq, self.blocks.append(seq)):
+                self.step.add_decode(seq)
 
-    def _chunk(self, plan: dict, seq: Seq, budget: int) -> int:
+    def _chunk(self, seq: Seq, budget: int) -> int:
         """Schedule seq's next prefill piece (the rest of its chunk) if `budget` and the pool
         allow, kept in the prefix store when it completes the chunk; tokens used."""
         n = min(self.chunk - seq.done % self.chunk, seq.target - seq.done)
         fresh = seq not in self.running and seq.done == 0
-        if n > budget or (fresh and self.packs and self.step_fresh):
+        if n > budget or (fresh and self.packs and self.step.fresh):
             return 0  # (a second packed first piece would not be placed alone: __init__)
         rows = self.blocks.rows(seq, piece=n)
         if seq in self.running:  # preempting the newest running ones if need be
-            if not self._granted(plan, seq, self.blocks.allocate(seq, rows)):
+            if not self._granted(seq, self.blocks.allocate(seq, rows)):
                 return 0
         elif not self.blocks.grow(seq, rows):  # a request in line waits for blocks
             return 0
         keep = self.blocks.keep(seq, n)  # kept in the prefix store if it completes a chunk
-        plan["chunks"].append([seq.id, seq.tokens[seq.done : seq.done + n], keep])
-        if seq.logprobs.scoring:  # echo: this piece's prompt logprobs (scoring.py)
-            plan["chunks"][-1].append(seq.logprobs.prompt_k)
-        self.step_fresh |= fresh
-        self.step_chunks.append((seq, n))
+        self.step.add_chunk(seq, n, keep, fresh)
         return n
 
-    def _prefills(self, plan: dict, budget: int, only: Seq | None) -> int:
+    def _prefills(self, budget: int, only: Seq | None) -> int:
         for seq in [s for s in self.running if s.prefilling and only in (None, s)]:
             if seq not in self.running:
                 continue  # preempted by an older one's piece
-            used = self._chunk(plan, seq, budget)
+            used = self._chunk(seq, budget)
             if not used:
                 break  # first come, first served: a later prompt does not overtake
             budget -= used
@@ -274,7 +259,7 @@ class Scheduler:
         elif self.metrics is not None:
             self.metrics.ended("cancelled", latency_s=time.monotonic() - seq.job.arrived)
 
-    def _admit(self, plan: dict, budget: int, most: int, whole: bool = False) -> None:
+    def _admit(self, budget: int, most: int, whole: bool = False) -> None:
         """Admit requests from the head of the line (at most `most`) while they fit; `whole`:
         only one whose prompt, after what the prefix cache holds, goes in all at once."""
         while budget > 0 and len(self.running) < self.max_running and most > 0:
@@ -286,18 +271,16 @@ class Scheduler:
             if whole and seq.target - seq.done > budget:  # it waits at the head of the line
                 self.blocks.unopen(seq)
                 return
-            if reuse and not self._chunk(plan, seq, budget):
+            if reuse and not self._chunk(seq, budget):
                 reuse = []  # the copies do not fit beside their originals: compute it all
                 self.blocks.drop_reuse(seq)
-            if not reuse and not self._chunk(plan, seq, budget):
+            if not reuse and not self._chunk(seq, budget):
                 self.blocks.unopen(seq)
                 return  # it waits for blocks (or the next step's budget) at the head of the line
-            budget -= self.step_chunks[-1][1]
+            budget -= self.step.chunks[-1][1]
             self.waiting.popleft()
-            plan["open"].append([seq.id, [entry for entry, _ in reuse], seq.done])
+            self.step.add_open(seq, [entry for entry, _ in reuse])
             self.blocks.admit(seq, reuse)  # (reuse's blocks: shared)
-            plan["new"] += not seq.started
-            seq.started = True
 
     # ---- after the step ----
 
@@ -306,12 +289,12 @@ class Scheduler:
         """Sample each sequence's next token from the step's logits; end the finished ones.
         `scores`: the prompt logprobs of the chunks that asked (Runner.scores)."""
         rows: list[tuple[Seq, torch.Tensor]] = []
-        for seq in self.step_decode + [seq for seq, _ in self.step_chunks]:
+        for seq in self.step.sequences:
             seq.failures = 0  # its step went through
-        for j, seq in enumerate(self.step_decode):
+        for j, seq in enumerate(self.step.decode):
             seq.done += 1
             rows.append((seq, decoded[j]))
-        for j, ((seq, n), logits) in enumerate(zip(self.step_chunks, chunks)):
+        for j, ((seq, n), logits) in enumerate(zip(self.step.chunks, chunks)):
             seq.logprobs.piece(seq.done, n, (scores or {}).get(j), logits)
             self.blocks.computed(seq, n)
             rows.append((seq, logits))  # every piece's last row: a NaN anywhere is seen
@@ -325,7 +308,7 @@ class Scheduler:
         shaped = logits if shapers.count(None) == len(shapers) else shape_rows(logits, shapers)
         checks = torch.stack([shaped.argmax(-1), torch.isfinite(logits).all(-1).long()])
         greedy, finite = checks.tolist()  # one host sync for the step
-        shared = len(self.step_decode) + len(self.step_chunks) > 1
+        shared = len(self.step.sequences) > 1
         users = set()  # of the entries forgotten: they counted on them (pool.forget)
         if not all(finite):  # the chunks this step kept may hold the NaN's rows: forgotten
             users = self.blocks.forget_kept()
@@ -347,46 +330,25 @@ class Scheduler:
             if seq.prefilling:
                 continue  # a piece before the prompt's last: nothing to sample yet
             if seq.request.max_new_tokens == 0:  # echo's prompt logprobs only
-                self._emit(seq, None, None)
-                continue
-            if seq.sampling.greedy:
-                token = greedy[j]
+                ended = seq.emit(None, None, self.eos)
             else:
-                if seq.generator is None:
-                    seq.generator = seq.sampling.generator(row.device)
-                token = next_token(shaped[j], seq.sampling, seq.generator)
-            self._emit(seq, token, row)
-
-    def _emit(self, seq: Seq, token: int | None, row: torch.Tensor | None) -> None:
-        """Send `token` (None: none, max_tokens 0) with its logprobs when asked (scoring.py)."""
-        for event in seq.logprobs.events(row, token):
-            seq.sink(*event)
-        if token is None:
-            return self.end(seq, "length")
-        if (refused := seq.took(token)) is not None:
-            return self.fail(seq, refused, 500)
-        seq.tokens.append(token)
-        seq.out.append(token)
-        seq.sink("token")
-        piece = seq.text.push(token)
-        if piece:
-            seq.sink("text", piece)
-        if seq.text.stopped or token in self.eos:
-            self.end(seq, "stop")
-        elif len(seq.out) >= seq.request.max_new_tokens:
-            self.end(seq, "length")
+                ended = seq.emit(seq.choose(shaped[j], greedy[j]), row, self.eos)
+            if ended is not None and ended[0] == "done":
+                self.end(seq, ended[1])
+            elif ended is not None:
+                self.fail(seq, ended[1], 500)
 
     def failed(self, err: Exception) -> None:
         """The step raised (on every rank alike): its sequences recompute, each alone until a step
         of it succeeds; one failing alone fails (400 for a ValueError, else 500), the others go
         on. The chunks it was to keep are forgotten on every rank (it may have stopped midway)."""
         users = self.blocks.forget_kept()
-        stepped = self.step_decode + [s for s, _ in self.step_chunks]
+        stepped = self.step.sequences
         for seq in [s for s in self.running if s.id in users and s not in stepped]:
             self.preempt(seq)  # (a user outside the step: none today, but it counted on them)
-        for seq in {id(s): s for s in self.step_decode + [s for s, _ in self.step_chunks]}.values():
+        for seq in {id(s): s for s in stepped}.values():
             seq.failures += 1
-            if seq.failures < 2 and len(self.step_decode) + len(self.step_chunks) > 1:
+            if seq.failures < 2 and len(stepped) > 1:
                 self.preempt(seq)
             elif isinstance(err, (ValueError, TypeError)):
                 self.fail(seq, str(err), 400)
@@ -394,5 +356,5 @@ class Scheduler:
                 self.fail(seq, f"the server failed while generating this request "
                                f"({type(err).__name__}); the server keeps serving, retry or "
                                f"change the request", 500)  # fmt: skip
-        self.step_decode, self.step_chunks = [], []
+        self.step = Step()
         self._gauges()

@@ -1,7 +1,8 @@
 """One request as rank 0's scheduler runs it (nano-vllm's engine/sequence.py): its tokens so
 far, its place in the ranks' caches, its prefill progress, its sampler (and the logit changes its
 request asks for: logits.py), its text stream and the logprobs it reports. The scheduler
-(scheduler.py) moves it between waiting, running and ended.
+(scheduler.py) moves it between waiting, running and ended; what it sends its client (tokens,
+text, logprobs, the end) it sends itself (`emit`, `finish`).
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ringattn.inference.hf.scoring import Logprobs
-from ringattn.inference.sampling import Sampling
+from ringattn.inference.sampling import Sampling, next_token
 from ringattn.serve.logits import Shaper
 from ringattn.serve.pool import Piece, Point
 from ringattn.serve.protocol import Job
@@ -62,3 +63,43 @@ class Seq:
         except RuntimeError as err:
             return f"the server failed while generating this request ({err})"
         return None
+
+    def choose(self, shaped: torch.Tensor, greedy: int) -> int:
+        """Its next token from its shaped logits row (`greedy`: that row's argmax, already on
+        the host), from its own generator when it samples."""
+        if self.sampling.greedy:
+            return greedy
+        if self.generator is None:
+            self.generator = self.sampling.generator(shaped.device)
+        return next_token(shaped, self.sampling, self.generator)
+
+    def emit(self, token: int | None, row: torch.Tensor | None, eos: set[int]) -> tuple | None:
+        """Take `token` (None: none, max_tokens 0) and send it, with its logprobs when asked
+        (scoring.py) and the text it completes; how it ended, if it did: ("done", "stop" or
+        "length") or ("error", message) (its grammar refused the token), else None."""
+        for event in self.logprobs.events(row, token):
+            self.sink(*event)
+        if token is None:
+            return ("done", "length")
+        if (refused := self.took(token)) is not None:
+            return ("error", refused)
+        self.tokens.append(token)
+        self.out.append(token)
+        self.sink("token")
+        piece = self.text.push(token)
+        if piece:
+            self.sink("text", piece)
+        if self.text.stopped or token in eos:
+            return ("done", "stop")
+        if len(self.out) >= self.request.max_new_tokens:
+            return ("done", "length")
+        return None
+
+    def finish(self, reason: str) -> None:
+        """Send its last text and ("done", reason, usage)."""
+        piece = self.text.flush()
+        if piece:
+            self.sink("text", piece)
+        prompt, completion = len(self.request.ids), len(self.out)
+        self.sink("done", reason, {"prompt_tokens": prompt, "completion_tokens": completion,
+                                   "total_tokens": prompt + completion})  # fmt: skip
