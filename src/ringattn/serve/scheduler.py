@@ -20,9 +20,9 @@ prefix never depends on what follows it. A request starts from the longest prefi
 the prefix store holds (pool.py), and every chunk with a full block of B = --kv-block-size tokens
 is kept there. The scheduler decides what runs; its BlockManager (allocation.py) holds the
 running sequences' blocks: their sizes, the prefix they share, who is preempted. The plan
-(runner.py) goes to every rank as one message; after the step rank 0 samples every sequence's
-next token (greedy or seeded, inference/sampling.py, from logits shaped as its request asks:
-logits.py) and the next plan carries those tokens. Each answer is the one its request gets
+(runner.py, built as a Step: step.py) goes to every rank as one message; after the step rank 0
+samples every sequence's next token (outcome.py: greedy or seeded, from logits shaped as its
+request asks) and the next plan carries those tokens. Each answer is the one its request gets
 alone: a sequence's tokens depend on its own cache and its own generator only.
 """
 
@@ -35,7 +35,7 @@ from collections import deque
 import torch
 
 from ringattn.serve.allocation import BlockManager, Grant
-from ringattn.serve.logits import shape_rows
+from ringattn.serve.outcome import Outcome
 from ringattn.serve.pool import BlockPool
 from ringattn.serve.protocol import IDLE_S, Job
 from ringattn.serve.sequence import Seq
@@ -49,18 +49,20 @@ SHORT_LANE = 4
 
 
 class Scheduler:
-    """Rank 0's view of every sequence and of the ranks' pool (module docstring); `blocks`
-    holds the running sequences' blocks (allocation.py)."""
+    """Rank 0's view of every sequence and of the ranks' pool (module docstring): `blocks`
+    holds the running sequences' blocks (allocation.py), `step` is the step being planned
+    (step.py), `outcome` what its results and a sequence's end do (outcome.py)."""
 
     def __init__(self, jobs: queue.Queue, http, tokenizer, eos: list[int], pool: BlockPool,
                  shares: Shares, chunk: int, max_running: int, prefix_cache: bool = True,
                  metrics=None, make_sink=None):  # fmt: skip
-        self.jobs, self.http, self.tokenizer, self.eos = jobs, http, tokenizer, set(eos)
+        self.jobs, self.http, self.tokenizer = jobs, http, tokenizer
         self.blocks = BlockManager(pool, shares, chunk, prefix_cache)
         self.chunk, self.max_running, self.metrics = chunk, max_running, metrics
         self.make_sink = make_sink
         self.waiting: deque[Seq | Job] = deque()  # preempted sequences, then a held job
         self.step = Step()  # the step being planned, then run
+        self.outcome = Outcome(self.blocks, self.waiting, set(eos), metrics)  # after a step
         # the engine packs the first pieces of a step's new sequences as documents of one
         # placement; a layout that splits the whole packed sequence (contiguous), not each
         # document, could put a whole piece on one rank, beyond what `rows` counts: there
@@ -94,45 +96,15 @@ class Scheduler:
         """Requests out of the queue but not running (preempted or waiting for blocks)."""
         return len(self.waiting)
 
-    # ---- ending sequences ----
-
-    def _drop(self, seq: Seq) -> None:
-        ran = seq in self.running
-        self.blocks.free(seq)
-        if ran:  # the gauges move before its client hears the end
-            self._gauges()
-
-    def end(self, seq: Seq, finish: str) -> None:
-        """Finish `seq`: its last text and ("done", finish, usage)."""
-        self._drop(seq)
-        seq.finish(finish)
-
-    def fail(self, seq: Seq, message: str, status: int) -> None:
-        self._drop(seq)
-        seq.sink("error", message, status)
-
-    def _back(self, seq: Seq, sid: int | None = None) -> None:
-        """Preempted `seq` comes back first in line; out of the step being planned when it was
-        in it (as `sid`, the id it had)."""
-        if sid is not None:
-            self.step.drop(seq, sid)
-        self.waiting.appendleft(seq)
-        if self.metrics is not None:
-            self.metrics.preemptions += 1
-
-    def preempt(self, seq: Seq) -> None:
-        """Free seq's blocks; it comes back first in line and recomputes its cache."""
-        self.blocks.preempt(seq)
-        self._back(seq)
-
     def _granted(self, seq: Seq, grant: Grant) -> bool:
         """Act on what the block manager did for `seq`: those it preempted leave the step;
         one that never fits alone fails (400). Whether `seq` holds its rows."""
         for victim, sid in grant.preempted:
-            self._back(victim, sid)
+            self.step.drop(victim, sid)
+            self.outcome.back(victim)
         if grant.refusal is not None:
             self.step.drop(seq, seq.id)
-            self.fail(seq, grant.refusal, 400)
+            self.outcome.fail(seq, grant.refusal, 400)
         return grant.ok
 
     def admit_alone(self, seq: Seq, budget: int) -> None:
@@ -147,7 +119,8 @@ class Scheduler:
             victim = self.running[-1]
             sid = victim.id
             self.blocks.preempt(victim)
-            self._back(victim, sid)
+            self.step.drop(victim, sid)
+            self.outcome.back(victim)
 
     # ---- the plan ----
 
@@ -161,10 +134,10 @@ class Scheduler:
             except queue.Empty:
                 return self._flush({"op": "idle" if self.http.is_alive() else "stop"})
         for seq in [s for s in self.running if s.job.cancelled]:
-            self.end(seq, "stop")
+            self.outcome.end(seq, "stop")
         for item in [i for i in self.waiting if isinstance(i, Seq) and i.job.cancelled]:
             self.waiting.remove(item)  # preempted, or held for blocks: its client has gone
-            self._cancelled(item)
+            self.outcome.cancelled(item)
         # a sequence whose step failed runs alone until a step of it succeeds: a failure that
         # is its own then fails it alone, and its step-mates go on (Scheduler.failed)
         suspect = [s for s in (*self.running, *self.waiting) if isinstance(s, Seq) and s.failures]
@@ -177,16 +150,11 @@ class Scheduler:
             self.admit_alone(only, budget)
         if only is None:  # the short lane: a short prompt does not wait out a long prefill
             self._admit(self.chunk // SHORT_LANE, self.max_running, whole=True)
-        self._gauges()
+        self.outcome.gauges()
         if self.step.empty:
             time.sleep(0.01)  # only a held request waits (for blocks): do not spin
             return self._flush({"op": "idle"})
         return self._flush(self.step.message)
-
-    def _gauges(self) -> None:
-        if self.metrics is not None:
-            self.metrics.running = len(self.running)
-            self.metrics.pool(self.pool)
 
     def _flush(self, plan: dict) -> dict:
         """Frees and evictions ride on whatever goes out next."""
@@ -247,17 +215,10 @@ class Scheduler:
                 if refusal is None:
                     return seq
                 self.waiting.popleft()
-                self.fail(seq, refusal, 400)
+                self.outcome.fail(seq, refusal, 400)
                 continue
             self.waiting.popleft()
-            self._cancelled(seq)
-
-    def _cancelled(self, seq: Seq) -> None:
-        """A waiting request whose client has gone: ended, counted once."""
-        if seq.out:
-            self.end(seq, "stop")
-        elif self.metrics is not None:
-            self.metrics.ended("cancelled", latency_s=time.monotonic() - seq.job.arrived)
+            self.outcome.cancelled(seq)
 
     def _admit(self, budget: int, most: int, whole: bool = False) -> None:
         """Admit requests from the head of the line (at most `most`) while they fit; `whole`:
@@ -282,79 +243,15 @@ class Scheduler:
             self.step.add_open(seq, [entry for entry, _ in reuse])
             self.blocks.admit(seq, reuse)  # (reuse's blocks: shared)
 
-    # ---- after the step ----
+    # ---- after the step (outcome.py) ----
 
     def after(self, decoded: torch.Tensor | None, chunks: list[torch.Tensor],
               scores: dict | None = None) -> None:  # fmt: skip
         """Sample each sequence's next token from the step's logits; end the finished ones.
         `scores`: the prompt logprobs of the chunks that asked (Runner.scores)."""
-        rows: list[tuple[Seq, torch.Tensor]] = []
-        for seq in self.step.sequences:
-            seq.failures = 0  # its step went through
-        for j, seq in enumerate(self.step.decode):
-            seq.done += 1
-            rows.append((seq, decoded[j]))
-        for j, ((seq, n), logits) in enumerate(zip(self.step.chunks, chunks)):
-            seq.logprobs.piece(seq.done, n, (scores or {}).get(j), logits)
-            self.blocks.computed(seq, n)
-            rows.append((seq, logits))  # every piece's last row: a NaN anywhere is seen
-        if rows:
-            self._sample(rows)
-        self._gauges()
-
-    def _sample(self, rows: list[tuple[Seq, torch.Tensor]]) -> None:
-        logits = torch.stack([row for _, row in rows])  # (L, vocab)
-        shapers = [None if s.prefilling else s.shaper for s, _ in rows]  # logits.py; logprobs
-        shaped = logits if shapers.count(None) == len(shapers) else shape_rows(logits, shapers)
-        checks = torch.stack([shaped.argmax(-1), torch.isfinite(logits).all(-1).long()])
-        greedy, finite = checks.tolist()  # one host sync for the step
-        shared = len(self.step.sequences) > 1
-        users = set()  # of the entries forgotten: they counted on them (pool.forget)
-        if not all(finite):  # the chunks this step kept may hold the NaN's rows: forgotten
-            users = self.blocks.forget_kept()
-        for j, (seq, row) in enumerate(rows):
-            if not finite[j] and shared:  # (after() reset failures: this step went through)
-                # a NaN of one packed prompt reaches the others' rows (0 x NaN in a masked
-                # kernel); recomputed alone, a sequence whose own input is sane comes out clean
-                seq.failures = 1
-                self.preempt(seq)
-                continue
-            if finite[j] and seq.id in users:  # sane, but its kept chunk went: recompute
-                self.preempt(seq)
-                continue
-            if not finite[j]:
-                self.fail(seq, "the server failed while generating this request (non-finite "
-                               "logits); the server keeps serving, retry or change the request",
-                          500)  # fmt: skip
-                continue
-            if seq.prefilling:
-                continue  # a piece before the prompt's last: nothing to sample yet
-            if seq.request.max_new_tokens == 0:  # echo's prompt logprobs only
-                ended = seq.emit(None, None, self.eos)
-            else:
-                ended = seq.emit(seq.choose(shaped[j], greedy[j]), row, self.eos)
-            if ended is not None and ended[0] == "done":
-                self.end(seq, ended[1])
-            elif ended is not None:
-                self.fail(seq, ended[1], 500)
+        self.outcome.after(self.step, decoded, chunks, scores)
 
     def failed(self, err: Exception) -> None:
-        """The step raised (on every rank alike): its sequences recompute, each alone until a step
-        of it succeeds; one failing alone fails (400 for a ValueError, else 500), the others go
-        on. The chunks it was to keep are forgotten on every rank (it may have stopped midway)."""
-        users = self.blocks.forget_kept()
-        stepped = self.step.sequences
-        for seq in [s for s in self.running if s.id in users and s not in stepped]:
-            self.preempt(seq)  # (a user outside the step: none today, but it counted on them)
-        for seq in {id(s): s for s in stepped}.values():
-            seq.failures += 1
-            if seq.failures < 2 and len(stepped) > 1:
-                self.preempt(seq)
-            elif isinstance(err, (ValueError, TypeError)):
-                self.fail(seq, str(err), 400)
-            else:
-                self.fail(seq, f"the server failed while generating this request "
-                               f"({type(err).__name__}); the server keeps serving, retry or "
-                               f"change the request", 500)  # fmt: skip
+        """The step raised on every rank alike: its sequences recompute or fail (outcome.py)."""
+        self.outcome.failed(self.step, err)
         self.step = Step()
-        self._gauges()
