@@ -8,8 +8,10 @@ alone after what the sequence holds, decoded tokens round-robin from rank `seq m
 entries cut at a position. `simulate` runs a seeded scenario (arrivals, prompts sharing
 prefixes, lengths, chunks of any size, requests scoring their prompt, a hybrid's pool whose
 entries carry state snapshots and whose hits end where an entry ends, cancellations, failed
-steps, NaN rows) through the real `Scheduler` and `BlockPool` and checks, after every step, that
-no rank holds more rows of a sequence or an entry than the pool counts, and at the end that
+steps, NaN rows) through the real `Scheduler` and `BlockPool` and checks, after every plan and
+every step, that the scheduler's BlockManager is consistent (`check_blocks`: its sequences, ids
+and the pool's counts recounted from scratch) and that no rank holds more rows of a sequence or
+an entry than the pool counts, and at the end that
 every request got one last event (a scoring one its prompt's logprobs first, one per token),
 that no block is held, and that every rank's prefix store holds what the pool's index says.
 Each rank also runs a real paged store (inference/paged.py) without tensors' contents: its
@@ -29,6 +31,7 @@ import torch
 from ringattn.inference.paged import PagedStore
 from ringattn.layout import get_layout
 from ringattn.packing import place
+from ringattn.serve.allocation import BlockManager
 from ringattn.serve.pool import BlockPool
 from ringattn.serve.protocol import Request
 from ringattn.serve.scheduler import Scheduler
@@ -181,6 +184,45 @@ class Ranks:
             assert len(held) <= pool.n_blocks - pool.free, (rank, len(held), pool.free)
 
 
+def check_blocks(blocks: BlockManager, planned: bool = False) -> None:
+    """The block manager's state agrees with itself and with the pool, recounted from scratch:
+    each running sequence has a distinct id and the pool holds blocks for exactly those ids,
+    within what its rows need (but while a step is `planned`: a piece that completes a kept
+    chunk moved that chunk's blocks to the entry already); freed ids are held by none; every
+    entry's users are running and every entry's base is kept before it; the index names
+    exactly the entries' points; and the pool's used, cached, shared and free blocks equal a
+    count over the references (an entry is used while a sequence references it or an entry
+    that shares its blocks)."""
+    pool, block = blocks.pool, blocks.pool.block_size
+    ids = [seq.id for seq in blocks.running]
+    assert len(set(ids)) == len(ids) and all(0 <= i < blocks.next_id for i in ids), ids
+    assert set(pool.held) == set(ids), (pool.held, ids)
+    for seq in blocks.running:
+        rows = blocks.rows(seq)
+        assert planned or rows <= pool.held[seq.id] * block, (seq.id, rows, pool.held[seq.id])
+        assert seq.done <= len(seq.tokens) and seq.target <= len(seq.tokens)
+    assert len(set(blocks.freed)) == len(blocks.freed) and not set(blocks.freed) & set(ids)
+    users: dict[int, set[int]] = {entry: set() for entry in pool.cached}
+    for entry, seqs in pool.users.items():
+        assert seqs and seqs <= set(ids) and entry in pool.cached, (entry, seqs, ids)
+        while entry is not None:  # an entry's users keep its base, and the base's base
+            users[entry] |= seqs
+            entry = pool.cached[entry].base
+    for entry, kept in pool.cached.items():
+        assert kept.base is None or (kept.base < entry and kept.base in pool.cached), entry
+        for _, h in kept.points:
+            assert entry in pool.index[h], (entry, h)
+    for h, holders in pool.index.items():
+        assert holders and all(h in {p for _, p in pool.cached[e].points} for e in holders), h
+    assert set(blocks.kept) <= set(pool.cached), (blocks.kept, pool.cached)
+    used = sum(pool.held.values()) + sum(pool.cached[e].blocks for e, u in users.items() if u)
+    cached = sum(pool.cached[e].blocks for e, u in users.items() if not u)
+    shared = sum(pool.cached[e].blocks for e, u in users.items() if len(u) > 1)
+    counts = {"used": used, "cached": cached, "shared": shared,
+              "free": pool.n_blocks - used - cached}  # fmt: skip
+    assert pool.counts() == counts and counts["free"] >= 0, (pool.counts(), counts)
+
+
 @dataclass
 class Scenario:
     """One seeded run's settings (see `scenario`)."""
@@ -254,6 +296,7 @@ def simulate(s: Scenario, tokenizer, seed: int = 0, most_steps: int = 5000) -> l
         if arrived == len(jobs) and _quiet(sched, jobs_q):
             break
         plan = sched.plan()
+        check_blocks(sched.blocks, planned=True)
         if plan["op"] != "step" and not _quiet(sched, jobs_q):
             stuck = [j.request.ids[:4] for j in jobs if not j.ended]
             raise AssertionError(f"step {step}: nothing to run while {len(stuck)} requests "
@@ -263,11 +306,13 @@ def simulate(s: Scenario, tokenizer, seed: int = 0, most_steps: int = 5000) -> l
         ranks.prologue(plan)
         if (plan["decode"] or plan["chunks"]) and rng.random() < s.fail_p:
             sched.failed(torch.OutOfMemoryError("simulated"))
+            check_blocks(sched.blocks)
             ranks.check(pool, sched.freed)
             continue
         ranks.forward(plan)
         ranks.check(pool, sched.freed)
         sched.after(*_logits(plan, rng, s.nan_p), _scores(plan))
+        check_blocks(sched.blocks)
     else:
         raise AssertionError(f"not done after {most_steps} steps: {s}")
     _final(sched, pool, ranks, jobs)
