@@ -21,7 +21,7 @@ the prefix store holds (pool.py), and every chunk with a full block of B = --kv-
 is kept there. The scheduler decides what runs; its BlockManager (allocation.py) holds the
 running sequences' blocks: their sizes, the prefix they share, who is preempted. The plan
 (runner.py, built as a Step: step.py) goes to every rank as one message; after the step rank 0
-samples every sequence's next token (outcome.py: greedy or seeded, from logits shaped as its
+samples every sequence's next token (step.py: greedy or seeded, from logits shaped as its
 request asks) and the next plan carries those tokens. Each answer is the one its request gets
 alone: a sequence's tokens depend on its own cache and its own generator only.
 """
@@ -35,12 +35,11 @@ from collections import deque
 import torch
 
 from ringattn.serve.allocation import BlockManager, Grant
-from ringattn.serve.outcome import Outcome
 from ringattn.serve.pool import BlockPool
 from ringattn.serve.protocol import IDLE_S, Job
 from ringattn.serve.sequence import Seq
 from ringattn.serve.shares import Shares
-from ringattn.serve.step import Step
+from ringattn.serve.step import Outcome, Step
 
 __all__ = ["SHORT_LANE", "Scheduler", "Seq"]  # Seq: from sequence.py
 
@@ -50,8 +49,8 @@ SHORT_LANE = 4
 
 class Scheduler:
     """Rank 0's view of every sequence and of the ranks' pool (module docstring): `blocks`
-    holds the running sequences' blocks (allocation.py), `step` is the step being planned
-    (step.py), `outcome` what its results and a sequence's end do (outcome.py)."""
+    holds the running sequences' blocks (allocation.py), `step` is the step being planned and
+    `outcome` what its results and a sequence's end do (step.py)."""
 
     def __init__(self, jobs: queue.Queue, http, tokenizer, eos: list[int], pool: BlockPool,
                  shares: Shares, chunk: int, max_running: int, prefix_cache: bool = True,
@@ -243,7 +242,7 @@ class Scheduler:
             self.step.add_open(seq, [entry for entry, _ in reuse])
             self.blocks.admit(seq, reuse)  # (reuse's blocks: shared)
 
-    # ---- after the step (outcome.py) ----
+    # ---- after the step (step.py's Outcome) ----
 
     def after(self, decoded: torch.Tensor | None, chunks: list[torch.Tensor],
               scores: dict | None = None) -> None:  # fmt: skip
@@ -252,6 +251,6 @@ class Scheduler:
         self.outcome.after(self.step, decoded, chunks, scores)
 
     def failed(self, err: Exception) -> None:
-        """The step raised on every rank alike: its sequences recompute or fail (outcome.py)."""
+        """The step raised on every rank alike: its sequences recompute or fail (step.py)."""
         self.outcome.failed(self.step, err)
         self.step = Step()
