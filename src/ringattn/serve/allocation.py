@@ -2,9 +2,11 @@
 who is preempted, and who may never enter (nano-vllm's block_manager.py, over the accounting
 of pool.py's BlockPool: each sequence's own blocks, the prefix cache's entries, their users).
 
-    open -> (reuse: a cached prefix, pinned) -> grow | allocate -> admit -> keep -> computed
-         \\-> unopen (it waits at the head of the line)        allocate may preempt others
-    free (ended), preempt (back in line: its blocks freed, it recomputes), take_freed (the plan)
+    the head of the line   open (the next id; `reuse`: a cached prefix, pinned) -> grow -> keep
+                           -> admit; or unopen (it waits: nothing held, nothing pinned)
+    a running sequence     allocate / append (preempting the newest if need be) -> keep
+    after the step         computed (the piece's rows), forget_kept (a failed or NaN step)
+    leaving                free (ended), preempt (back in line, recomputes); take_freed (plan)
 
 Preempt on any failed allocation (vLLM's rule, DESIGN.md §13): a running sequence that cannot
 get the blocks for its next decode token *or its next prefill piece* preempts the newest
