@@ -59,6 +59,22 @@ class PoolCache:
         self._pools[world_size] = pool  # most recently used last
         return pool
 
+    def recycle_crowded(self, max_groups: int) -> list[int]:
+        """Shut down every pool whose workers hold more than `max_groups` gloo groups (the next
+        call spawns it afresh); return their world sizes.
+
+        Why: the groups a test module builds (meshes, sub-groups, the library's group cache)
+        live as long as the worker, and each costs CPU while idle: its gloo device's loop
+        thread wakes up in epoll_wait every few milliseconds. A 4-rank pool's workers held 60
+        groups late in the suite and burned 8 % of a core each doing nothing; over the suite's
+        18 pool workers that was a third of this 2-core machine. A fresh pool costs about as
+        much CPU per rank as 16 such groups burn in two minutes.
+        """
+        crowded = [w for w, pool in self._pools.items() if pool.gloo_groups() > max_groups]
+        for world_size in crowded:
+            self._pools.pop(world_size).shutdown()
+        return crowded
+
     def close(self) -> None:
         while self._pools:
             self._pools.popitem()[1].shutdown()
@@ -70,6 +86,16 @@ def pools() -> Iterator[PoolCache]:
     cache = PoolCache(max_pools=5)  # one per world size used: each spawned once
     yield cache
     cache.close()
+
+
+MAX_GROUPS = 16  # gloo groups a pool's worker may keep past a test module (recycle_crowded)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _recycle_crowded_pools(pools: PoolCache) -> Iterator[None]:
+    """After each test module, respawn the pools its tests left crowded with process groups."""
+    yield
+    pools.recycle_crowded(MAX_GROUPS)
 
 
 @pytest.fixture

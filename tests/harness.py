@@ -307,6 +307,23 @@ class WorkerPool:
                 parts.append(f"----- rank {rank} traceback -----\n{payload.traceback.rstrip()}")
         return "\n".join(parts)
 
+    def gloo_groups(self) -> int:
+        """The most gloo process groups any worker holds, the default one included: each holds
+        one `gloo_tcp_loop` thread (read from /proc, no task sent, so it works between tasks
+        only: call it when no task runs)."""
+        most = 0
+        for proc in self._procs:
+            task_dir = f"/proc/{proc.pid}/task"
+            count = 0
+            for tid in os.listdir(task_dir) if os.path.isdir(task_dir) else ():
+                try:
+                    with open(f"{task_dir}/{tid}/comm") as f:
+                        count += f.read().strip() == "gloo_tcp_loop"
+                except OSError:  # a thread that ended while they were listed
+                    continue
+            most = max(most, count)
+        return most
+
     def shutdown(self, timeout: float = 5.0) -> None:
         """Stop the workers: sentinel, join for up to `timeout` s, then terminate, then kill.
 

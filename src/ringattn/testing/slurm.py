@@ -6,9 +6,11 @@
 
 Everything lives in one temporary folder: the munge key and socket, slurm.conf (one node named
 after this host at 127.0.0.1 with `cpus` CPUs, one partition, ports of its own so that a
-system Slurm is left alone, credentials that expire in 20 s: a requeued job waits that long
-before it starts again, 120 s by default), the controller's state, the node's spool and the
-logs. Clients (sbatch, scancel, scontrol) find the cluster through SLURM_CONF, which `env()`
+system Slurm is left alone; credentials that expire in 10 s, because a requeued job becomes
+eligible only once its old credential expired, 120 s by default; a main scheduling pass every
+second, because an eligible requeued job otherwise waits for the next pass, 60 s by default:
+together a requeue took 56 s of idle waiting, now about 11), the controller's state, the node's
+spool and the logs. Clients (sbatch, scancel, scontrol) find the cluster through SLURM_CONF, which `env()`
 sets. Processes are tracked by parentage (proctrack/linuxproc, no cgroups: containers rarely
 delegate them).
 `close()` stops the two daemons and munged (SIGTERM, then SIGKILL) and removes the folder; it
@@ -101,7 +103,7 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket={socket_path},cred_expire=20
+AuthInfo=socket={socket_path},cred_expire=10
 StateSaveLocation={d}/state
 SlurmdSpoolDir={d}/spool
 SlurmctldPidFile={d}/slurmctld.pid
@@ -111,6 +113,7 @@ SlurmdLogFile={d}/log/slurmd.log
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SchedulerType=sched/builtin
+SchedulerParameters=sched_interval=1
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 ReturnToService=2
