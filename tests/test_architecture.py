@@ -20,6 +20,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "src" / "ringattn"
 CORE_PACKAGES = ("comm", "kernels", "strategies")
 APPLICATIONS = ("train", "bench", "cli", "integrations", "runtime", "testing", "inference",
@@ -98,6 +100,7 @@ def test_core_never_imports_an_application():
                 assert _is_core(module) or module == "ringattn", f"{name} imports {module}"
 
 
+@pytest.mark.slow
 def test_import_ringattn_needs_only_torch():
     code = (
         "import sys, ringattn\n"
@@ -187,6 +190,7 @@ def _needs_an_extra() -> dict[str, set[str]]:
     return closure
 
 
+@pytest.mark.slow
 def test_lazy_imports_are_for_optional_dependencies_only():
     """A ringattn module is imported inside a function only when importing it needs an optional
     extra (e.g. the serve worker, whose FastAPI app needs pydantic): never to dodge a cycle."""

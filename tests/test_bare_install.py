@@ -55,6 +55,7 @@ def bare(tmp_path_factory) -> pathlib.Path:
     return python.parent
 
 
+@pytest.mark.slow
 def test_the_bare_environment_has_no_extra(bare):
     code = (
         "import importlib.util, json\n"
@@ -66,6 +67,7 @@ def test_the_bare_environment_has_no_extra(bare):
 
 
 @pytest.mark.parametrize("flag, expected", [("--help", "attention-demo"), ("--version", "0.1.0")])
+@pytest.mark.slow
 def test_console_script(bare, tmp_path, flag, expected):
     result = subprocess.run([str(bare / "ringattn"), flag], check=False,
                             capture_output=True, text=True, cwd=tmp_path, timeout=300)  # fmt: skip
@@ -73,6 +75,7 @@ def test_console_script(bare, tmp_path, flag, expected):
     assert expected in result.stdout
 
 
+@pytest.mark.slow
 def test_import_ringattn_hf_names_the_extra(bare, tmp_path):
     result = subprocess.run([str(bare / "python"), "-c", "import ringattn.hf"], check=False,
                             capture_output=True, text=True, cwd=tmp_path, timeout=300)  # fmt: skip
@@ -102,6 +105,7 @@ RUNS = ("layout", "plan", "check", "attention-demo", "bench", "demo", "train")
 
 
 @pytest.mark.parametrize("name", RUNS)
+@pytest.mark.slow
 def test_commands_without_extras_run(commands, name):
     case = commands[name]
     assert case["code"] == 0, case
@@ -126,6 +130,7 @@ REFUSALS = {
 
 
 @pytest.mark.parametrize("name", sorted(REFUSALS))
+@pytest.mark.slow
 def test_commands_needing_an_extra_say_which(commands, name):
     case = commands[name]
     assert case["code"] == 2, case

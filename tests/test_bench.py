@@ -57,6 +57,7 @@ def test_emulated_ring_matches_float64_reference(layout, world_size, causal):
 
 
 @pytest.mark.parametrize("pool", [2, 3], indirect=True)
+@pytest.mark.slow
 def test_emulated_ring_equals_the_real_ring(pool):
     """Same schedule, kernels and merges as ring.py: out, lse, dq agree to the last bits (dk, dv
     add the W contributions in another order)."""

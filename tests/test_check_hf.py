@@ -61,6 +61,7 @@ def _main_in_process(argv: list[str]) -> int:
             dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_llama_is_exact_in_every_layout(llama_dir, capfd):
     code = main(["check", "--hf", llama_dir, "--nproc", "2"])
     out = capfd.readouterr().out
@@ -73,6 +74,7 @@ def test_llama_is_exact_in_every_layout(llama_dir, capfd):
     assert code == 0
 
 
+@pytest.mark.slow
 def test_a_hybrid_is_exact_in_every_layout(tmp_path, capfd):
     """Nemotron-H (Mamba2 by groups of heads, attention, MLP blocks), the user's config at a tiny
     width: its mixers exact under CP, not just its attention."""
@@ -98,6 +100,7 @@ def test_refused_model_is_reported_not_failed(tmp_path, monkeypatch, capfd):
     assert code == 0
 
 
+@pytest.mark.slow
 def test_fault_on_one_rank_is_wrong_and_exits_1(llama_dir, capfd):
     code = main(["check", "--hf", llama_dir, "--nproc", "2", "--layouts", "zigzag",
                  "--inject-fault", "1"])  # fmt: skip

@@ -15,6 +15,7 @@ from ringattn.cli import check
 from ringattn.cli.main import build_parser, main
 
 
+@pytest.mark.slow
 def test_module_entry_point_help():
     done = subprocess.run(
         [sys.executable, "-m", "ringattn", "--help"],
@@ -60,6 +61,7 @@ def test_bad_values_exit_2_before_launching(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_check_small_matrix_passes(capfd):
     argv = ["check", "--world-sizes", "1,2", "--dtypes", "float64,bfloat16", "--layouts", "zigzag"]
     assert main(argv) == 0
@@ -116,6 +118,7 @@ def test_check_reports_refusals_without_failing(monkeypatch, capfd, error, summa
     assert code == 0
 
 
+@pytest.mark.slow
 def test_demo_small(tmp_path, capfd):
     path = tmp_path / "demo.json"
     argv = ["attention-demo", "--nproc", "2", "--seq-len", "512", "--heads", "4", "--kv-heads", "2"]

@@ -90,6 +90,7 @@ def _when_step_logged(out_dir: str, step: int, action, stop: threading.Event) ->
     return done
 
 
+@pytest.mark.slow
 def test_sigterm_to_the_launcher_checkpoints_that_step_and_the_same_command_resumes(
     pools, tmp_path, capfd
 ):
@@ -140,6 +141,7 @@ def test_sigterm_to_the_launcher_checkpoints_that_step_and_the_same_command_resu
     assert starts == [0, stop_step]
 
 
+@pytest.mark.slow
 def test_grace_running_out_exits_at_once_and_leaves_the_last_checkpoint(pools, tmp_path, capfd):
     """SIGTERM to rank 1 in step 4 with a grace period far shorter than a step: it exits at once
     (143) mid-step; the launcher ends the job; step 2's checkpoint is complete and resumes."""
@@ -201,6 +203,7 @@ print("still running", flush=True)
 """
 
 
+@pytest.mark.slow
 def test_grace_expiry_exits_at_once():
     proc = subprocess.run([sys.executable, "-c", _HARD_EXIT, "1", "1", "wait"], check=False,
                           capture_output=True, text=True, timeout=120)  # fmt: skip
@@ -209,6 +212,7 @@ def test_grace_expiry_exits_at_once():
     assert "grace period after SIGTERM ran out: exiting at once" in proc.stderr
 
 
+@pytest.mark.slow
 def test_sigterms_seconds_apart_are_one_request():
     """A second and a third SIGTERM more than DEBOUNCE_S apart (a scheduler's copy, then the
     launcher's, on a loaded node) do not end the rank: it finishes and returns normally."""
@@ -219,6 +223,7 @@ def test_sigterms_seconds_apart_are_one_request():
     assert "exiting at once" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_divergence_skips_the_update_on_every_rank_and_stops(pools, tmp_path):
     """lr 1e30: step 1's update makes the weights ~1e30 (finite), so every later loss overflows.
     Steps 2-4 are not applied on any rank (the weights stay step 1's, bitwise), the run stops
@@ -317,6 +322,7 @@ def _can_freeze(tmp_path) -> bool:
     return frozen
 
 
+@pytest.mark.slow
 def test_checkpoint_directory_turning_read_only_ends_the_job_and_keeps_the_last_one(
     pools, tmp_path, capfd
 ):

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 
+import pytest
 import torch
 
 from patience import wait_until
@@ -50,6 +51,7 @@ def _torchrun(flags: list[str]) -> tuple[int, str]:
         return proc.returncode, log.read()
 
 
+@pytest.mark.slow
 def test_sigterm_to_one_rank_under_torchrun_checkpoints_every_rank_and_resumes(pools, tmp_path):
     """SIGTERM to rank 1 only, in step 3: the flag travels in the step's all-reduce, both ranks
     checkpoint the same step and exit 75 (torchrun reports it); resuming from that checkpoint
@@ -74,6 +76,7 @@ def test_sigterm_to_one_rank_under_torchrun_checkpoints_every_rank_and_resumes(p
     torch.testing.assert_close(logged, want, rtol=1e-6, atol=0)  # under torchrun, then resumed
 
 
+@pytest.mark.slow
 def test_a_frozen_rank_is_named_under_torchrun(tmp_path):
     """Rank 1 stops itself (SIGSTOP) at step 3: rank 0's heartbeat watcher names it within
     --stall-timeout, kills it (same host) and exits 70, and torchrun ends the job: no wait for

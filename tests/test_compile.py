@@ -33,6 +33,7 @@ def _qkv(s=16, dtype=torch.float64, heads=(4, 2), dim=8, seed=0):
 
 
 @pytest.mark.parametrize("cu_seqlens", [None, [0, 6, 6, 16]], ids=["dense", "packed"])
+@pytest.mark.slow
 def test_ops_pass_opcheck(cu_seqlens):
     """Schema, fake (meta) implementation, autograd registration and dispatch all agree."""
     q, k, v = _qkv()
@@ -62,6 +63,7 @@ def test_fake_shapes_and_dtypes():
         assert real[1].dtype == lse_dtype
 
 
+@pytest.mark.slow
 def test_inductor_one_process_equals_eager():
     """fullgraph=True with inductor, forward and backward, equals eager; no graph break."""
     q, k, v = _qkv(dtype=torch.float32)
@@ -90,6 +92,7 @@ def test_group_spec_round_trip_one_process():
 
 
 @pytest.mark.parametrize("world_size", [2])
+@pytest.mark.slow
 def test_decoder_compiles_whole_and_equals_one_process(pools, world_size):
     """Our decoder under CP, torch.compile(model, fullgraph=True): no graph break, one graph,
     the summed loss and gradients of one process on the full sequence."""
@@ -101,6 +104,7 @@ def test_decoder_compiles_whole_and_equals_one_process(pools, world_size):
         assert loss_error <= LOSS_RTOL and grad_error <= GRAD_RTOL, (loss_error, grad_error)
 
 
+@pytest.mark.slow
 def test_hybrid_decoder_compiles_whole_and_equals_one_process(pools):
     """strategy="hybrid" over a 2 x 2 ("ring", "ulysses") mesh of W = 4 ranks (Ulysses inside
     pairs, a ring across them): explain finds no graph break, one graph, the loss and
@@ -114,6 +118,7 @@ def test_hybrid_decoder_compiles_whole_and_equals_one_process(pools):
         assert loss_error <= LOSS_RTOL and grad_error <= GRAD_RTOL, (loss_error, grad_error)
 
 
+@pytest.mark.slow
 def test_packed_documents_change_without_recompiling(pools):
     """cu_seqlens is data of the op: new document layouts (and lengths) reuse the graph. Each
     input dim that changes recompiles once (dynamo's automatic dynamic shapes: the number of

@@ -31,6 +31,7 @@ BATCHES = [(37,), (11, 1, 18, 7), (5, 20, 9), (3, 3, 9, 2, 30)]  # dense, then p
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.slow
 def test_llama_compiled_equals_one_process(pools, world_size):
     results = pools(world_size).run(
         "workers_compile:hf_layouts_case",
@@ -46,6 +47,7 @@ def test_llama_compiled_equals_one_process(pools, world_size):
             assert grad_error <= GRAD_RTOL, (docs, grad_error)
 
 
+@pytest.mark.slow
 def test_train_hf_compiled_equals_eager(pools, tmp_path):
     model_dir, docs = tiny_llama_dir(tmp_path)
     runs = {}
@@ -60,6 +62,7 @@ def test_train_hf_compiled_equals_eager(pools, tmp_path):
 
 
 @pytest.mark.parametrize(("world_size", "strategy"), [(2, "ring"), (4, "hybrid")])
+@pytest.mark.slow
 def test_padding_mask_is_checked_once_per_forward(pools, world_size, strategy):
     """All ones: one all-gather per forward of the 2-layer model, the loss of no mask."""
     results = pools(world_size).run("workers_compile:padding_mask_case", strategy=strategy)
@@ -75,6 +78,7 @@ def test_padding_mask_with_zeros_raises_on_every_rank_hybrid(pools):
     )  # fmt: skip
 
 
+@pytest.mark.slow
 def test_padding_mask_under_compile_is_refused(pools):
     """fullgraph=True turns the trace-time ValueError into dynamo's Unsupported (a
     RuntimeError) that carries the message."""

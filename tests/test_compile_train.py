@@ -39,6 +39,7 @@ GLOBAL_BATCH = 4  # sequences per step over all dp rows
     ],
     ids=["dp2xcp2", "cp2xtp2", "pp2xtp2", "tp2-inductor"],
 )
+@pytest.mark.slow
 def test_compiled_training_equals_one_process(pools, tmp_path, pp, dp, cp, tp, backend, extra):
     model = {k: v for k, v in extra.items() if k in ("layers", "steps")}  # both runs
     extra = {k: v for k, v in extra.items() if k not in model}

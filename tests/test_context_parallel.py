@@ -44,6 +44,7 @@ def _fp64(q, k, v):
     return torch.softmax(scores.masked_fill(~visible, -math.inf), dim=-1) @ v
 
 
+@pytest.mark.slow
 def test_founding_example_runs_under_torchrun(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.join(ROOT, "src")}
     command = [

@@ -78,6 +78,7 @@ def _check_complete(found: dict) -> None:
     assert [n for n in found["names"] if n.startswith("step-")] == sorted(steps)
 
 
+@pytest.mark.slow
 def test_a_job_killed_anywhere_in_a_save_resumes_from_the_newest_complete_checkpoint(tmp_path):
     cases = _kill_cases()
     spec = {"world_size": 2, "options": TINY, "root": str(tmp_path), "cases": cases}

@@ -178,6 +178,7 @@ def _assert_same(got: dict, losses: list[float], params: dict, what: str) -> Non
         (2, 4, "zigzag", "ring"),
     ],
 )
+@pytest.mark.slow
 def test_dynamic_cp_equals_static_cp_and_one_process(pools, tmp_path, dp, cp, layout, strategy):
     """5 SGD steps without clipping on documents straddling every size threshold (WINDOWS):
     dynamic CP's losses and weights equal static CP's on the same mesh, one process's (the
@@ -224,6 +225,7 @@ def test_ranks_without_any_document_still_train_exactly(pools, tmp_path):
     _assert_same(got[0], *_reference(single, WINDOWS, 1), "all on rank 0")
 
 
+@pytest.mark.slow
 def test_dynamic_cp_resumes_exactly_from_its_own_and_a_static_checkpoint(pools, tmp_path):
     """AdamW (what checkpoints hold), stopped after step 2 and resumed with --dynamic-cp: from a
     dynamic run's checkpoint, bitwise the uninterrupted run's losses and weights; from a static

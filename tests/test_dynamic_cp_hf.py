@@ -64,6 +64,7 @@ def _assert_same(got: dict, want: dict, what: str, atol: float = 1e-6) -> None:
         (2, 2, "striped", "allgather", "lfm2", True),
     ],
 )
+@pytest.mark.slow
 def test_train_hf_dynamic_cp_equals_static_and_one_process(
     pools, tmp_path, dp, cp, layout, strategy, arch, checkpointing
 ):
@@ -96,6 +97,7 @@ def test_train_hf_dynamic_cp_equals_static_and_one_process(
     assert moved > 1000 * 1e-6
 
 
+@pytest.mark.slow
 def test_train_hf_ranks_without_any_document(pools, tmp_path):
     """Every document on rank 0 alone: ranks 1-3 train a one-token unsupervised document (one
     forward and backward through every parameter, so FSDP2's collectives meet) and nothing
@@ -111,6 +113,7 @@ def test_train_hf_ranks_without_any_document(pools, tmp_path):
     _assert_same(got[0], one[0], "all on rank 0")
 
 
+@pytest.mark.slow
 def test_train_hf_dynamic_resumes_exactly(pools, tmp_path):
     """AdamW, stopped after step 2 and resumed: the losses and weights are bitwise those of the
     uninterrupted run (checkpoints hold no schedule; each step's is a function of the step)."""
@@ -141,6 +144,7 @@ def _trainer_same(got: dict, want: dict, what: str) -> None:
 @pytest.mark.parametrize(
     "dp, cp, layout, checkpointing", [(1, 4, "zigzag", True), (2, 2, "striped", False)]
 )
+@pytest.mark.slow
 def test_trainer_dynamic_equals_static_and_plain(pools, tmp_path, dp, cp, layout, checkpointing):
     """transformers.Trainer + DataCollatorWithFlattening, 4 chats of mixed lengths per dp row,
     5 SGD steps without clipping (at 1 x 4 with gradient checkpointing: each piece's attention

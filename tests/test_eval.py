@@ -92,6 +92,7 @@ def test_prompts_are_exact_pure_and_hold_the_needles_at_their_depth(tmp_path):
     assert score("it is 123 and 456", ["123", "456", "789"]) == pytest.approx(2 / 3)
 
 
+@pytest.mark.slow
 def test_eval_niah_on_1_and_2_ranks_writes_the_same_answers(tiny, tmp_path, capfd):
     docs = {}
     for n in (1, 2):
@@ -119,6 +120,7 @@ def test_eval_niah_on_1_and_2_ranks_writes_the_same_answers(tiny, tmp_path, capf
     assert (tmp_path / "1" / "niah.png").read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.slow
 def test_every_task_answers_the_same_on_1_2_and_4_ranks(tiny, pools):
     from ringattn.integrations.hf.source import load_model, model_source
 

@@ -79,6 +79,7 @@ def test_rope_flags_and_the_niah_probe_need_hf(tmp_path, capfd):
         assert info.value.code == 2 and "it needs --hf DIR" in capfd.readouterr().err
 
 
+@pytest.mark.slow
 def test_extended_training_probes_and_exports(pools, tmp_path):
     from ringattn.evals.grid import evaluate
     from ringattn.evals.haystack import Codec

@@ -30,6 +30,7 @@ def _greedy(model, prompt: torch.Tensor, new: int, eos=None) -> torch.Tensor:
 
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("arch", ["llama", "gemma3", "gpt_oss"])
+@pytest.mark.slow
 def test_ragged_batch_equals_each_prompt_alone(pools, world_size, arch):
     """Prompts of 13, 1, 21 and 6 tokens (1-D and (1, S)), max_new_tokens of 7, 3, 9, 0, and an
     EOS that one sequence meets after 2 tokens: each result equals its prompt generated alone."""
@@ -89,6 +90,7 @@ def test_sampling_in_a_batch_equals_each_prompt_alone(pools):
 
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("arch", ["llama", "gemma3", "gpt_oss", "gemma2"])
+@pytest.mark.slow
 def test_follow_up_turns_equal_model_generate_of_the_conversation(pools, world_size, arch):
     """Three turns over the cache, pass-KV and pass-Q: each reply equals model.generate of the
     whole conversation so far (sliding layers, sinks and softcapping included)."""

@@ -25,6 +25,7 @@ def _ids(out: str) -> list[int]:
     return [int(t) for t in out.strip().splitlines()[-1].split(":")[1].split()]
 
 
+@pytest.mark.slow
 def test_cp_times_tp_and_offload_stream_model_generate(tmp_path, capfd):
     _save_llama(tmp_path / "llama", vocab_size=100)
     config = transformers.LlamaConfig.from_pretrained(tmp_path / "llama")
@@ -49,6 +50,7 @@ def test_cp_times_tp_and_offload_stream_model_generate(tmp_path, capfd):
     assert err.count("[prefill]") == 2 and "\r[prefill] layer 2/2\n" in err
 
 
+@pytest.mark.slow
 def test_chat_wraps_the_prompt_in_the_template_and_sampling_runs(tmp_path, capfd):
     tokenizer = _tokenizer()
     tokenizer.chat_template = TEMPLATE

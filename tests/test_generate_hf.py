@@ -50,6 +50,7 @@ def _reference(model, ids: list[int], new: int) -> list[int]:
     return out[0, len(ids) :].tolist()
 
 
+@pytest.mark.slow
 def test_generate_hf_on_two_ranks_streams_model_generate(tmp_path, capfd):
     model = _save_llama(tmp_path / "llama", vocab_size=100)
     prompt = b"a 23-byte prompt: odd!!"  # 23 tokens, not a multiple of 2W = 4

@@ -18,6 +18,7 @@ from test_generate_batch import _greedy, _prompt
 
 
 @pytest.mark.parametrize(("world_size", "arch"), [(2, "llama"), (4, "qwen3"), (4, "gemma3")])
+@pytest.mark.slow
 def test_cp_times_tp_equals_one_process(pools, world_size, arch):
     tp = 2
     model = workers_hf.build(arch)

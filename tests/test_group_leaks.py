@@ -57,6 +57,7 @@ def _heavy_cases(tmp_path) -> list[tuple[str, tuple]]:
     ]
 
 
+@pytest.mark.slow
 def test_heavy_cases_leak_no_threads(pools, tmp_path):
     """Each worker's threads after a second round of the heavy cases equal those after the
     first (gloo's by name, and all of them)."""

@@ -102,6 +102,7 @@ def test_dead_rank_is_reported_with_exit_code(pools):
     assert pool.closed
 
 
+@pytest.mark.slow
 def test_hang_hits_deadline_and_pool_is_replaced(pools):
     pool = pools(2)
     pool.run(_whoami)  # import this module on both ranks first, so only rank 0 can be late

@@ -24,6 +24,7 @@ pytest.importorskip("transformers")
 
 import ringattn.hf
 from ringattn.layout import LAYOUTS
+from tiers import SLOW
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral", "gemma3", "gpt_oss", "gemma2"]
 WORLD_SIZES = [2, 3, 4]
@@ -39,7 +40,10 @@ def _cases(world_size):
     return cases
 
 
-@pytest.mark.parametrize("world_size", WORLD_SIZES)
+# the fast tier: every architecture at W = 2 (tests/tiers.py)
+@pytest.mark.parametrize(
+    "world_size", [w if w == 2 else pytest.param(w, marks=SLOW) for w in WORLD_SIZES]
+)
 @pytest.mark.parametrize("arch", ARCHS)
 def test_matches_single_device(pools, arch, world_size):
     cases = _cases(world_size)
@@ -203,6 +207,7 @@ def test_parallelize_errors():
     assert model.config._attn_implementation == "ringattn"
 
 
+@pytest.mark.slow
 def test_import_ringattn_does_not_import_transformers():
     code = "import sys, ringattn; assert 'transformers' not in sys.modules, 'imported'"
     env = {**os.environ, "PYTHONPATH": os.path.join(os.path.dirname(__file__), "..", "src")}

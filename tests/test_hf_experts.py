@@ -85,6 +85,7 @@ def _train_options(tmp_path) -> dict:
 
 
 @pytest.mark.parametrize("dp", [1, 2])
+@pytest.mark.slow
 def test_train_ep2_equals_one_process_and_exports_the_whole_model(pools, tmp_path, dp):
     """`train --hf --ep 2` on dp x cp 2 (SGD: weights exact by construction, workers_train.build)
     logs one process's losses and aux losses to 1e-5; `--export` of its final checkpoint (each
@@ -133,6 +134,7 @@ def test_train_ep2_equals_one_process_and_exports_the_whole_model(pools, tmp_pat
         )
 
 
+@pytest.mark.slow
 def test_checkpoints_reshard_between_ep2_and_ep1(pools, tmp_path):
     """Saved at ep 2 and resumed at ep 1, or the reverse, with AdamW (its moments are resharded
     too): steps 3 and 4 log the losses of a run that kept ep 1 throughout, to 1e-5."""
@@ -190,6 +192,7 @@ def test_ep_degree_rules_name_the_values():
         check_ep(2, tf.LlamaConfig())
 
 
+@pytest.mark.slow
 def test_generate_cli_ep2_streams_model_generate(tmp_path, capfd):
     """`ringattn generate --hf DIR --nproc 2 --ep 2` on a tiny Mixtral: model.generate's ids."""
     import torch
@@ -215,6 +218,7 @@ def test_generate_cli_ep2_streams_model_generate(tmp_path, capfd):
     assert info.value.code == 2 and "--ep 3 must divide --nproc 2" in capfd.readouterr().err
 
 
+@pytest.mark.slow
 def test_serve_ep2_answers_as_model_generate(tmp_path):
     """`ringattn serve --nproc 2 --ep 2` on a tiny Mixtral chat model: two concurrent greedy
     requests (one batch) answer what transformers' model.generate gives each alone."""

@@ -32,6 +32,7 @@ def _assert_exact(rows):
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.slow
 def test_training_without_jitter_is_exact(pools, world_size):
     rows = pools(world_size).run(
         "workers_hf_families:phimoe_cases", cases=CASES, training=True,
@@ -41,6 +42,7 @@ def test_training_without_jitter_is_exact(pools, world_size):
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.slow
 def test_eval_with_jitter_is_exact(pools, world_size):
     """The released configuration (router_jitter_noise 0.01) in eval: top-2, no draw."""
     cases = [("zigzag", "packed"), ("striped", "dense"), ("contiguous", "packed")]

@@ -54,6 +54,7 @@ def _ranks_agree(results: list[dict]) -> None:
     ("lora", "packing"), [(False, True), (True, True), (False, False)],
     ids=["full", "lora", "padded"],
 )  # fmt: skip
+@pytest.mark.slow
 def test_sft_packing_cp2_equals_one_process(pools, tmp_path, lora, packing):
     """TRL's SFTTrainer, packing=True (padding-free rows of packed chats) or not (right-padded
     rows of chats), assistant-only loss."""
@@ -66,6 +67,7 @@ def test_sft_packing_cp2_equals_one_process(pools, tmp_path, lora, packing):
 
 
 @pytest.mark.parametrize("arch", ["nemotron_h", "qwen3_5"])
+@pytest.mark.slow
 def test_sft_packing_hybrid_cp2_equals_cp1(pools, tmp_path, arch):
     """SFTTrainer with packing on a hybrid (Mamba2 / gated DeltaNet beside attention): cp 2
     equals the same Trainer at cp 1, under SGD without clipping. The reference is ringattn at
@@ -81,6 +83,7 @@ def test_sft_packing_hybrid_cp2_equals_cp1(pools, tmp_path, arch):
     _same(results[0], want, f"SFTTrainer + packing, {arch}")
 
 
+@pytest.mark.slow
 def test_sft_moe_router_loss_cp2(pools, tmp_path):
     """SFTTrainer's own MoE router loss (Qwen3-MoE, peaked routing, coef 10) over the whole packed
     sequence: without the gathered router logits step 1 is already off by 2.5e-4."""
@@ -90,6 +93,7 @@ def test_sft_moe_router_loss_cp2(pools, tmp_path):
     _same(results[0], _reference(case, tmp_path), "SFTTrainer + MoE router loss")
 
 
+@pytest.mark.slow
 def test_trainer_flattening_accumulation_eval_cp2(pools, tmp_path):
     """transformers.Trainer + DataCollatorWithFlattening, gradient accumulation 2, an eval set;
     Mistral's sliding window (6 tokens, shorter than the chats) with GQA 4/2; the training loss
@@ -105,6 +109,7 @@ def test_trainer_flattening_accumulation_eval_cp2(pools, tmp_path):
     assert results[0]["final_eval"] == pytest.approx(want["final_eval"], abs=LOSS_ATOL)
 
 
+@pytest.mark.slow
 def test_trainer_padded_moe_router_loss_cp2(pools, tmp_path):
     """Qwen3-MoE with its router loss in out.loss, padded batches (right padding)."""
     case = {"kind": "trainer", "cp": 2, "arch": "qwen3_moe", "flatten": False, "batch": 3}
@@ -113,6 +118,7 @@ def test_trainer_padded_moe_router_loss_cp2(pools, tmp_path):
     _same(results[0], _reference(case, tmp_path), "Trainer + MoE, padded")
 
 
+@pytest.mark.slow
 def test_trainer_gemma3_gradient_checkpointing_cp2(pools, tmp_path):
     """Gemma 3 (a sliding-window layer and a global one, soft-capped logits) through
     transformers.Trainer with gradient_checkpointing=True (attention recomputed in backward, its
@@ -124,6 +130,7 @@ def test_trainer_gemma3_gradient_checkpointing_cp2(pools, tmp_path):
     _same(results[0], _reference(case, tmp_path), "Trainer + Gemma 3 + checkpointing")
 
 
+@pytest.mark.slow
 def test_trainer_bf16_autocast_cp2(pools, tmp_path):
     """Trainer(bf16=True): under autocast RoPE leaves q, k float32 beside a bf16 v (our attention
     used to crash on that). The losses stay as close to one float32 process's as one bf16
@@ -138,6 +145,7 @@ def test_trainer_bf16_autocast_cp2(pools, tmp_path):
         assert abs(got - want) <= max(2 * abs(one - want), 1e-2), (step, got, one, want)
 
 
+@pytest.mark.slow
 def test_trainer_fsdp2_cp2_equals_one_process(pools, tmp_path):
     """FSDP2 as the Trainer's own arguments (fsdp="full_shard", fsdp_config version 2) over the
     cp group, on CPU gloo: the losses and the gathered weights equal one plain process's.
@@ -149,6 +157,7 @@ def test_trainer_fsdp2_cp2_equals_one_process(pools, tmp_path):
     _same(results[0], _reference({**case, "args": {}}, tmp_path), "Trainer + FSDP2")
 
 
+@pytest.mark.slow
 def test_dp2_cp2_equals_plain_dp2(pools, tmp_path):
     """4 ranks as 2 data-parallel groups of 2 CP ranks = plain DDP on 2 ranks."""
     case = {"kind": "sft", "cp": 2}
@@ -164,6 +173,7 @@ SGD = {"optim": "sgd", "max_grad_norm": 0.0, "learning_rate": 0.05}
 a gradient off by any factor (cp x, 1 / cp) shows in the weights."""
 
 
+@pytest.mark.slow
 def test_sgd_without_clipping_cp2_equals_one_process(pools, tmp_path):
     """transformers.Trainer under SGD without clipping, 2 accumulation steps: losses, gradient
     norms and the weights after 5 steps equal one process's."""
@@ -173,6 +183,7 @@ def test_sgd_without_clipping_cp2_equals_one_process(pools, tmp_path):
     _same(results[0], _reference(case, tmp_path), "Trainer + SGD")
 
 
+@pytest.mark.slow
 def test_sgd_dp2_cp2_equals_plain_dp2(pools, tmp_path):
     """dp 2 x cp 2 (DDP over 4 ranks averaging, cp summing) = plain DDP on 2, under SGD without
     clipping."""
@@ -212,6 +223,7 @@ def test_split_experts_refused_in_the_constructor(pools, tmp_path):
     )  # fmt: skip
 
 
+@pytest.mark.slow
 def test_checkpoint_resumes_equal_and_save_model_loads(pools, tmp_path):
     """A Trainer checkpoint at step 2 resumed under cp=2 continues as the uninterrupted run;
     `save_model` writes the whole model, which `from_pretrained` loads in a plain process."""
@@ -311,6 +323,7 @@ def test_one_process_cp1_equals_plain(tmp_path):
 
 
 @pytest.mark.parametrize("launcher", ["torchrun", "accelerate"])
+@pytest.mark.slow
 def test_example_runs_launched(tmp_path, launcher):
     """examples/trl_sft_context_parallel.py as the docs launch it (2 steps) with torchrun or
     `accelerate launch --multi_gpu` (its multi-process launcher; on CPU too), then its saved
@@ -383,6 +396,7 @@ def test_example_loss_on_assistant_turns_without_markers():
         example.loss_on_assistant_turns(tokenizer, example.datasets.Dataset.from_list(one))
 
 
+@pytest.mark.slow
 def test_example_runs_with_a_chatml_template_without_markers(tmp_path):
     """--model DIR whose tokenizer has SmolLM2's template (no markers): the example says it falls
     back to completion-only loss, trains 2 steps at cp 2 under torchrun, and saves."""

@@ -25,6 +25,7 @@ def checkpoint(tmp_path_factory):
     return out / "checkpoints"
 
 
+@pytest.mark.slow
 def test_generate_on_two_ranks_streams_the_single_process_tokens(checkpoint, tmp_path, capfd):
     prompt_file = tmp_path / "prompt.txt"
     prompt_file.write_bytes(b"a prompt of 29 bytes, not 2W")
@@ -45,6 +46,7 @@ def test_generate_on_two_ranks_streams_the_single_process_tokens(checkpoint, tmp
     assert float(figures[3]) + float(figures[4]) == pytest.approx(total_mb, abs=2e-3)
 
 
+@pytest.mark.slow
 def test_generate_offload_kv_streams_the_same_tokens(checkpoint, capfd):
     """--offload-kv (host-resident shards, the next layer prefetched; CPU: plain copies)."""
     argv = ["generate", "--checkpoint", str(checkpoint), "--prompt", "offloaded prompt",
@@ -57,6 +59,7 @@ def test_generate_offload_kv_streams_the_same_tokens(checkpoint, capfd):
     assert "(host memory: --offload-kv)" in err
 
 
+@pytest.mark.slow
 def test_generate_rejects_bad_flags(checkpoint, tmp_path, capfd):
     empty = tmp_path / "empty.txt"
     empty.write_bytes(b"")

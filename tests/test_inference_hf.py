@@ -20,6 +20,7 @@ LAYOUTS = ("zigzag", "striped", "contiguous")
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.slow
 def test_hf_generate_equals_model_generate(pools, world_size):
     cases = []
     for index, arch in enumerate(ARCHS):

@@ -38,6 +38,7 @@ def _exit_on_rank_zero() -> None:
     dist.barrier()
 
 
+@pytest.mark.slow
 def test_launch_returns_every_ranks_value():
     results = launch(_sum_of_ranks, 3, 1.0)
     assert sorted(results) == [0, 1, 2]
@@ -49,10 +50,12 @@ def test_launch_returns_every_ranks_value():
         assert value["under_torchrun"] is False  # a launched child is not a torchrun rank
 
 
+@pytest.mark.slow
 def test_single_process_launch():
     assert launch(_sum_of_ranks, 1, 0.5)[0]["total"] == 0.5
 
 
+@pytest.mark.slow
 def test_failed_rank_names_rank_and_error():
     with pytest.raises(LaunchError) as info:
         launch(_fail_on_rank_one, 2)
@@ -62,6 +65,7 @@ def test_failed_rank_names_rank_and_error():
     assert "_fail_on_rank_one" in message  # the traceback tail points at the user's code
 
 
+@pytest.mark.slow
 def test_dead_rank_reports_exit_code():
     with pytest.raises(LaunchError, match=r"rank 0 \(exit code 7\): exited without"):
         launch(_exit_on_rank_zero, 2)
@@ -122,6 +126,7 @@ def _parent(pid: int) -> int:
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="reads Linux's /proc")
+@pytest.mark.slow
 def test_a_local_launch_listens_on_loopback_only():
     """No store or rendezvous reachable from the network: every listening socket of the agent and
     the ranks is bound to 127.0.0.1 or ::1 (hex in /proc: 0100007F, ...0001)."""
@@ -147,6 +152,7 @@ def _freeze_rank_one() -> None:
     dist.barrier()  # rank 0 waits here; without the heartbeat, for the whole 120 s timeout
 
 
+@pytest.mark.slow
 def test_a_frozen_rank_is_named_within_seconds():
     import time
 

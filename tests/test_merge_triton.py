@@ -60,6 +60,7 @@ def interpreted() -> dict[str, str]:
 
 
 @pytest.mark.parametrize("name", CASE_NAMES)
+@pytest.mark.slow
 def test_triton_merge_under_interpreter(interpreted, name):
     assert interpreted[name] == "ok", interpreted[name]
 

@@ -71,6 +71,7 @@ def test_a_local_error_after_the_agreement_is_named_with_the_error():
     assert f"its local checks failed there ({error}), where ranks 0, 2 passed them" in message
 
 
+@pytest.mark.slow
 def test_changed_arguments_are_named_under_our_launcher():
     start = time.monotonic()
     with pytest.raises(LaunchError) as info:
@@ -87,6 +88,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_changed_arguments_are_named_under_torchrun():
     script = os.path.join(os.path.dirname(__file__), "workers_mismatch.py")
     command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",

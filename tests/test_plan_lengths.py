@@ -283,6 +283,7 @@ def test_cpu_fixed_costs_are_measured_once_and_cached(tmp_path, monkeypatch):
     assert calls == [4]  # from the cache
 
 
+@pytest.mark.slow
 def test_ring_step_measurement_runs():
     with pytest.raises(ValueError, match="at least 2 processes"):
         measure_ring_step(1)
@@ -291,6 +292,7 @@ def test_ring_step_measurement_runs():
     assert got["ring_step_s"] + got["call_s"] > 0 and min(got.values()) >= 0
 
 
+@pytest.mark.slow
 def test_bench_replan_prices_a_stored_result_again(tmp_path):
     """--replan: the stored run's arguments and fixed terms, another calibration, no runs."""
     bench = _bench()

@@ -91,6 +91,7 @@ def served_count(server: Server, ranks: int = 2, timeout_s: float = 10.0) -> lis
         time.sleep(0.2)
 
 
+@pytest.mark.slow
 def test_two_ranks_answer_concurrent_requests_as_each_alone(servers):
     started, model, tok, _ = servers
     client = openai.OpenAI(base_url=started["a"].url, api_key="-", max_retries=0, timeout=120)
@@ -120,6 +121,7 @@ def test_two_ranks_answer_concurrent_requests_as_each_alone(servers):
     assert served_count(started["a"], timeout_s=2) == [len(PROMPTS)] * 2  # it reached no rank
 
 
+@pytest.mark.slow
 def test_tensor_parallel_with_an_api_key_then_sigterm_ends_every_rank(servers):
     started, model, tok, _ = servers
     b = started["b"]  # --tp 2: heads and MLP over 2 ranks (cp 1)
@@ -147,6 +149,7 @@ def test_tensor_parallel_with_an_api_key_then_sigterm_ends_every_rank(servers):
     assert "stopped by SIGTERM: every rank has ended" in b.log()
 
 
+@pytest.mark.slow
 def test_two_ranks_logprobs_echo_and_n_equal_one_process(servers):
     """lm-eval's loglikelihood shape (token-id prompts, echo, logprobs, max_tokens 1 or 0) and
     chat logprobs with n = 2 over cp 2, prompts in chunks of 8: within 1e-5 of log_softmax of
@@ -177,6 +180,7 @@ def test_two_ranks_logprobs_echo_and_n_equal_one_process(servers):
             assert max(abs(t.logprob - v) for t, v in zip(item.top_logprobs, top)) < TOL
 
 
+@pytest.mark.slow
 def test_two_ranks_shape_logits_and_follow_a_grammar_as_one_process(servers):
     """Rank 0 samples for the group: a logit_bias with a presence penalty, and a JSON schema's
     grammar (with llguidance), over cp 2 give one process's reference answers."""
@@ -200,6 +204,7 @@ def test_two_ranks_shape_logits_and_follow_a_grammar_as_one_process(servers):
     assert follows(reply.choices[0].message.content)
 
 
+@pytest.mark.slow
 def test_a_dead_rank_ends_the_server_naming_it(servers):
     started, *_ = servers
     a = started["a"]

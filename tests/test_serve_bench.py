@@ -135,6 +135,7 @@ def test_sizes_override_names_the_fields(bench):
         bench.parse_sizes(bench.QUICK, "bursts=2")
 
 
+@pytest.mark.slow
 def test_the_load_against_the_tiny_served_model(bench, stats, tmp_path_factory):
     """Every phase streams through the openai client and the summary has each figure, the KV
     pool's block series scraped from /metrics among them."""

@@ -59,6 +59,7 @@ def _ask(client, messages, max_tokens: int) -> str:
     return reply.choices[0].message.content
 
 
+@pytest.mark.slow
 def test_a_request_joins_a_running_one_and_leaves_first(servers):
     (plain, client), _, model, tok = servers
     long_ids = tok("the quick brown")["input_ids"]
@@ -220,6 +221,7 @@ def test_requests_beyond_the_pool_wait_or_recompute_and_answer_as_alone(servers)
     assert after['ringattn_kv_blocks{state="used"}'] == 0
 
 
+@pytest.mark.slow
 def test_a_request_waits_for_blocks_behind_a_bounded_queue_then_answers(servers):
     (plain, _), _, model, tok = servers
     gb = 17 * BLOCK * kv_token_bytes(model) / (1 << 30)  # 16 blocks of 4, 1 for the decoded
@@ -329,6 +331,7 @@ def test_a_step_that_fails_once_is_recomputed_and_one_that_fails_alone_gets_500(
     assert after[key] == before[key] + 1 and after['ringattn_kv_blocks{state="used"}'] == 0
 
 
+@pytest.mark.slow
 def test_two_ranks_run_the_steps_chunked_and_shared_as_each_alone(pools):
     """rank_loop on two ranks (workers_serve.stepped): chunks of 8, a pool of 40 blocks of 4
     per rank, zigzag. The second prompt shares 28 tokens with the first (3 chunks and a block:

@@ -222,6 +222,7 @@ def test_tokenizer_routes_in_vllms_shapes(served):
     assert call(server, "POST", "/tokenize", {"prompt": text, "model": "gpt-9"})[0] == 404
 
 
+@pytest.mark.slow
 def test_tokenizer_routes_need_the_api_key_when_set(served):
     _, _, _, _, directory = served
     keyed = InProcess(directory, api_key="s3cret")

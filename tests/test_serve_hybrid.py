@@ -27,6 +27,7 @@ from test_serve_robust import scrape
 PROMPTS = ["hello world", "the lazy dog jumps over", "ring attention passes keys"]
 
 
+@pytest.mark.slow
 def test_a_hybrid_serves_each_answer_as_alone(tmp_path):
     directory = tmp_path / "tiny"
     model, tok = save_chat_model(directory, family="nemotron_h")

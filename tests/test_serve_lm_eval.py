@@ -90,6 +90,7 @@ def check_same(served: dict, reference: dict, name: str) -> None:
                 assert got == want, name
 
 
+@pytest.mark.slow
 def test_lm_eval_scores_the_server_as_its_hf_backend(tmp_path):
     directory = tmp_path / "tiny"
     save_chat_model(directory)

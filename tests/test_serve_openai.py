@@ -194,6 +194,7 @@ def test_the_model_id_is_the_path_as_given_and_the_basename_is_accepted():
     assert model_name(named) == "m" and model_aliases(named) == ("tiny", "models/tiny")
 
 
+@pytest.mark.slow
 def test_tool_calls_in_the_hermes_convention(tmp_path):
     directory = tmp_path / "tools"
     _, tok = save_tool_model(directory)

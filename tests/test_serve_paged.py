@@ -90,6 +90,7 @@ def test_a_store_out_of_blocks_says_so():
         PagedStore(0, 4, 8, CPU)
 
 
+@pytest.mark.slow
 def test_the_free_block_heap_stays_bounded_over_100000_requests():
     """A long-running server's store: each request's blocks after its first are taken right
     after its last one (`take(after)`, which leaves the block in the heap of free blocks),

@@ -192,6 +192,7 @@ class _CountingDict(dict):
         return super().get(*args)
 
 
+@pytest.mark.slow
 def test_the_pools_counts_are_linear_in_its_entries():
     """A chat whose turns stay inside one chunk keeps a chain of entries, each sharing the
     blocks of the one before (its `base`). used / cached / free look each entry's users up a

@@ -185,6 +185,7 @@ def test_a_closed_stream_ends_its_sequence_and_metrics_count_it(served):
     assert after["ringattn_running_sequences"] == 0 and after["ringattn_waiting_requests"] == 0
 
 
+@pytest.mark.slow
 def test_clients_that_leave_while_waiting_are_dropped_from_the_queue(served):
     first, _, _, tok = served
     ids = tok("the quick brown")["input_ids"]
@@ -259,6 +260,7 @@ def test_greedy_tokens_and_verdicts_are_rank_0s_on_every_rank(pools):
     assert pools(2).run("workers_generate:first_tokens", tie, True) == [[[], [0]]] * 2
 
 
+@pytest.mark.slow
 def test_a_failed_step_is_recomputed_in_step_on_two_ranks(pools):
     """The scheduler on two ranks (workers_serve.stepped), the 4th forward raising once on every
     rank: the ranks recompute together and every text equals the run that never failed."""
@@ -270,6 +272,7 @@ def test_a_failed_step_is_recomputed_in_step_on_two_ranks(pools):
     assert failed[0][3] > alone[0][3] and failed[0][3] == failed[1][3]  # recomputed, in step
 
 
+@pytest.mark.slow
 def test_a_step_that_fails_on_one_rank_only_ends_the_server_there_at_once(pools):
     """The 4th forward raising on rank 1 alone: rank 0 waits inside the step's collective for
     a rank whose cache no longer matches its own, so rank 1 must end the server, naming itself,

@@ -97,6 +97,7 @@ def test_the_same_schedule_without_a_model_preempts_the_newer_prefill():
 
 
 @pytest.mark.parametrize("layout", ["zigzag", "striped", "contiguous"])
+@pytest.mark.slow
 def test_random_schedules_end_leak_nothing_and_keep_every_ranks_count(layout):
     """700 seeded scenarios per layout (serve_sim.scenario: W = 1-4, blocks of 1-4 tokens,
     chunks of any size from 1 to 3 blocks x W, pools from one block short of the largest
@@ -145,6 +146,7 @@ def test_random_schedules_on_the_real_engine_answer_as_alone():
             assert _text(job) == greedy(model, tok, r.ids, r.max_new_tokens), seed
 
 
+@pytest.mark.slow
 def test_bursts_of_chats_sharing_a_system_prompt_all_end_on_a_pool_for_two(tmp_path):
     """An in-process server (the HTTP layer and rank_loop, W = 1) with chunks of 8 and a pool
     of about two of these chats (blocks of 4): two bursts of six chats with one system
@@ -270,6 +272,7 @@ def test_nothing_grows_with_the_requests_served():
     assert paged.used == len(kept) <= 24  # every block left is an entry's
 
 
+@pytest.mark.slow
 def test_two_ranks_share_a_prefix_on_a_pool_for_two_and_answer_as_alone(pools):
     """rank_loop on two ranks (workers_serve.stepped, zigzag, chunks of 8, blocks of 4): five
     prompts sharing a system prompt queued at once against a pool of about two of them, the

@@ -185,6 +185,7 @@ def test_tool_choice_required_and_named_give_calls_that_follow_the_parameters(se
 
 
 @needs_llguidance
+@pytest.mark.slow
 def test_a_forced_call_from_a_model_that_writes_it_anyway_is_its_own_answer(tmp_path):
     """The tool model of serve_model.py writes `<tool_call>CALL</tool_call>` unforced, CALL one
     added token laid out as json.dumps does: forced by tool_choice ("required", or naming the

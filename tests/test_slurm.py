@@ -96,6 +96,7 @@ def _losses_by_step(path: pathlib.Path) -> list[float]:
 
 
 @pytest.mark.parametrize("how", ["steps", "full"])
+@pytest.mark.slow
 def test_a_sigterm_preempts_the_job_which_is_requeued_and_resumes(slurm, reference, tmp_path,
                                                                    how):  # fmt: skip
     """steps: `scancel --signal=TERM` (the steps only), the ranks started by srun; full:
@@ -116,6 +117,7 @@ def test_a_sigterm_preempts_the_job_which_is_requeued_and_resumes(slurm, referen
     torch.testing.assert_close(_losses_by_step(log), reference, rtol=1e-6, atol=0)
 
 
+@pytest.mark.slow
 def test_a_failed_run_is_not_requeued(slurm, tmp_path):
     """A rank killed at step 3: torchrun exits 1 like a preemption's, but the log says the run
     did not stop for a preemption, so the job fails and stays failed."""

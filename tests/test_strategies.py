@@ -15,6 +15,7 @@ import itertools
 import pytest
 
 from test_ring import LAYOUTS, WORLD_SIZES, _assert_rows
+from tiers import stride
 
 RING_HEADS = {"mha": (4, 4), "gqa": (6, 2), "mqa": (4, 1)}
 
@@ -88,7 +89,7 @@ def _id(case):
 CASES = _matrix("allgather") + _matrix("ulysses")
 
 
-@pytest.mark.parametrize("case", CASES, ids=_id)
+@pytest.mark.parametrize("case", stride(CASES, 7, _id, fast=lambda case: case[0] < 8))
 def test_exact_against_fp64_reference(pools, case):
     world_size, kwargs = case
     _assert_rows(pools(world_size).run("workers:attention_case", **kwargs), _id(case))
@@ -202,7 +203,7 @@ def _hybrid_cases() -> list[tuple[int, dict]]:
     return cases
 
 
-@pytest.mark.parametrize("case", _hybrid_cases(), ids=_id)
+@pytest.mark.parametrize("case", stride(_hybrid_cases(), 7, _id, fast=lambda case: case[0] < 8))
 def test_hybrid_exact_against_fp64_reference(pools, case):
     world_size, kwargs = case
     results = pools(world_size).run("workers_strategies:strategy_case", **kwargs)

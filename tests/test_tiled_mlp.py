@@ -25,6 +25,7 @@ import torch
 from ringattn.models import Transformer, model_config
 from ringattn.models.decoder import FeedForward, set_tiled_mlp
 from ringattn.models.tiled import tiled_rows
+from tiers import stride
 
 FP32_GATE = 1e-6
 FP64_GATE = 1e-12
@@ -90,6 +91,7 @@ def test_decoder_tiled_equals_untiled_over_three_steps(pools, world_size, checkp
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen3_moe", "jamba"])
 @pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.slow
 def test_hf_tiled_equals_untiled_over_three_steps(pools, world_size, model_type):
     rows = pools(world_size).run("workers_tiled:hf_case", model_type=model_type, tile=5)[0]
     assert len(rows) == 3
@@ -112,7 +114,7 @@ def _families() -> list[str]:
     return sorted(set(DENSE.values()) | set(EXPERTS.values()))
 
 
-@pytest.mark.parametrize("model_type", _families())
+@pytest.mark.parametrize("model_type", stride(_families(), 7, str))
 def test_every_listed_class_is_row_wise_fp64(model_type):
     """Each class on the allow-lists is tiled in its family's tiny model (found and wrapped) and
     every feed-forward unit there equals its untiled twin in float64."""

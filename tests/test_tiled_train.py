@@ -21,6 +21,7 @@ def test_decoder_train_tiled_logs_the_same_losses(pools, tmp_path, checkpointing
     assert want["losses"][0] != want["losses"][-1]
 
 
+@pytest.mark.slow
 def test_hf_train_tiled_logs_the_same_losses(pools, tmp_path):
     pytest.importorskip("transformers")
     from test_train_hf import _options as hf_options
@@ -35,6 +36,7 @@ def test_hf_train_tiled_logs_the_same_losses(pools, tmp_path):
     _assert_same_training(got, want, rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_trainer_tiled_mlp_cp2_equals_one_process(pools, tmp_path):
     """transformers.Trainer over Qwen3-MoE (experts tiled after routing, router loss in the
     objective) with gradient checkpointing, ContextParallelConfig(tiled_mlp=3)."""

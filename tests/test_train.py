@@ -75,6 +75,7 @@ def _assert_same_training(got: dict, want: dict, rtol: float = 1e-5) -> None:
         (4, 1, 4, "zigzag", "hybrid"),  # 2 x 2: Ulysses pairs, a ring of two pairs
     ],
 )
+@pytest.mark.slow
 def test_parallel_training_equals_one_process(
     pools, tmp_path, world_size, dp, cp, layout, strategy
 ):
@@ -151,6 +152,7 @@ def test_sharded_batch_agrees_with_the_global_sequence(pools, tmp_path):
     assert not torch.equal(results[0]["full_inputs"], results[2]["full_inputs"])  # dp differ
 
 
+@pytest.mark.slow
 def test_resume_continues_exactly(pools, tmp_path):
     """Stopped after step 2 (checkpointed) and rerun: steps 3-4 equal the uninterrupted run's."""
     options = _options(tmp_path / "a", cp=2, steps=4)
@@ -175,6 +177,7 @@ def test_resume_refuses_another_runs_checkpoint(pools, tmp_path):
         pools(1).run("workers_train:train", _options(tmp_path, steps=2, seq_len=32))
 
 
+@pytest.mark.slow
 def test_rank_failure_is_named_and_the_same_command_resumes(tmp_path, capfd):
     """A rank SIGKILLed mid-run ends the launch fast with its rank named; rerunning the same
     command resumes from the last complete checkpoint and finishes like an uninterrupted run."""
@@ -255,6 +258,7 @@ def test_model_recipe_is_where_the_model_comes_from(tmp_path):
     assert len(run.history) == 2 and run.history[0]["loss"] != run.history[1]["loss"]
 
 
+@pytest.mark.slow
 def test_demo_smoke(tmp_path, capfd):
     """`ringattn demo` at a tiny size: trains on 2 processes and writes log, checkpoint, plot."""
     out_dir = tmp_path / "demo"

@@ -69,6 +69,7 @@ def _merged(results: list[dict]) -> dict:
         (2, 1, 1, 2, {"microbatches": 4}),
     ],
 )
+@pytest.mark.slow
 def test_parallel_layouts_equal_one_process(pools, tmp_path, pp, dp, cp, tp, extra):
     """fp32, 4 ranks: tp x cp, dp x tp, pp x cp, pp x dp (1F1B), pp x tp give the single
     process's losses and weights after 3 steps (the zigzag ring over cp, heads and MLP over tp,
@@ -82,6 +83,7 @@ def test_parallel_layouts_equal_one_process(pools, tmp_path, pp, dp, cp, tp, ext
     assert want["losses"][0] != want["losses"][-1]  # the steps trained
 
 
+@pytest.mark.slow
 def test_three_and_four_dimensions_on_8_ranks_equal_one_process(pools, tmp_path):
     """fp32, 8 ranks: pp 2 x cp 2 x tp 2 (GPipe, 2 micro-batches) and dp 2 x cp 2 x tp 2 give the
     single process's losses and weights after 3 steps."""
@@ -120,6 +122,7 @@ def test_parameters_are_split_over_tp_and_sharded_over_dp_cp(pools, tmp_path):
     ],
     ids=["cp4-to-cp2-tp2", "cp4-to-pp2-cp2", "pp2-tp2-to-one-process"],
 )
+@pytest.mark.slow
 def test_checkpoint_resumes_under_another_layout(pools, tmp_path, before, after):
     """Two steps under one layout, checkpointed; the third step under another from that
     checkpoint has the loss of the uninterrupted run's third step (one process's), and the
@@ -177,6 +180,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_torchrun_nodes_on_loopback_equal_one_node(pools, tmp_path):
     """`ringattn train` as two torchrun "nodes" of 2 ranks each (c10d rendezvous on 127.0.0.1),
     dp 2 x tp 2 across them, logs the losses of the same run on one node (4 ranks)."""

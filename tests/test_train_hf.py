@@ -114,6 +114,7 @@ def test_packed_documents_from_the_tokenizer(llama):
 
 
 @pytest.mark.parametrize("dp, cp", [(1, 2), (2, 1), (2, 2)])
+@pytest.mark.slow
 def test_parallel_training_equals_one_process(pools, llama, tmp_path, cp2_run, dp, cp):
     """fp32, the pretrained tiny Llama: CP = 2 (zigzag), DP = 2 and DP 2 x CP 2 (striped) losses
     equal one process's on the same documents (1e-5), and so do the trained weights; training
@@ -140,6 +141,7 @@ def test_parallel_training_equals_one_process(pools, llama, tmp_path, cp2_run, d
     assert moved.abs().max() > 100 * 1e-6
 
 
+@pytest.mark.slow
 def test_resume_continues_exactly(pools, llama, tmp_path, cp2_run):
     """Stopped after step 2 and rerun: step 3 and the weights equal the uninterrupted run's."""
     options = _options(*llama, tmp_path, cp=2)
@@ -166,6 +168,7 @@ def test_export_of_a_pretrained_model_with_its_tokenizer(llama, tmp_path, cp2_ru
     assert tokenizer("a fox 7.")["input_ids"] == _tokenizer()("a fox 7.")["input_ids"]
 
 
+@pytest.mark.slow
 def test_cli_trains_a_bare_config_and_exports(tmp_path, capfd):
     """`ringattn train --hf config.json` on 2 processes (random init, bytes mod vocab, tied
     embeddings, blank-line documents), --export: transformers loads the export, and its weights

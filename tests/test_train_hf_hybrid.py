@@ -41,6 +41,7 @@ def hybrid(request, tmp_path_factory):
     return save_with_corpus(tmp_path_factory.mktemp(request.param), _config(request.param))
 
 
+@pytest.mark.slow
 def test_cp2_training_equals_one_process(pools, hybrid, tmp_path):
     # lr 0.1: at lr 1.0 the third step's gated DeltaNet is ill-conditioned (its UT solve
     # amplifies float32 rounding: the grad norm at step 3 moved 1 % between two runs that
@@ -70,6 +71,7 @@ def test_cp2_training_equals_one_process(pools, hybrid, tmp_path):
     assert mixer_moved > 100 * 1e-6  # the mixers trained, far beyond the tolerance
 
 
+@pytest.mark.slow
 def test_cli_trains_a_hybrid_at_cp2_and_exports(hybrid, tmp_path):
     """`ringattn train --hf DIR --nproc 2 --export`: checkpoints and the export load back."""
     from ringattn.cli.main import main

@@ -91,6 +91,7 @@ def _run_to_the_end(hosts, flags: list[str]) -> list[tuple[int, str]]:
     return results
 
 
+@pytest.mark.slow
 def test_every_strategy_across_two_hosts_equals_one_process(hosts, pools, tmp_path):
     """One torchrun job over both hosts trains five configurations in turn; each equals one
     process on the same samples (losses to 1e-5, parameters to 1e-4)."""
@@ -127,6 +128,7 @@ def test_every_strategy_across_two_hosts_equals_one_process(hosts, pools, tmp_pa
     assert init_gap > 1e-3  # the runs moved: equal losses are not equal starting points
 
 
+@pytest.mark.slow
 def test_sigterm_to_one_hosts_agent_checkpoints_both_and_resumes_on_one_host(
     hosts, pools, tmp_path
 ):
@@ -156,6 +158,7 @@ def test_sigterm_to_one_hosts_agent_checkpoints_both_and_resumes_on_one_host(
     torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
 
 
+@pytest.mark.slow
 def test_link_cut_is_named_on_both_hosts_and_the_newest_checkpoint_resumes(hosts, pools, tmp_path):
     """A checkpoint of one process resumes over the two hosts; the link goes down at step 4:
     host 0's ranks name the other node's silent ranks, host 1's the store they lost, all within
@@ -210,6 +213,7 @@ def test_link_cut_is_named_on_both_hosts_and_the_newest_checkpoint_resumes(hosts
     torch.testing.assert_close(_losses_by_step(log), want, rtol=1e-5, atol=0)
 
 
+@pytest.mark.slow
 def test_a_frozen_rank_is_named_on_both_hosts_and_killed_only_by_its_own(hosts, tmp_path):
     """Rank 3 stops itself at step 2: rank 2 (its host) kills it, rank 0 (the other host, same
     hostname, same pid space) names it with its node and never signals it."""
@@ -236,6 +240,7 @@ def test_a_frozen_rank_is_named_on_both_hosts_and_killed_only_by_its_own(hosts, 
     assert steps and max(steps) < 50, steps
 
 
+@pytest.mark.slow
 def test_host_identity_tells_the_namespaces_apart(hosts):
     """Same hostname, same boot, same pid space: the identities still differ."""
     code = "from ringattn.runtime.peer_heartbeat import host_identity; print(host_identity())"
@@ -306,6 +311,7 @@ def _host_of_rank(hosts, rank: int) -> int:
     return found[0]
 
 
+@pytest.mark.slow
 def test_serve_over_two_hosts_answers_as_one_process(hosts, tmp_path):
     """`ringattn serve` under torchrun over both hosts (rank 0 listens on its host's loopback):
     a request answers what transformers' greedy generate gives on one process."""

@@ -138,6 +138,7 @@ def test_the_slow_link_ranking_as_measured(results):
         assert predicted_faster(*pair) == -1, (fast, slow, pair)
 
 
+@pytest.mark.slow
 def test_plan_names_the_ranking(results, tmp_path, capsys):
     """`ringattn plan --hardware cpu --gpus-per-node 2 --inter-bw B --cp 4`: the four strategies
     in tie groups (and in --json), hybrid first on the slow link."""
