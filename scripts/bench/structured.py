@@ -42,7 +42,7 @@ SCHEMA = {
         "hobbies": {"type": "array", "maxItems": 3, "items": {"type": "string", "maxLength": 16}},
     },
 }  # bounded: at most about 170 characters, so max_tokens 200 always lets the JSON close
-MAX_TOKENS = 200
+MAX_TOKENS = 200  # --max-tokens: both kinds of request alike
 CITIES = ("Paris", "Oslo", "Lima", "Kyoto", "Cairo", "Quito", "Perth", "Turin", "Dakar", "Hanoi")
 HOBBIES = ("chess", "sailing", "pottery", "running", "jazz")
 
@@ -69,13 +69,20 @@ def follows(answer: str) -> bool:
             and all(isinstance(h, str) and len(h) <= 16 for h in hobbies))  # fmt: skip
 
 
-def one_round(client, model: str, messages: list, constrained: bool, concurrency: int) -> dict:
+def one_round(
+    client,
+    model: str,
+    messages: list,
+    constrained: bool,
+    concurrency: int,
+    max_tokens: int = MAX_TOKENS,
+) -> dict:
     """Every chat once, `concurrency` at a time: tokens, wall time, the answers' validity."""
     extra = {"response_format": {"type": "json_schema", "json_schema": {
         "name": "person", "schema": SCHEMA, "strict": True}}} if constrained else {}  # fmt: skip
 
     def ask(m: list[dict]):
-        reply = client.chat.completions.create(model=model, messages=m, max_tokens=MAX_TOKENS,
+        reply = client.chat.completions.create(model=model, messages=m, max_tokens=max_tokens,
                                                temperature=0, **extra)  # fmt: skip
         return reply.choices[0], reply.usage.completion_tokens
 
@@ -116,11 +123,17 @@ def measure(kind: str, args: argparse.Namespace) -> dict:
         client = openai.OpenAI(base_url=server.url, api_key="-", max_retries=0, timeout=3600)
         model = client.models.list().data[0].id
         messages = chats(args.requests)
-        one_round(client, model, messages[: args.concurrency], True, args.concurrency)  # warm-up
+        one_round(
+            client, model, messages[: args.concurrency], True, args.concurrency, args.max_tokens
+        )  # warm-up
         rounds = []
         for i in range(args.rounds):
             for constrained in (True, False) if i % 2 == 0 else (False, True):
-                rounds.append(one_round(client, model, messages, constrained, args.concurrency))
+                rounds.append(
+                    one_round(
+                        client, model, messages, constrained, args.concurrency, args.max_tokens
+                    )
+                )
                 r = rounds[-1]
                 print(f"  {kind} {'constrained  ' if constrained else 'unconstrained'} "
                       f"{r['tokens_per_s']:8.1f} tok/s  valid {r['valid']}/{r['requests']}",
@@ -210,6 +223,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=50, help="chats per round")
     p.add_argument("--rounds", type=int, default=2, help="pairs of rounds (C U, then U C ...)")
     p.add_argument("--concurrency", type=int, default=8, help="requests in flight")
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=MAX_TOKENS,
+        help="max_tokens of every request, constrained or not (below about 100 a "
+        "constrained answer may be cut before its JSON closes)",
+    )
     p.add_argument("--serve-args", default="", help="extra `ringattn serve` flags (one string)")
     p.add_argument("--json", default="results/structured_bench_cpu.json")
     p.add_argument(
@@ -241,7 +261,8 @@ def main(argv: list[str] | None = None) -> int:
         head["machine"].update({"load_avg_1m_before": load_before,
                                 "load_avg_1m_after": os.getloadavg()[0]})  # fmt: skip
         sizes = SimpleNamespace(requests=args.requests, rounds=args.rounds,
-                                concurrency=args.concurrency, max_tokens=MAX_TOKENS)  # fmt: skip
+                                concurrency=args.concurrency,
+                                max_tokens=args.max_tokens)  # fmt: skip
         write_json(args.json, {**head, "sizes": vars(sizes), "schema": SCHEMA,
                                "servers": servers})  # fmt: skip
     print(f"{table(servers)}\nwrote {args.json}")
