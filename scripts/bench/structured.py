@@ -3,15 +3,18 @@
     python scripts/bench/structured.py --hf /tmp/smollm2   # results/structured_bench_cpu.json
     python scripts/bench/structured.py --hf DIR --servers ringattn:1 --requests 20 --rounds 1
     python scripts/bench/structured.py --hf DIR --step-cost --json results/x.json  # no server
+    python scripts/bench/structured.py --hf DIR --servers ringattn:1 --max-tokens 64 \
+        --concurrency 16 --threads 1 --json results/structured_bench_cpu_w1.json  # shared CPU
 
-Each `ringattn serve --nproc W` in turn (fresh, on loopback, OMP_NUM_THREADS = cores / W) gets a
-warm-up, then rounds of the same --requests chats (a fictional person each, greedy, --concurrency
-at a time), alternately with `response_format` json_schema (the keys required, their types and
-ranges, no other keys: SCHEMA) and without it, in the order C U U C ... so that a drift of the
-machine's load falls on both alike. Every constrained answer must parse and follow SCHEMA (the
-check is written out here). Tokens/s = completion tokens / the round's wall time; the cost is
-unconstrained tokens/s over constrained tokens/s, per round pair and overall. The issue's targets:
-100 % valid, and constrained at most 1.15x slower.
+Each `ringattn serve --nproc W` in turn (fresh, on loopback, OMP_NUM_THREADS = --threads or
+cores / W) gets a warm-up, then rounds of the same --requests chats (a fictional person each,
+greedy, --concurrency at a time, --max-tokens each), alternately with `response_format`
+json_schema (the keys required, their types and ranges, no other keys: SCHEMA) and without it,
+in the order C U U C ... so that a drift of the machine's load falls on both alike. Every
+constrained answer must parse and follow SCHEMA (the check is written out here). Tokens/s =
+completion tokens / the round's wall time; the cost is unconstrained tokens/s over constrained
+tokens/s, per round pair and overall. The issue's targets: 100 % valid, and constrained at most
+1.15x slower.
 """
 
 from __future__ import annotations
@@ -97,7 +100,10 @@ def one_round(
             "wall_s": round(wall, 3), "tokens_per_s": round(tokens / wall, 2),
             "parsed": parsed, "valid": sum(map(follows, texts)),
             "stopped": sum(c.finish_reason == "stop" for c, _ in answers),
-            "example": texts[0][:200]}  # fmt: skip
+            "example": texts[0][:200],
+            "invalid": [{"finish_reason": c.finish_reason, "tokens": n, "text": c.message.content}
+                        for c, n in answers if constrained and not follows(c.message.content
+                                                                           or "")][:5]}  # fmt: skip
 
 
 def _parses(text: str) -> bool:
@@ -113,7 +119,7 @@ def measure(kind: str, args: argparse.Namespace) -> dict:
     import openai
 
     argv, nproc, _ = server_argv(kind, args)
-    threads = max(1, len(os.sched_getaffinity(0)) // nproc)
+    threads = args.threads or max(1, len(os.sched_getaffinity(0)) // nproc)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1"}
     server = Server(argv, env, ringattn_ready)
     # a SIGTERM (a `timeout`) takes the server down with us: requests in flight would keep
@@ -230,6 +236,14 @@ def main(argv: list[str] | None = None) -> int:
         help="max_tokens of every request, constrained or not (below about 100 a "
         "constrained answer may be cut before its JSON closes)",
     )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="OMP_NUM_THREADS of each rank (0: cores / W); on a shared, loaded machine 1 "
+        "avoids OpenMP's oversubscription (a batch-8 SmolLM2 step: 0.25 s with 1, 1.2 to 7.9 "
+        "s with 2, at load average 7)",
+    )
     p.add_argument("--serve-args", default="", help="extra `ringattn serve` flags (one string)")
     p.add_argument("--json", default="results/structured_bench_cpu.json")
     p.add_argument(
@@ -261,8 +275,8 @@ def main(argv: list[str] | None = None) -> int:
         head["machine"].update({"load_avg_1m_before": load_before,
                                 "load_avg_1m_after": os.getloadavg()[0]})  # fmt: skip
         sizes = SimpleNamespace(requests=args.requests, rounds=args.rounds,
-                                concurrency=args.concurrency,
-                                max_tokens=args.max_tokens)  # fmt: skip
+                                concurrency=args.concurrency, max_tokens=args.max_tokens,
+                                threads=args.threads)  # fmt: skip
         write_json(args.json, {**head, "sizes": vars(sizes), "schema": SCHEMA,
                                "servers": servers})  # fmt: skip
     print(f"{table(servers)}\nwrote {args.json}")
