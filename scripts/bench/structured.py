@@ -100,6 +100,7 @@ def one_round(
             "wall_s": round(wall, 3), "tokens_per_s": round(tokens / wall, 2),
             "parsed": parsed, "valid": sum(map(follows, texts)),
             "stopped": sum(c.finish_reason == "stop" for c, _ in answers),
+            "load_avg_1m": round(os.getloadavg()[0], 2),
             "example": texts[0][:200],
             "invalid": [{"finish_reason": c.finish_reason, "tokens": n, "text": c.message.content}
                         for c, n in answers if constrained and not follows(c.message.content
@@ -114,8 +115,9 @@ def _parses(text: str) -> bool:
     return True
 
 
-def measure(kind: str, args: argparse.Namespace) -> dict:
-    """One server up, a warm-up, --rounds pairs of rounds (C U, U C, ...), down."""
+def measure(kind: str, args: argparse.Namespace, report) -> dict:
+    """One server up, a warm-up, --rounds pairs of rounds (C U, U C, ...), down; `report` gets
+    the result so far after each round (a run cut short keeps what it measured)."""
     import openai
 
     argv, nproc, _ = server_argv(kind, args)
@@ -141,25 +143,35 @@ def measure(kind: str, args: argparse.Namespace) -> dict:
                     )
                 )
                 r = rounds[-1]
+                report({"argv": argv, "omp_num_threads": threads, "rounds": rounds,
+                        "complete": False, **summary(rounds)})  # fmt: skip
                 print(f"  {kind} {'constrained  ' if constrained else 'unconstrained'} "
                       f"{r['tokens_per_s']:8.1f} tok/s  valid {r['valid']}/{r['requests']}",
                       flush=True)  # fmt: skip
     finally:
         server.stop()
-    return {"argv": argv, "omp_num_threads": threads, "rounds": rounds, **summary(rounds)}
+    return {"argv": argv, "omp_num_threads": threads, "rounds": rounds, "complete": True,
+            **summary(rounds)}  # fmt: skip
 
 
 def summary(rounds: list[dict]) -> dict:
     """Validity over the constrained rounds; the slowdown per pair and overall."""
     c = [r for r in rounds if r["constrained"]]
     u = [r for r in rounds if not r["constrained"]]
-    speed = lambda rs: sum(r["completion_tokens"] for r in rs) / sum(r["wall_s"] for r in rs)
+
+    def speed(rs: list[dict]) -> float | None:
+        return (
+            sum(r["completion_tokens"] for r in rs) / sum(r["wall_s"] for r in rs) if rs else None
+        )
+
     pairs = [round(b["tokens_per_s"] / a["tokens_per_s"], 3) for a, b in zip(c, u)]
-    return {"valid_fraction": sum(r["valid"] for r in c) / sum(r["requests"] for r in c),
-            "parsed_fraction": sum(r["parsed"] for r in c) / sum(r["requests"] for r in c),
-            "constrained_tokens_per_s": round(speed(c), 2),
-            "unconstrained_tokens_per_s": round(speed(u), 2),
-            "slowdown": round(speed(u) / speed(c), 3), "slowdown_per_pair": pairs}  # fmt: skip
+    asked = sum(r["requests"] for r in c)
+    return {"valid_fraction": sum(r["valid"] for r in c) / asked if c else None,
+            "parsed_fraction": sum(r["parsed"] for r in c) / asked if c else None,
+            "constrained_tokens_per_s": round(speed(c), 2) if c else None,
+            "unconstrained_tokens_per_s": round(speed(u), 2) if u else None,
+            "slowdown": round(speed(u) / speed(c), 3) if c and u else None,
+            "slowdown_per_pair": pairs}  # fmt: skip
 
 
 def step_cost(args: argparse.Namespace) -> dict:
@@ -263,14 +275,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {args.json}")
         return 0
     load_before, servers = os.getloadavg()[0], {}
-    for kind in [k for k in args.servers.split(",") if k]:
-        name = kind.replace("ringattn:", "ringattn W=")
-        began = time.perf_counter()
-        try:
-            servers[name] = measure(kind, args)
-        except Exception as err:  # noqa: BLE001 (one server's failure is recorded)
-            servers[name] = {"error": f"{type(err).__name__}: {err}"[-4000:]}
-        print(f"{name}: {time.perf_counter() - began:.0f} s", flush=True)
+
+    def save() -> None:
         head = record.header(__file__, argv, ["transformers", "openai", "llguidance"])
         head["machine"].update({"load_avg_1m_before": load_before,
                                 "load_avg_1m_after": os.getloadavg()[0]})  # fmt: skip
@@ -279,6 +285,21 @@ def main(argv: list[str] | None = None) -> int:
                                 threads=args.threads)  # fmt: skip
         write_json(args.json, {**head, "sizes": vars(sizes), "schema": SCHEMA,
                                "servers": servers})  # fmt: skip
+
+    for kind in [k for k in args.servers.split(",") if k]:
+        name = kind.replace("ringattn:", "ringattn W=")
+        began = time.perf_counter()
+
+        def report(part: dict, name: str = name) -> None:
+            servers[name] = part
+            save()
+
+        try:
+            servers[name] = measure(kind, args, report)
+        except Exception as err:  # noqa: BLE001 (one server's failure is recorded)
+            servers[name] = {"error": f"{type(err).__name__}: {err}"[-4000:]}
+        print(f"{name}: {time.perf_counter() - began:.0f} s", flush=True)
+        save()
     print(f"{table(servers)}\nwrote {args.json}")
     return 1 if any("error" in s for s in servers.values()) else 0
 
