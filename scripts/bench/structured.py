@@ -46,6 +46,7 @@ SCHEMA = {
     },
 }  # bounded: at most about 170 characters, so max_tokens 200 always lets the JSON close
 MAX_TOKENS = 200  # --max-tokens: both kinds of request alike
+TOOL = {"name": "lookup", "parameters": SCHEMA}  # --step-cost --step-grammar tools
 CITIES = ("Paris", "Oslo", "Lima", "Kyoto", "Cairo", "Quito", "Perth", "Turin", "Dakar", "Hanoi")
 HOBBIES = ("chess", "sailing", "pottery", "running", "jazz")
 
@@ -179,7 +180,9 @@ def step_cost(args: argparse.Namespace) -> dict:
     batch --concurrency decode steps of the model (transformers' forward with its KV cache,
     float32) and, each step, the shaping of every row (serve/logits.py: the grammar's mask) and
     the sampled token's accept, timed step by step. (forward + shaping) / forward bounds the
-    tokens/s slowdown of a batch whose every request is constrained."""
+    tokens/s slowdown of a batch whose every request is constrained. --step-grammar tools: the
+    grammar of a strict tool under tool_choice "auto" (free text, calls held to TOOL), with
+    which the model answers in text: the cost an agent's text answer pays."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -187,10 +190,16 @@ def step_cost(args: argparse.Namespace) -> dict:
     from ringattn.serve.logits import Shaper, shape_rows
     from ringattn.serve.protocol import Request
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     tok = AutoTokenizer.from_pretrained(args.hf)
     model = AutoModelForCausalLM.from_pretrained(args.hf, dtype=torch.float32).eval()
     vocab = model.config.vocab_size
-    grammar = Grammars(tok, vocab, [tok.eos_token_id]).json_schema(SCHEMA, "bench")
+    grammars = Grammars(tok, vocab, [tok.eos_token_id])
+    if args.step_grammar == "tools":
+        grammar = grammars.text_or_tool_calls([TOOL], several=True)
+    else:
+        grammar = grammars.json_schema(SCHEMA, "bench")
     prompts = [tok.apply_chat_template(m, add_generation_prompt=True, return_dict=False)
                for m in chats(args.concurrency)]  # fmt: skip
     width = min(len(p) for p in prompts)  # the same length: no padding in the batch
@@ -212,7 +221,8 @@ def step_cost(args: argparse.Namespace) -> dict:
             ids = torch.tensor([[t] for t in tokens])
     median = lambda xs: sorted(xs)[len(xs) // 2]
     f, g = median(forward_s[1:]), median(shape_s[1:])  # the first step is the prefill
-    return {"batch": args.concurrency, "steps": args.steps, "vocab": vocab,
+    return {"grammar": args.step_grammar, "batch": args.concurrency, "steps": args.steps,
+            "vocab": vocab, "threads": torch.get_num_threads(),
             "forward_ms_median": round(f * 1e3, 3), "shaping_ms_median": round(g * 1e3, 3),
             "shaping_per_row_us": round(g / args.concurrency * 1e6, 1),
             "slowdown_bound": round((f + g) / f, 4)}  # fmt: skip
@@ -265,6 +275,9 @@ def main(argv: list[str] | None = None) -> int:
         "grammar beside the model's forward, in this process (no server)",
     )
     p.add_argument("--steps", type=int, default=40, help="decode steps of --step-cost")
+    p.add_argument("--step-grammar", choices=["schema", "tools"], default="schema",
+                   help="--step-cost's grammar: SCHEMA's, or a strict tool's under "
+                   "tool_choice auto (the model then writes text)")  # fmt: skip
     args = p.parse_args(argv)
     args.cpus = ""  # (serve_servers.server_argv's pinning: not used here)
     if args.step_cost:
