@@ -7,8 +7,9 @@
     tool_choice required / named  -> Lark: Hermes blocks   matcher.consume_token(token)
         <tool_call>{"name": ..., "arguments": {...}}</tool_call>, the arguments by the
         tool's parameters (one block, or several unless parallel_tool_calls is false)
-    tool_choice auto, a strict tool   -> Lark: free text, and from each <tool_call> on, a
-      (or parallel_tool_calls false)     block as above (text_or_tool_calls: lazy opening)
+    tool_choice auto with a strict    -> Lark: free text (or the JSON answer), and from each
+      tool, parallel_tool_calls false    <tool_call> on, a block as above
+      or a response_format               (text_or_tool_calls: a lazy opening)
     compiled by llguidance's LLMatcher; a schema it cannot compile is a 400 naming the field
 
 The library is llguidance (guidance-ai; vLLM's and SGLang's `guidance` backend): one abi3 wheel
