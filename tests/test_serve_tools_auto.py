@@ -112,6 +112,12 @@ def test_a_strict_tool_under_auto_turns_the_models_invalid_call_into_a_valid_one
     chunks = list(client.chat.completions.create(**ask, tools=[STRICT], stream=True))
     streamed = [c for ch in chunks if ch.choices for c in ch.choices[0].delta.tool_calls or []]
     assert [c.function.arguments for c in streamed] == [call.function.arguments]
+
+
+def test_parallel_tool_calls_false_and_a_response_format_under_auto_hold_calls_too(tool_server):
+    client = tool_server
+    loose = {"type": "function", "function": {**STRICT["function"], "strict": False}}
+    ask = {"model": "tiny", "messages": HELLO, "max_tokens": 120, "temperature": 0}
     # a non-strict tool with parallel_tool_calls false: the grammar too (one call, its schema)
     single = client.chat.completions.create(**ask, tools=[loose], parallel_tool_calls=False)
     (call,) = single.choices[0].message.tool_calls
