@@ -226,8 +226,6 @@ def test_what_cannot_be_honoured_is_a_400_naming_the_field(served):
         ({"tools": TOOLS, "tool_choice": named}, "tool_choice"),
         ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
          "response_format"),
-        ({"tools": strict, "tool_choice": "auto"}, "tools"),
-        ({"tools": TOOLS, "parallel_tool_calls": False}, "parallel_tool_calls"),
     ]  # fmt: skip
     for fields, param in cases:
         with pytest.raises(openai.BadRequestError) as info:

@@ -41,10 +41,10 @@ class Function(_Strict):
     name: str
     description: str | None = None
     parameters: dict | None = None
-    strict: bool | None = Field(None, description="with tool_choice 'required' or a named "
-                                "function the arguments always follow `parameters`; with 'auto' "
-                                "strict: true is refused (it would need a grammar that also "
-                                "allows text)")  # fmt: skip
+    strict: bool | None = Field(None, description="true: the arguments of every call follow "
+                                "`parameters` (a grammar), with tool_choice 'auto' too, where "
+                                "the model may still answer in text; with 'required' or a named "
+                                "function they always do")  # fmt: skip
     arguments: str | None = None  # an assistant's call: its arguments as a JSON string
 
 
@@ -147,9 +147,12 @@ class ChatBody(_Common):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | Tool | None = Field(
         None, description="'required' or a named function: the answer is Hermes <tool_call> "
-        "blocks whose JSON follows the tools' parameters (a grammar)")  # fmt: skip
-    parallel_tool_calls: bool | None = Field(None, description="false: one call at most (with "
-                                             "'required' or a named function)")  # fmt: skip
+        "blocks whose JSON follows the tools' parameters (a grammar); 'auto' (the default with "
+        "tools): text or calls, and with a strict tool, parallel_tool_calls false or a "
+        "response_format, every call the model opens follows its parameters (a grammar)",
+    )  # fmt: skip
+    parallel_tool_calls: bool | None = Field(None, description="false: one call at most (a "
+                                             "grammar)")  # fmt: skip
 
 
 class CompletionBody(_Common):

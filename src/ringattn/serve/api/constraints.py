@@ -5,9 +5,11 @@ penalties and biases, and the grammar of response_format and tool_choice (bodies
     logit_bias {"id": bias}  -> {id: bias}, each id in [0, vocab) and bias in [-100, 100]
     response_format text -> nothing; json_object / json_schema -> a grammar (api/grammar.py)
     tool_choice required / {"function": {"name"}} -> a grammar of Hermes tool-call blocks
-    tool_choice with no tools, a named function not in tools, a grammar from both
-    response_format and tool_choice, strict tools or parallel_tool_calls false under "auto"
-        -> 400 naming the field (nothing is silently ignored)
+    tool_choice auto (or absent) with tools, and a strict tool, parallel_tool_calls false or a
+        response_format -> free text (or the JSON answer) that may open calls, each call's
+        block by its grammar (api/grammar.text_or_tool_calls); otherwise no grammar
+    tool_choice with no tools, a named function not in tools, response_format with a forced
+        tool_choice -> 400 naming the field (nothing is silently ignored)
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ def shaping(body: _Common, vocab_size: int) -> dict:
     return out
 
 
-def _response_format(body: _Common, grammars: Grammars):
+def _answer(body: _Common) -> tuple[dict, str] | None:
+    """The schema a text answer follows (response_format) and the field to name, or None."""
     fmt = body.response_format
     if fmt is None or fmt.type == "text":
         if fmt is not None and fmt.json_schema is not None:
@@ -59,55 +62,57 @@ def _response_format(body: _Common, grammars: Grammars):
         if fmt.json_schema is not None:
             raise APIError("response_format.json_schema goes with type 'json_schema', not "
                            "'json_object'", param="response_format.json_schema")  # fmt: skip
-        return grammars.json_schema({"type": "object"}, "response_format")
+        return {"type": "object"}, "response_format"
     if fmt.json_schema is None:
         raise APIError("response_format type 'json_schema' needs json_schema: {name, schema}",
                        param="response_format.json_schema")  # fmt: skip
     schema = fmt.json_schema.schema_
-    return grammars.json_schema({"type": "object"} if schema is None else schema,
-                                "response_format.json_schema.schema")  # fmt: skip
+    return ({"type": "object"} if schema is None else schema,
+            "response_format.json_schema.schema")  # fmt: skip
 
 
-def _tool_choice(body: ChatBody, grammars: Grammars):
+def _tool_choice(body: ChatBody, answer: tuple[dict, str] | None, grammars: Grammars):
+    """The grammar of the tool calls (with the answer's, under "auto"), or None: free text,
+    calls parsed as the model writes them."""
     choice = body.tool_choice
     forced = choice == "required" or isinstance(choice, Tool)
     if choice is not None and choice != "none" and not body.tools:
         raise APIError(f"tool_choice {choice if isinstance(choice, str) else 'a function'!r} "
                        f"needs tools", param="tool_choice")  # fmt: skip
-    if not forced:
-        if body.tools and choice != "none":
-            strict = [t.function.name for t in body.tools if t.function.strict]
-            if strict:
-                raise APIError(f"tools {strict} have strict: true, which with tool_choice "
-                               f"'auto' would need a grammar that also allows text; send "
-                               f"tool_choice 'required' (the calls then follow the "
-                               f"parameters) or strict: false", param="tools")  # fmt: skip
-            if body.parallel_tool_calls is False:
-                raise APIError("parallel_tool_calls: false is honoured with tool_choice "
-                               "'required' or a named function; with 'auto' the model may "
-                               "write several calls: drop it or force the call",
-                               param="parallel_tool_calls")  # fmt: skip
+    if not body.tools or choice == "none":
         return None
     tools = [{"name": t.function.name, "parameters": t.function.parameters} for t in body.tools]
+    several = body.parallel_tool_calls is not False
+    if not forced:  # "auto": text, or calls; a grammar when anything must be enforced
+        strict = any(t.function.strict for t in body.tools)
+        if not (strict or not several or answer is not None):
+            return None
+        if answer is not None:  # its own compile first: its errors name its field
+            grammars.json_schema(*answer)
+        return grammars.text_or_tool_calls(tools, several, None if answer is None else answer[0])
+    if answer is not None:
+        raise APIError(
+            "response_format and tool_choice 'required' (or a named function) each fix the "
+            "answer's form; send one of them (with tool_choice 'auto' both apply: the answer "
+            "is either JSON that follows response_format or tool calls)",
+            param="response_format",
+        )
     if isinstance(choice, Tool):
         tools = [t for t in tools if t["name"] == choice.function.name]
         if not tools:
             names = [t.function.name for t in body.tools]
             raise APIError(f"tool_choice names function {choice.function.name!r}, which is not "
                            f"among the tools {names}", param="tool_choice")  # fmt: skip
-    several = choice == "required" and body.parallel_tool_calls is not False
-    return grammars.tool_calls(tools[:1] if isinstance(choice, Tool) else tools, several)
+        return grammars.tool_calls(tools[:1], several=False)
+    return grammars.tool_calls(tools, several)
 
 
 def grammar_of(body: _Common, grammars: Grammars):
     """The request's compiled grammar (an llguidance LLMatcher), or None; APIError when asked
     for one that cannot be built (`grammars`: api/grammar.Grammars)."""
-    response = _response_format(body, grammars)
-    tools = _tool_choice(body, grammars) if isinstance(body, ChatBody) else None
-    if response is not None and tools is not None:
-        raise APIError(
-            "response_format and tool_choice 'required' (or a named function) each "
-            "fix the answer's form; send one of them",
-            param="response_format",
-        )
-    return response if response is not None else tools
+    answer = _answer(body)
+    if isinstance(body, ChatBody):
+        calls = _tool_choice(body, answer, grammars)
+        if calls is not None:
+            return calls
+    return None if answer is None else grammars.json_schema(*answer)

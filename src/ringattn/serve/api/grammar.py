@@ -7,6 +7,9 @@
     tool_choice required / named  -> Lark: Hermes blocks   matcher.consume_token(token)
         <tool_call>{"name": ..., "arguments": {...}}</tool_call>, the arguments by the
         tool's parameters (one block, or several unless parallel_tool_calls is false)
+    tool_choice auto with a strict    -> Lark: free text (or the JSON answer), and from each
+      tool, parallel_tool_calls false    <tool_call> on, a block as above
+      or a response_format               (text_or_tool_calls: a lazy opening)
     compiled by llguidance's LLMatcher; a schema it cannot compile is a 400 naming the field
 
 The library is llguidance (guidance-ai; vLLM's and SGLang's `guidance` backend): one abi3 wheel
@@ -97,6 +100,46 @@ class Grammars:
         """Answers that are Hermes tool-call blocks only: one, or one or more when `several`,
         each calling one of `tools` ({"name", "parameters"}) with arguments that follow its
         parameters."""
+        blocks = 'opened call ("\\n" opened call)*' if several else "opened call"
+        return self._calls(f"start: {blocks}\nopened: {self._tag(OPEN)}", tools, param)
+
+    def text_or_tool_calls(self, tools: list[dict], several: bool, answer: dict | None = None,
+                           param: str = "tools"):  # fmt: skip
+        """Answers of free text that may call tools (tool_choice "auto"): the text is free until
+        it writes OPEN (or the tokenizer's OPEN token); from there a block follows, as in
+        tool_calls, then free text again (no further call unless `several`). With `answer` (a
+        response_format's schema) a text answer is JSON that follows it instead, and text
+        that does not start with "{" must go on to call.
+
+            start:  (opened call)* TEXT?        [(opened call)? TEXT? when not several]
+                    answer | (opened call)+ TEXT?                          [with `answer`]
+            opened: lazily, any text up to the first OPEN   |   PRE? the OPEN token
+            TEXT, PRE: any text that does not contain OPEN (PRE: nor start with "{" when
+                   there is an answer, so a JSON answer and a call's preamble never overlap)
+
+        `opened` is lazy (it ends at the first OPEN) and TEXT cannot contain OPEN, so once a
+        call opens no parse is left but its block. (A greedy `TEXT OPEN` would not do: the
+        lexer extends TEXT through "<tool_call" and then refuses the ">".) Special tokens are
+        not text, so the OPEN token, where there is one, opens a call as its text does."""
+        text, token = "(.|\\n)", self._token(OPEN)  # any character
+        first = text if answer is None else "[^{]"  # (an answer's JSON starts with "{")
+        if answer is None:
+            start = f"(opened call){'*' if several else '?'} TEXT?"
+        else:
+            start = f"answer | {'(opened call)+' if several else 'opened call'} TEXT?"
+        no_open = f"~/{text}*{OPEN}{text}*/"
+        rules = [f"start: {start}",
+                 "opened: prefix" + (f" | PRE? <[{token}]>" if token is not None else ""),
+                 f"prefix[lazy]: /({first}{text}*)?{OPEN}/",
+                 f"TEXT: /{text}+/ & {no_open}",
+                 f"PRE: /{first}{text}*/ & {no_open}"]  # fmt: skip
+        if answer is not None:  # laid out as LAYOUT unless the schema says otherwise
+            rules.append(f"answer: %json {json.dumps({'x-guidance': LAYOUT, **answer})}")
+        lark = "\n".join(rules)
+        return self._calls(lark, tools, param)
+
+    def _calls(self, head: str, tools: list[dict], param: str):
+        """`head` (Lark rules that use `call`) with `call`: one block's JSON and its close."""
         self._ll(param)
         import llguidance
 
@@ -107,15 +150,18 @@ class Grammars:
                  for t in tools]  # fmt: skip
         call = {"anyOf": calls} if len(calls) > 1 else calls[0]
         call = json.dumps({**call, "x-guidance": LAYOUT})  # (its options: at the top level)
-        blocks = 'call ("\\n" call)*' if several else "call"
-        opened, closed = self._tag(OPEN), self._tag(CLOSE)
-        lark = f'start: {blocks}\ncall: {opened} "\\n"? %json {call} "\\n"? {closed}\n'
+        lark = f'{head}\ncall: "\\n"? %json {call} "\\n"? {self._tag(CLOSE)}\n'
         return self.compile(llguidance.LLMatcher.grammar_from_lark(lark), param)
 
     def _tag(self, tag: str) -> str:
         """A Lark item for `tag`: its text, or the token the tokenizer has for it (an added
         token, such as Qwen's <tool_call>, is one token to llguidance, not its characters)."""
+        token = self._token(tag)
+        return f'("{tag}" | <[{token}]>)' if token is not None else f'"{tag}"'
+
+    def _token(self, tag: str) -> int | None:
+        """The id of the token that is `tag` whole, or None."""
         token = self.tokenizer.convert_tokens_to_ids(tag)
         if isinstance(token, int) and token != self.tokenizer.unk_token_id:
-            return f'("{tag}" | <[{token}]>)'
-        return f'"{tag}"'
+            return token
+        return None
