@@ -11,8 +11,8 @@ eligible only once its old credential expired, 120 s by default; a main scheduli
 second, because an eligible requeued job otherwise waits for the next pass, 60 s by default:
 together a requeue took 56 s of idle waiting, now about 11), the controller's state, the node's
 spool and the logs. Clients (sbatch, scancel, scontrol) find the cluster through SLURM_CONF,
-which `env()` sets. Processes are tracked by parentage (proctrack/linuxproc, no cgroups: containers rarely
-delegate them).
+which `env()` sets. Processes are tracked by parentage (proctrack/linuxproc, no cgroups:
+containers rarely delegate them).
 `close()` stops the two daemons and munged (SIGTERM, then SIGKILL) and removes the folder; it
 runs at exit and on SIGTERM of this process too (a test run cut short leaves no daemon behind),
 and is idempotent. Needs root and the Debian packages slurm-wlm and munge
