@@ -113,6 +113,7 @@ def test_the_mask_reads_llguidances_bit_order():
 
 
 @needs_llguidance
+@pytest.mark.slow
 def test_greedy_json_schema_is_the_references_answer(served):
     _, client, model, tok, _ = served
     ids = list(tok.apply_chat_template(HELLO, add_generation_prompt=True, return_dict=False))

@@ -95,6 +95,7 @@ def tool_server(tmp_path_factory):
         server.close()
 
 
+@pytest.mark.slow
 def test_a_strict_tool_under_auto_turns_the_models_invalid_call_into_a_valid_one(tool_server):
     client = tool_server
     loose = {"type": "function", "function": {**STRICT["function"], "strict": False}}
@@ -114,6 +115,7 @@ def test_a_strict_tool_under_auto_turns_the_models_invalid_call_into_a_valid_one
     assert [c.function.arguments for c in streamed] == [call.function.arguments]
 
 
+@pytest.mark.slow
 def test_parallel_tool_calls_false_and_a_response_format_under_auto_hold_calls_too(tool_server):
     client = tool_server
     loose = {"type": "function", "function": {**STRICT["function"], "strict": False}}
