@@ -322,12 +322,14 @@ def test_one_process_cp1_equals_plain(tmp_path):
     )
 
 
-@pytest.mark.parametrize("launcher", ["torchrun", "accelerate"])
+# torchrun: test_example_runs_with_a_chatml_template_without_markers launches the same script
+# with it (a --model DIR), so each launcher runs the example once (tests/tiers.py's rule)
+@pytest.mark.parametrize("launcher", ["accelerate"])
 @pytest.mark.slow
 def test_example_runs_launched(tmp_path, launcher):
-    """examples/trl_sft_context_parallel.py as the docs launch it (2 steps) with torchrun or
-    `accelerate launch --multi_gpu` (its multi-process launcher; on CPU too), then its saved
-    model loads with from_pretrained."""
+    """examples/trl_sft_context_parallel.py as the docs launch it (2 steps, its built-in model
+    whose template marks generations) with `accelerate launch --multi_gpu` (its multi-process
+    launcher; on CPU too), then its saved model loads with from_pretrained."""
     import os
     import subprocess
     import sys
@@ -399,10 +401,13 @@ def test_example_loss_on_assistant_turns_without_markers():
 @pytest.mark.slow
 def test_example_runs_with_a_chatml_template_without_markers(tmp_path):
     """--model DIR whose tokenizer has SmolLM2's template (no markers): the example says it falls
-    back to completion-only loss, trains 2 steps at cp 2 under torchrun, and saves."""
+    back to completion-only loss, trains 2 steps at cp 2 under torchrun, and what it saves
+    loads with from_pretrained."""
     import os
     import subprocess
     import sys
+
+    import transformers
 
     example = _example_module()
     model, tokenizer = example.tiny_model_and_tokenizer()
@@ -427,3 +432,4 @@ def test_example_runs_with_a_chatml_template_without_markers(tmp_path):
         )
     ], proc.stdout[-2000:]
     assert "[example] world 2 = dp 1 x cp 2; losses [" in proc.stdout, proc.stdout[-2000:]
+    transformers.AutoModelForCausalLM.from_pretrained(out)  # what it saved loads
