@@ -115,10 +115,13 @@ def test_cli_max_seq_table_and_refusals(capsys):
 
 
 def test_published_longest_sequences_stay_where_the_docs_say():
-    """docs/memory.md's table: the planner (all levers, model-state offload) is conservative
-    against ALST by 28-31 % and against FPDT (which also offloads attention) by 71 %."""
+    """docs/memory.md's table: the planner (all levers, model-state offload) is within 25 % of
+    ALST (16-22 % short) and 67 % short of FPDT, whose chunked attention offload it names as
+    not priced."""
     rows = {r["name"]: r for r in check_published_max_seq()}
-    expected = {"ALST Llama-8B, 1 x H100": -0.28, "ALST Llama-8B, 8 x H100": -0.30,
-                "ALST Llama-8B, 32 x H100": -0.31, "FPDT 8B, 4 x A100-40GB": -0.71}  # fmt: skip
+    expected = {"ALST Llama-8B, 1 x H100": -0.16, "ALST Llama-8B, 8 x H100": -0.21,
+                "ALST Llama-8B, 32 x H100": -0.22, "FPDT 8B, 4 x A100-40GB": -0.67}  # fmt: skip
     for name, error in expected.items():
         assert rows[name]["error"] == pytest.approx(error, abs=0.01), rows[name]
+        assert rows[name]["not_priced"], name
+    assert "chunks of q, k, v" in rows["FPDT 8B, 4 x A100-40GB"]["not_priced"]
