@@ -4,7 +4,8 @@ The search is a bisection over a monotone memory model, so: the answer fits and 
 does not; each memory lever (chunked loss, checkpointing, tiled MLP, offload) lengthens it; the
 tiled MLP's saving is exactly the MLP intermediates of the rows beyond one tile; offload is bounded
 by the host's RAM and priced on the host link; the JSON contract gives "max_seq"; the published
-longest lengths (ALST, FPDT) stay where docs/memory.md says they are.
+longest lengths (ALST, FPDT) stay where docs/memory.md says they are; the memory total is the
+larger of a step's two phases (the loss, a block's backward), not their sum.
 """
 
 from __future__ import annotations
@@ -125,3 +126,20 @@ def test_published_longest_sequences_stay_where_the_docs_say():
         assert rows[name]["error"] == pytest.approx(error, abs=0.01), rows[name]
         assert rows[name]["not_priced"], name
     assert "chunks of q, k, v" in rows["FPDT 8B, 4 x A100-40GB"]["not_priced"]
+
+
+def test_the_total_is_the_larger_of_the_loss_and_the_block_phase():
+    """A step's loss and a block's backward peak at different times (planner/memory.py,
+    "Phases"): the total is the larger phase, whose kinds are reported (the other's are 0)."""
+    short = _spec(seq_len=8 * 4096, loss_chunk=0)  # whole logits: the loss is the peak
+    mem = memory_bytes(short)
+    assert mem["loss"] > 0 and mem["backward_transient"] == mem["attention_buffers"] == 0
+    # the block phase is smaller there, so tiling the MLP changes nothing
+    assert memory_bytes(replace(short, tiled_mlp=1024))["total"] == mem["total"]
+    long = _spec(tiled_mlp=4096)  # 128k tokens a rank: a block's backward is the peak
+    mem = memory_bytes(long)
+    assert mem["loss"] == 0 and mem["backward_transient"] > 0 and mem["attention_buffers"] > 0
+    for m in (memory_bytes(short), mem):
+        assert m["total"] == pytest.approx(sum(v for k, v in m.items() if k != "total"))
+    summed = memory_bytes(replace(long, loss_chunk=512))
+    assert summed["total"] == mem["total"]  # a loss chunk under the block's peak costs nothing
