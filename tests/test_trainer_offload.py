@@ -21,8 +21,15 @@ from workers_hf_trainer import run
 
 
 @pytest.mark.slow
-def test_trainer_offload_cp2_equals_without(pools, tmp_path):
-    case = {"kind": "trainer", "cp": 2, "offload_activations": True,
+@pytest.mark.parametrize(
+    "case",
+    [{"kind": "trainer"}, {"kind": "sft", "lora": True}],
+    ids=["trainer", "sft-lora"],
+)  # fmt: skip
+def test_trainer_offload_cp2_equals_without(pools, tmp_path, case):
+    """transformers.Trainer, and TRL's SFTTrainer over PEFT's LoRA (the hook sits on the base
+    model, under the adapter's wrappers)."""
+    case = {**case, "cp": 2, "offload_activations": True,
             "args": {"gradient_checkpointing": True}}  # fmt: skip
     results = pools(2).run("workers_hf_trainer:run", case, str(tmp_path / "cp"), timeout=600)
     for result in results:  # every rank offloaded its layers' inputs in the last step
