@@ -7,6 +7,7 @@ Mixtral-8x7B's shape (config.json written here, no download): 8 experts of 14,33
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -50,7 +51,9 @@ def test_ep_shrinks_gathered_experts_and_prices_the_dispatch(mixtral):
     for kind in ("parameters", "gradients", "optimizer"):  # FSDP2 over dp x cp either way
         assert mem[4][kind] == mem[1][kind] == mem[8][kind]
     assert mem[8]["fsdp_buffers"] < mem[4]["fsdp_buffers"] < mem[1]["fsdp_buffers"]
-    assert mem[1]["expert_dispatch"] == 0 < mem[4]["expert_dispatch"]
+    # with a short loss chunk a block's backward, where the dispatch lives, is the peak
+    block = {ep: memory_bytes(replace(s, loss_chunk=512)) for ep, s in ((1, one), (4, four))}
+    assert block[1]["expert_dispatch"] == 0 < block[4]["expert_dispatch"]
     times = {ep: step_time(s) for ep, s in ((1, one), (4, four), (8, eight))}
     assert times[1]["ep_dispatch_s"] == 0 < times[4]["ep_dispatch_s"] < times[8]["ep_dispatch_s"]
     assert times[4]["fsdp_comm_s"] < times[1]["fsdp_comm_s"]

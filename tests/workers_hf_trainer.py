@@ -14,6 +14,7 @@ layers, Qwen3-MoE with its router loss).
 
 from __future__ import annotations
 
+import functools
 import os
 import string
 
@@ -184,6 +185,7 @@ def _trainer(case: dict, out_dir: str):
             loss_chunk=case.get("loss_chunk", -1),
             dynamic=case.get("dynamic", False),
             tiled_mlp=case.get("tiled_mlp", 0),
+            offload_activations=case.get("offload_activations", False),
         )
     torch.manual_seed(0)  # LoRA's initial A, the same in every process
     return cls(model=net, args=args, **kwargs)
@@ -211,12 +213,17 @@ def run(rank: int, world_size: int, case: dict, out_dir: str) -> dict:
     """Train `case` (see _trainer), optionally resume or save; rank 0 also returns the weights.
     The environment is restored afterwards: a pool's next task (another test file) must not see
     torchrun's variables (accelerate's state, built once per process, keeps what it read)."""
-    saved = dict(os.environ)
+    from ringattn.integrations.hf.levers import offload
+
+    saved, offload_class = dict(os.environ), offload.ActivationOffload
+    if case.get("offload_activations"):  # the tiny model's layer inputs are below the 64 KiB
+        offload.ActivationOffload = functools.partial(offload_class, min_bytes=0)  # default
     try:
         return _run(rank, world_size, case, out_dir)
     finally:
         os.environ.clear()
         os.environ.update(saved)
+        offload.ActivationOffload = offload_class
 
 
 def _run(rank: int, world_size: int, case: dict, out_dir: str) -> dict:
@@ -226,6 +233,10 @@ def _run(rank: int, world_size: int, case: dict, out_dir: str) -> dict:
         return {}
     trainer.train(resume_from_checkpoint=case.get("resume"))
     result = _history(trainer)
+    from ringattn.integrations.hf.levers.offload import OFFLOAD_ATTR
+
+    offloaded = getattr(trainer.model, OFFLOAD_ATTR, None)  # the last forward's, when offloading
+    result["offloaded_bytes"] = offloaded.offloaded_bytes if offloaded is not None else 0
     if case.get("eval"):
         result["final_eval"] = trainer.evaluate()["eval_loss"]
     if case.get("save"):

@@ -16,8 +16,8 @@
                               w1 and w3 outputs, silu, their product: 4 x hidden
                             with activation checkpointing only each block's input (dim), plus
                             one block's worth while it is recomputed
-    backward transient      gradients in flight inside the block being differentiated: about
-                            one block's activations
+    backward transient      gradients in flight inside the block being differentiated: the
+                            block output's and its residual branch's (2 x dim per token)
     attention buffers       per strategy (docs/strategies.md): ring 2 K/V + 2 float32 dK/dV,
                             allgather W K/V + W dK/dV, ulysses ~2 (Q + K/V), plus the float32
                             out/dq accumulators
@@ -27,6 +27,26 @@
                             passing adds the W x runs gathered summaries; gather adds the
                             gathered input and its full-length gradient; heads adds those and
                             the full-length output gradient (the summed output's is S x hidden)
+
+Phases: a step's tensors peak twice, and the two peaks are not alive together, so the total is
+the larger of them, not their sum (the kinds are those of the larger one; the other's are 0):
+
+    loss phase    the kept activations (checkpoints, or every block's without checkpointing),
+                  the embedding and the final norm's input and output, a chunk of logits
+    block phase   the kept activations, the block being differentiated (recomputed under
+                  checkpointing), its gradients in flight, expert dispatch, mixer buffers,
+                  and the larger of two moments inside it: the MLP's backward (every tensor
+                  of the block alive) or attention's (the MLP's intermediates freed, attention's
+                  buffers alive); the tiled MLP moves the peak to the second
+
+By the time backward reaches the last block, the loss chunks and the final norm have been
+differentiated and their tensors freed; before it, no block has been recomputed. Measured on
+CPU (scripts/bench/long_seq.py, profiler peak): at SmolLM2-135M's shape with the trainer's
+1,344-row loss chunk, the tiled MLP changes nothing (722 MiB both, 16k tokens, W = 2): the
+peak is the loss's, so summing the phases over-priced that step by 79-125 %. With a 256-row
+loss chunk the block's backward is the peak: 408 MiB (372 above the checkpoints) untiled and
+327 tiled, where one block's saved tensors are 330 and 162 and attention's buffers 120: the
+earlier count of the gradients in flight as a second block's worth over-priced it by 47-100 %.
 
 Hybrid activations: a mixer layer keeps its own tensors (work.MixerShape.activation_elems) in
 place of attention's; under the gather scheme it ran on all S rows, so it keeps W times as many,
@@ -156,11 +176,13 @@ def memory_bytes(spec: PlanSpec) -> dict:
         # offloaded: the checkpoint in use and the one being prefetched stay on the device (on
         # cpu the host is the device: the copies live in the same memory, nothing is saved)
         held = min(layers, 2) if spec.offload_activations and not spec.hw.is_cpu else layers
-        kept = held * tokens * m.dim / spec.tp * e + per_block
+        kept, recomputed = held * tokens * m.dim / spec.tp * e, per_block
     else:
-        kept = layers * kept_block
-    activations = in_flight * (kept + 3 * tokens * m.dim / spec.tp * e)  # + embedding, norm out
-    transient = per_block
+        kept, recomputed = layers * kept_block, 0.0
+    # the MLP's intermediates are freed before attention's backward starts (module docstring)
+    mlp_saved = mlp * tile_rows * e if spec.activation_checkpointing else 0.0
+    hidden = 3 * tokens * m.dim / spec.tp * e  # the embedding, the final norm's input and output
+    transient = 2 * tokens * m.dim / spec.tp * e  # the block output's and its branch's gradients
     # attention buffers of the layer being run
     hq, hkv, d, w = m.n_heads / spec.tp, m.n_kv_heads / spec.tp, m.d_head, spec.cp
     q_bytes = tokens * hq * d * e
@@ -183,17 +205,25 @@ def memory_bytes(spec: PlanSpec) -> dict:
     loss_rows = min(tokens, spec.loss_chunk) if spec.loss_chunk > 0 else tokens
     loss = 3 * loss_rows * m.vocab_size / spec.tp * 4
     dispatch = 4 * tokens * m.top_k * m.dim * e if m.experts and spec.ep > 1 else 0.0
-    kinds = {
-        "parameters": params,
-        "gradients": grads,
-        "optimizer": optimizer,
-        "fsdp_buffers": fsdp,
-        "activations": activations,
+    # the two peaks of a step (module docstring, "Phases"): the loss, or a block's backward
+    loss_phase = {"activations": in_flight * (kept + hidden), "loss": loss}
+    attention = buffers + accumulators
+    if recomputed - mlp_saved + attention > recomputed:  # attention's backward is the peak
+        recomputed, held_attention = recomputed - mlp_saved, attention
+    else:  # the MLP's backward (all the block's tensors alive) is the peak
+        held_attention = 0.0
+    block_phase = {
+        "activations": in_flight * (kept + recomputed),
         "backward_transient": transient,
-        "attention_buffers": buffers + accumulators,
-        "loss": loss,
+        "attention_buffers": held_attention,
         "expert_dispatch": dispatch,
         "mixer_buffers": _mixer_buffers(spec, tokens) if m.mixer_layers else 0.0,
     }
+    peak = max(loss_phase, block_phase, key=lambda phase: sum(phase.values()))
+    kinds = {"parameters": params, "gradients": grads, "optimizer": optimizer,
+             "fsdp_buffers": fsdp}  # fmt: skip
+    for kind in ("activations", "backward_transient", "attention_buffers", "loss",
+                 "expert_dispatch", "mixer_buffers"):  # fmt: skip
+        kinds[kind] = peak.get(kind, 0.0)
     kinds["total"] = sum(kinds.values())
     return kinds

@@ -17,7 +17,10 @@ tests/test_tiled_mlp.py (tiled equal to untiled in float64, forward and backward
 model of the family named beside it). A decoder layer's feed-forward child (`mlp`,
 `feed_forward`, ...) that is neither listed nor an MoE block whose experts are listed is refused
 by name: a module that is not row-wise (or that draws random numbers, as dropout does) would not
-survive the recompute. The module's forward is wrapped on the instance (as the Trainer's chunked
+survive the recompute. Inside a torch.compile graph a tiled module raises, naming itself (its
+backward calls torch.autograd.grad, which dynamo does not trace): fullgraph=True fails with that
+message; without fullgraph, dynamo breaks the graph there and the tiles run eagerly.
+The module's forward is wrapped on the instance (as the Trainer's chunked
 loss does), so its class, parameters and names are untouched: checkpoints load and save as before.
 """
 
@@ -115,6 +118,13 @@ def tiled_modules(model: nn.Module) -> list[tuple[str, nn.Module, str]]:
 
 def _tiled_forward(forward: object, signature: inspect.Signature, tile: int,
                    module: nn.Module, *args: object, **kwargs: object) -> torch.Tensor:  # fmt: skip
+    if torch.compiler.is_compiling():
+        raise ValueError(
+            f"{type(module).__name__}: tiled_mlp={tile} cannot run inside a torch.compile graph "
+            f"(each tile is recomputed in backward by torch.autograd.grad, which dynamo does not "
+            f"trace, so fullgraph=True fails); compile without fullgraph=True (the tiled MLP "
+            f"then runs eagerly between graphs) or use tiled_mlp=0"
+        )
     bound = signature.bind(*args, **kwargs)
     names = list(bound.arguments)
     values = list(bound.arguments.values())

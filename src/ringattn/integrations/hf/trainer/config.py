@@ -55,12 +55,20 @@ class ContextParallelConfig:
     """Dynamic CP (dynamic.py): each training step, the documents of every dp row's batch get a
     group of 1, 2, ... cp ranks and are placed over dp x cp by planned cost (short ones alone,
     no communication); the same loss and gradients as static CP. cp must be a power of two."""
+    offload_activations: bool = False
+    """Keep each checkpointed layer's input in pinned host memory, prefetched in backward on a
+    side stream (integrations/hf/levers/offload.py), the same loss; needs
+    TrainingArguments(activation_checkpointing=True). Saves GPU memory only (on CPU it runs
+    and changes nothing)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.cp, int) or isinstance(self.cp, bool) or self.cp < 1:
             raise ValueError(f"ContextParallelConfig(cp={self.cp!r}): cp must be an int >= 1")
         get_layout(self.layout)
         check_tile(self.tiled_mlp, "ContextParallelConfig(tiled_mlp)")
+        if not isinstance(self.offload_activations, bool):
+            raise TypeError(f"ContextParallelConfig(offload_activations="
+                            f"{self.offload_activations!r}): True or False")  # fmt: skip
         if not isinstance(self.loss_chunk, int) or isinstance(self.loss_chunk, bool):
             raise TypeError(f"ContextParallelConfig(loss_chunk={self.loss_chunk!r}): an int "
                              f"(-1: from the vocabulary, 0: whole logits, > 0: rows)")  # fmt: skip

@@ -45,6 +45,8 @@ import torch.distributed as dist
 from ringattn.integrations.hf.batch import shard_batch
 from ringattn.integrations.hf.dynamic import refuse_dynamic
 from ringattn.integrations.hf.experts import EXPERTS_ATTR
+from ringattn.integrations.hf.levers.offload import check_trainer_args as check_offload_args
+from ringattn.integrations.hf.levers.offload import offload_activations
 from ringattn.integrations.hf.model import parallelize
 from ringattn.integrations.hf.trainer.batch import one_row
 from ringattn.integrations.hf.trainer.chunked import install_chunked_loss
@@ -165,6 +167,8 @@ class _ContextParallel:
             world = dist.get_world_size() if dist.is_initialized() else 1
             context_parallel = ContextParallelConfig(cp=world)
         _refuse(self, extra)
+        if context_parallel.offload_activations:  # read from the arguments: on every rank, first
+            check_offload_args(self.args)
         model = self.model
         base = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT
         if context_parallel.dynamic:  # read from the model and arguments: on every rank, first
@@ -182,6 +186,8 @@ class _ContextParallel:
                     backend=context_parallel.backend,
                     mixer_scheme=context_parallel.mixer_scheme,
                     tiled_mlp=context_parallel.tiled_mlp)  # fmt: skip
+        if context_parallel.offload_activations:  # train() enables checkpointing: wrap then
+            offload_activations(base, when_checkpointed=True)
         if getattr(self, "aux_loss_enabled", False):  # SFTTrainer's own MoE router loss
             gather_router_logits(base)
         if _own_compute_loss(type(self)):  # a subclass's compute_loss may read the logits
