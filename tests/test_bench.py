@@ -104,7 +104,9 @@ def test_bench_tiny_on_cpu(tmp_path, capsys):
     data = json.loads(path.read_text())
     assert {"machine", "date", "command", "config", "results"} <= data.keys()
     assert data["machine"]["torch"] == torch.__version__
-    assert data["command"].startswith("ringattn ")
+    # the arguments main() got, not this process's (pytest's) sys.argv
+    assert data["command"].startswith("ringattn bench --device cpu --heads 2:1 ")
+    assert "-q" not in data["command"].split()
     rows = data["results"]
     assert len(rows) == 2 * 2 * 2  # masks x sizes x passes
     for row in rows:

@@ -14,6 +14,7 @@ import json
 import math
 import os
 import platform
+import shlex
 import statistics
 import sys
 import time
@@ -169,12 +170,15 @@ def machine(device: torch.device) -> dict:
     return info
 
 
-def header(device: torch.device, cfg: object) -> dict:
-    """The JSON header every bench output starts with."""
+def header(device: torch.device, cfg: object, argv: list[str] | None = None) -> dict:
+    """The JSON header every bench output starts with; `argv` is the command's arguments as
+    `ringattn.cli.main` got them (this process's own when None: a caller that passed its own
+    argv to `main` must not record its host's, e.g. pytest's)."""
+    args = sys.argv[1:] if argv is None else argv
     return {
         "machine": machine(device),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join(["ringattn", *sys.argv[1:]]) if sys.argv else "ringattn bench",
+        "command": shlex.join(["ringattn", *args]),
         "config": asdict(cfg),
         "memory_method": MEMORY_METHOD[device.type],
     }

@@ -168,14 +168,14 @@ def sampled_reference(q, k, v, dout, positions, scale, chunk=1 << 16) -> dict[st
     return {"out": out, "lse": lse, "dq": dq, "plain_lse": plain}
 
 
-def run_million(cfg: MillionConfig) -> int:
+def run_million(cfg: MillionConfig, argv: list[str] | None = None) -> int:
     device = resolve_device(cfg.device)
     cfg = cfg.resolve(device)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     world_size, seq_len, (hq, hkv), d = cfg.world_size, cfg.seq_len, cfg.heads, cfg.head_dim
     dtype, scale = getattr(torch, cfg.dtype), cfg.head_dim**-0.5
-    data = header(device, cfg)
+    data = header(device, cfg, argv)
     t_start = time.perf_counter()
 
     def say(text: str) -> None:

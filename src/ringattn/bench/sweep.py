@@ -288,13 +288,13 @@ def bench_one(
     return rows
 
 
-def run_bench(cfg: BenchConfig) -> int:
+def run_bench(cfg: BenchConfig, argv: list[str] | None = None) -> int:
     """Run the sweep, print the table, write JSON and PNG; 0 on success."""
     device = resolve_device(cfg.device)
     cfg = cfg.resolve(device)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    data = header(device, cfg)
+    data = header(device, cfg, argv)
     data["results"], data["failed"] = rows, failed = [], []
     where = data["machine"].get("gpu") or data["machine"].get("cpu")
     threads = f", {torch.get_num_threads()} thread(s)" if device.type == "cpu" else ""

@@ -111,7 +111,7 @@ def add_check_command(sub) -> None:
 
 def _run_demo(args: argparse.Namespace) -> int:
 
-    options = {k: v for k, v in vars(args).items() if k not in ("command", "json", "run")}
+    options = {k: v for k, v in vars(args).items() if k not in ("command", "json", "run", "argv")}
     return run_demo(DemoConfig(**options), json_path=args.json)
 
 
@@ -123,6 +123,6 @@ def _run_check(args: argparse.Namespace) -> int:
                             seed=args.seed, fault_rank=args.inject_fault)  # fmt: skip
         cfg.world_sizes = world_sizes or cfg.world_sizes
         return run_check_hf(cfg)
-    skip = ("command", "nproc", "run", "hf", "inject_fault", "world_sizes")
+    skip = ("command", "argv", "nproc", "run", "hf", "inject_fault", "world_sizes")
     options = {k: v for k, v in vars(args).items() if k not in skip}
     return run_check(CheckConfig(**options, world_sizes=world_sizes or CheckConfig().world_sizes))

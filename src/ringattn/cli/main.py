@@ -209,14 +209,14 @@ def _run_bench(args: argparse.Namespace) -> int:
         return run_million(MillionConfig(seq_len=args.seq_len, world_size=args.world_size,
                                          heads=heads, dtype=args.dtype or "bfloat16",
                                          sample_rows=args.sample_rows, threads=args.threads,
-                                         **common))  # fmt: skip
+                                         **common), args.argv)  # fmt: skip
 
     cfg = BenchConfig(sizes=args.sizes, masks=args.masks, passes=args.passes, layout=args.layout,
                       dtype=args.dtype, baselines=args.baselines, ranks=args.ranks,
                       warmup=args.warmup, repeats=args.repeats, plot_path=args.plot,
                       heads=args.heads, threads=args.threads, documents=args.documents,
                       window=args.window, **common)  # fmt: skip
-    return run_bench(cfg)
+    return run_bench(cfg, args.argv)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -242,6 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # what the run records as its command
     try:
         return args.run(args)
     except MissingExtra as err:  # an optional extra this command or flag needs: one line
