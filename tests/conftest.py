@@ -25,6 +25,7 @@ if _TESTS_DIR not in sys.path:
     sys.path.insert(0, _TESTS_DIR)
 
 import basetemp
+import schedule
 from harness import WorkerPool
 
 _LOCK = pytest.StashKey[IO]()
@@ -37,6 +38,15 @@ def pytest_configure(config: pytest.Config) -> None:
         return
     config.option.basetemp, lock = basetemp.claim()
     config.stash[_LOCK] = lock  # held (open) until this process ends
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    schedule.longest_first(items)
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, called only under -n
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    return schedule.by_file(config, log)
 
 
 class PoolCache:

@@ -1,6 +1,6 @@
 """A bare `pip install ringattn` (no extras) runs every command that needs none.
 
-A fresh virtual environment gets the pinned CPU torch, then this package **without extras**
+A fresh virtual environment gets torch (see below), then this package **without extras**
 (torch, numpy and typing_extensions only: no transformers, FastAPI, pydantic, matplotlib,
 tensorboard, pyarrow). In it:
 - `ringattn --help` and `--version` through the installed console script;
@@ -11,49 +11,84 @@ tensorboard, pyarrow). In it:
 - `import ringattn.hf` raises an ImportError naming `ringattn[hf]`.
 
 The commands run in one Python process of that environment (`bare_driver.py`), which calls the
-CLI's `main` once per command: one torch import instead of one per command. pip's local caches
-make the set-up about a minute here.
+CLI's `main` once per command: one torch import instead of one per command.
+
+torch and the rest of ringattn's base requirements are linked into the fresh environment from
+this one, as installed distributions (package folders and their dist-info): the README has users
+install torch first, and a pip install of torch unpacks 800 MB (22 s of this module's 80). Then
+pip installs ringattn with `--no-index`, so it must find every requirement already satisfied:
+a requirement missing from the base list fails the install instead of being fetched.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
 
 import pytest
+from packaging.requirements import Requirement
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-TORCH_PIN = "torch==2.13.0"  # scripts/setup.sh's pin: a bare `torch` is a multi-GB CUDA build
 EXTRA_PACKAGES = ("transformers", "fastapi", "uvicorn", "pydantic", "matplotlib", "tensorboard",
                   "pyarrow")  # fmt: skip
 
 
 def _pip(python: pathlib.Path, *args: str) -> None:
-    result = subprocess.run([str(python), "-m", "pip", "install", "--quiet", *args],
+    """This environment's pip installing into `python`'s (pip's --python: the bare one has none)."""
+    result = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install",
+                             "--quiet", *args],
                             check=False, capture_output=True, text=True, timeout=900)  # fmt: skip
     assert result.returncode == 0, f"pip install {' '.join(args)} failed:\n{result.stderr[-3000:]}"
+
+
+def _base_closure(package: str) -> list[importlib.metadata.Distribution]:
+    """The installed distributions `package` needs without extras, itself excluded: its base
+    requirements and theirs, as this environment resolved them."""
+    found: dict[str, importlib.metadata.Distribution] = {}
+    todo = list(importlib.metadata.distribution(package).requires or [])
+    while todo:
+        req = Requirement(todo.pop())
+        key = re.sub(r"[-_.]+", "-", req.name).lower()
+        if key in found or (req.marker and not req.marker.evaluate({"extra": ""})):
+            continue
+        found[key] = importlib.metadata.distribution(req.name)
+        todo.extend(found[key].requires or [])
+    return list(found.values())
+
+
+def _link_installed(dists: list[importlib.metadata.Distribution], site: pathlib.Path) -> None:
+    """Symlink each distribution's top-level entries (packages, modules, dist-info) into `site`."""
+    for dist in dists:
+        for top in {pathlib.Path(f).parts[0] for f in dist.files or []}:
+            if top in ("..", "__pycache__"):
+                continue
+            (site / top).symlink_to(pathlib.Path(dist.locate_file(top)).resolve())
 
 
 @pytest.fixture(scope="module")
 def bare(tmp_path_factory) -> pathlib.Path:
     """The bin/ folder of a fresh venv holding torch and ringattn without extras."""
     base = tmp_path_factory.mktemp("bare")
-    subprocess.run([sys.executable, "-m", "venv", str(base / "venv")], check=True, timeout=300)
+    venv = [sys.executable, "-m", "venv", "--without-pip", str(base / "venv")]
+    subprocess.run(venv, check=True, timeout=300)
     python = base / "venv" / "bin" / "python"
-    _pip(python, TORCH_PIN)
+    (site,) = (base / "venv" / "lib").glob("python*/site-packages")
+    _link_installed(_base_closure("ringattn"), site)
     # a copy of the sources: pip builds in the tree it is given, and must not write into ours
     source = base / "source"
     skip = shutil.ignore_patterns("*.egg-info", "__pycache__")
     shutil.copytree(ROOT / "src", source / "src", ignore=skip)
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, source / name)
-    # the venv's own setuptools builds it: an isolated build env would install setuptools
+    # the setuptools torch brought builds it: an isolated build env would install setuptools
     # again (6 s of 9); what gets installed, and so what the test checks, is the same
-    _pip(python, "--no-build-isolation", str(source))
+    _pip(python, "--no-build-isolation", "--no-index", str(source))
     return python.parent
 
 

@@ -1,0 +1,49 @@
+"""The order test modules run in, and how `pytest -n 2` (the README's command) splits them.
+
+Under pytest-xdist each worker runs whole files (`by_file`): a module's fixtures (a Slurm
+cluster, two network namespaces, a server, a tmpfs) are built once, on one worker, and never
+on two at once, which they could not share; a file's tests also share its worker's pools.
+
+Files go out longest first (`LONGEST_FIRST`, then the rest in name order), the
+longest-processing-time rule: the long files, which spend much of their time waiting (Slurm's
+requeue, the two hosts' stall timeout, pip, compilation), start while the other worker has
+short files to fill their waits with; a long file started last would run as the suite's tail
+on one core. The same order holds without `-n`, so both runs meet the same states.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+# Over about 40 s each in a full serial run on the 2-core VM (docs/testing.md "Timings", the
+# durations log), longest first. A file missing here only runs later; nothing else changes.
+LONGEST_FIRST = (
+    "test_two_hosts.py",
+    "test_slurm.py",
+    "test_bare_install.py",
+    "test_compile_train.py",
+    "test_strategies.py",
+    "test_hf_trainer.py",
+    "test_dynamic_cp_hf.py",
+    "test_compile_hf.py",
+    "test_dynamic_cp.py",
+    "test_hf_hybrid.py",
+    "test_train.py",
+    "test_cluster.py",
+)
+
+
+def longest_first(items: list[pytest.Item]) -> None:
+    """Sort `items` in place: the files of LONGEST_FIRST in its order, then every other file
+    in name order; a file's own tests keep their order (the sort is stable)."""
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: (rank.get(item.path.name, len(rank)), str(item.path)))
+
+
+def by_file(config: pytest.Config, log: object) -> object:
+    """xdist's file-by-file scheduler, keeping the collection's order (xdist's default reorders
+    files by their number of tests, which would start the long, few-test files last)."""
+    from xdist.scheduler import LoadFileScheduling  # present whenever xdist calls this
+
+    config.option.loadscopereorder = False
+    return LoadFileScheduling(config, log)
