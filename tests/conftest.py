@@ -33,8 +33,11 @@ _LOCK = pytest.StashKey[IO]()
 
 def pytest_configure(config: pytest.Config) -> None:
     """This run's own --basetemp (tests/basetemp.py), unless one was given; pytest-xdist's
-    workers inherit their controller's."""
-    if config.option.basetemp or hasattr(config, "workerinput"):
+    workers inherit their controller's, and each computes on one thread (`schedule.one_thread`)."""
+    if hasattr(config, "workerinput"):
+        schedule.one_thread()
+        return
+    if config.option.basetemp:
         return
     config.option.basetemp, lock = basetemp.claim()
     config.stash[_LOCK] = lock  # held (open) until this process ends

@@ -13,7 +13,10 @@ on one core. The same order holds without `-n`, so both runs meet the same state
 
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch
 
 # Over about 40 s each in a full serial run on the 2-core VM (docs/testing.md "Timings", the
 # durations log), longest first. A file missing here only runs later; nothing else changes.
@@ -47,3 +50,11 @@ def by_file(config: pytest.Config, log: object) -> object:
 
     config.option.loadscopereorder = False
     return LoadFileScheduling(config, log)
+
+
+def one_thread() -> None:
+    """One intra-op thread in this xdist worker and the processes it starts (unless a test sets
+    its own): with a worker per core, torch's default of a thread per core would put two
+    threads on each core, and OpenMP threads spin while they wait for each other."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
