@@ -182,6 +182,24 @@ def test_eviction_keeps_the_index_and_spares_pinned_entries():
     assert pool.grow(1, 8) and pool.evicted[-1] == 4 and set(pool.cached) == {3, 5}
 
 
+def test_a_chain_loses_its_latest_chunk_first_however_it_was_kept():
+    """One sequence keeps chunks 0 then 1 (two steps: chunk 0 is the older entry). Room for a
+    block must evict chunk 1, not chunk 0: without chunk 0 no lookup reaches chunk 1, which
+    would hold its blocks for nothing."""
+    pool = BlockPool(5, 4)
+    ids = list(range(16))
+    hashes = prefix_hashes(ids, 8, 4)
+    pool.held[7] = pool.blocks(8)
+    assert pool.keep(0, hashes[0], [(0, 8, 8)], 8, 7, pool.blocks(8)) == 0
+    pool.start_step()
+    pool.held[7] += pool.blocks(8)
+    assert pool.keep(1, hashes[1], [(0, 8, 8)], 8, 7, pool.blocks(8)) == 1
+    pool.start_step()
+    pool.release(7)
+    assert pool.free == 1 and pool.grow(8, 2 * 4)  # 2 blocks: one entry goes
+    assert pool.evicted == [1] and pool.lookup(hashes, 16) == [(0, 8)]
+
+
 class _CountingDict(dict):
     """A dict that counts `get` calls (the pool's per-entry lookups of its users)."""
 

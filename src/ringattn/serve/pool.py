@@ -317,6 +317,12 @@ class BlockPool:
                                    base)  # fmt: skip
         if base is not None:
             self.dependents.setdefault(base, set()).add(entry)
+        # the entries this sequence adopted or kept for its earlier chunks, its chain's head, are
+        # as recent as its newest chunk: at equal `last`, eviction takes the latest chunk first,
+        # so a chain never loses its head (its tail left unreachable, holding blocks) first
+        for other, users in self.users.items():
+            if seq in users and other in self.cached:
+                self.cached[other].last = self.clock
         for _, h in points:
             for other in self.index.get(h, ()):
                 if self.cached[other].points[-1][1] == h:  # all it holds, this one holds too:
