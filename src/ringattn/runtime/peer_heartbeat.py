@@ -237,10 +237,24 @@ class _PeerBeat:
                 self.lost_store(silent)
 
     def finish(self) -> None:
+        """At exit: the last beat, marked done (a finished rank is not a frozen one). It runs on
+        a thread of its own, waited for at most stall_s: on a cut link a store operation can
+        block in recv until the kernel gives the connection up (about 15 minutes of TCP
+        retransmissions), and this runs in atexit, after watch_store has stopped watching. A
+        rank whose main thread failed on the cut link hung there for 17 minutes; now the
+        store's silence ends it as it ends a rank that is still computing (lost_store)."""
         self.done = True
+        last = threading.Thread(target=self._last_beat, name="ringattn-last-beat", daemon=True)
+        start = time.monotonic()
+        last.start()
+        last.join(self.stall_s)
+        if last.is_alive():
+            self.lost_store(time.monotonic() - start)
+
+    def _last_beat(self) -> None:
         try:
             self.beat(done=True)
-        except (RuntimeError, OSError):
+        except (RuntimeError, OSError, ValueError):
             pass
 
 
