@@ -71,7 +71,7 @@ GIB = 1024**3
 def _block_activation_elems(spec: PlanSpec) -> float:
     """Elements autograd keeps per token for one block (see the module docstring)."""
     m, tp = spec.model, spec.tp
-    width = 4 * m.dim / tp  # sequence-parallel norms: split by tp as well
+    width = 6 * m.dim / tp  # each norm's input, normed and output; sequence-parallel: split by tp
     attention = (3 * m.q_dim + 2 * m.kv_dim) / tp + (m.n_heads / tp) * 4 / spec.elem_bytes
     mlp = m.top_k * (m.expert_hidden or m.hidden_dim) if m.experts else m.hidden_dim
     mixer = 0.0
@@ -165,10 +165,12 @@ def memory_bytes(spec: PlanSpec) -> dict:
     if shards > 1 and not spec.offload_states:  # offloaded: the layers in use are `params`
         fsdp = 2 * layer_local * (e + 4) + vocab_params / spec.tp * e
     tokens = spec.micro_batch * (spec.seq_len // spec.cp)
+    dim = m.dim / spec.tp
     block, mlp = _block_activation_elems(spec), _mlp_elems(spec)
-    # one block's working set (recomputed, differentiated): the tiled MLP's only for one tile
+    one = mlp / 4  # one of the MLP's four intermediates, per row
+    q_dim = m.n_heads / spec.tp * m.d_head
+    # the MLP's rows at a time: a tile's under the tiled MLP (recomputed in its backward)
     tile_rows = min(tokens, spec.tiled_mlp) if spec.tiled_mlp else tokens
-    per_block = ((block - mlp) * tokens + mlp * tile_rows) * e
     # what each block keeps without checkpointing: tiled, the MLP keeps only its (normed) input
     kept_block = (block - mlp) * e * tokens if spec.tiled_mlp else block * e * tokens
     in_flight = kept_microbatches(spec.pp_schedule, spec.pp, spec.pipe_microbatches, spec.virtual)
@@ -176,19 +178,38 @@ def memory_bytes(spec: PlanSpec) -> dict:
         # offloaded: the checkpoint in use and the one being prefetched stay on the device (on
         # cpu the host is the device: the copies live in the same memory, nothing is saved)
         held = min(layers, 2) if spec.offload_activations and not spec.hw.is_cpu else layers
-        kept, recomputed = held * tokens * m.dim / spec.tp * e, per_block
+        kept = held * tokens * dim * e
+        # the block being differentiated, recomputed from its checkpoint (its input, in `kept`)
+        own = (block - mlp - dim) * tokens * e
+        mlp_kept = 0.0  # recomputed below, a tile at a time when tiled
     else:
-        kept, recomputed = layers * kept_block, 0.0
-    # the MLP's intermediates are freed before attention's backward starts (module docstring)
-    mlp_saved = mlp * tile_rows * e if spec.activation_checkpointing else 0.0
-    hidden = 3 * tokens * m.dim / spec.tp * e  # the embedding, the final norm's input and output
-    transient = 2 * tokens * m.dim / spec.tp * e  # the block output's and its branch's gradients
-    # attention buffers of the layer being run
+        kept, own = layers * kept_block, 0.0  # the block's own tensors are among the kept
+        mlp_kept = 0.0 if spec.tiled_mlp else mlp * tokens * e
+    # moment 1, the MLP's backward: three of its four intermediates (the product is freed once
+    # w2's backward has run) and three gradients of that width, for the rows at a time
+    # (without checkpointing, untiled, they are among the kept: only the product is freed);
+    # in flight: the block output's gradient, and the tiled MLP's input gradient it fills
+    mlp_live = -one * tokens * e if mlp_kept else 3 * one * tile_rows * e
+    mlp_moment = {
+        "activations": in_flight * (kept + own) + mlp_live,
+        "backward_transient": (3 * one * tile_rows + dim * tokens) * e
+        + (dim * tokens * e if spec.tiled_mlp else 0.0),
+    }
+    # moment 2, attention's backward: the MLP's tensors, the second norm's and the output
+    # projection's input are freed; the first norm's normed and output, q, k, v, out and lse
+    # stay; in flight: the residual's gradient and attention's dout
+    freed = (3 * dim + q_dim) * tokens * e + mlp_kept  # x_mid, normed, ffn input; wo's input
+    attention_moment = {
+        "activations": in_flight * (kept + own) - freed,
+        "backward_transient": (dim + q_dim) * tokens * e,
+    }
+    hidden = 4 * tokens * dim * e  # the final norm's input, normed and output; their gradient
+    # attention's buffers in its backward: the strategy's (K/V in flight, dK/dV partials), the
+    # float32 dq accumulator and one block's dq, dk, dv from the kernel
     hq, hkv, d, w = m.n_heads / spec.tp, m.n_kv_heads / spec.tp, m.d_head, spec.cp
     q_bytes = tokens * hq * d * e
     kv_bytes = 2 * tokens * hkv * d * e
     kv32 = kv_bytes * 4 / e
-    accumulators = 2 * q_bytes * 4 / e
     if w == 1:
         buffers = 0.0
     elif spec.strategy == "ring":
@@ -200,22 +221,23 @@ def memory_bytes(spec: PlanSpec) -> dict:
     else:
         u = spec.ulysses
         buffers = 2 * (q_bytes + kv_bytes) + 2 * u * kv_bytes + 2 * u * kv32
-    if spec.hw.is_cpu and hq != hkv:  # cpu_flash expands GQA K/V for its backward
-        buffers += 2 * tokens * hq * d * 4
+    buffers += q_bytes * 4 / e + q_bytes + kv_bytes  # dq (float32), a block's dq, dk, dv
+    if spec.hw.is_cpu and hq != hkv:  # cpu_flash expands GQA K/V (and so dK/dV) for its backward
+        buffers += 2 * tokens * hq * d * 4 + 2 * (q_bytes - kv_bytes / 2) * 4 / e
     loss_rows = min(tokens, spec.loss_chunk) if spec.loss_chunk > 0 else tokens
-    loss = 3 * loss_rows * m.vocab_size / spec.tp * 4
+    # chunked: one chunk of float32 logits at a time (changed in place by the hand-written
+    # backward, models/loss.py); whole: the logits, their log-softmax and its gradient; both:
+    # the output projection's weight gradient, summed over the chunks
+    logits = (1 if spec.loss_chunk > 0 else 3) * loss_rows * m.vocab_size / spec.tp * 4
+    loss = logits + m.vocab_size * m.dim / spec.tp * e
     dispatch = 4 * tokens * m.top_k * m.dim * e if m.experts and spec.ep > 1 else 0.0
-    # the two peaks of a step (module docstring, "Phases"): the loss, or a block's backward
-    loss_phase = {"activations": in_flight * (kept + hidden), "loss": loss}
-    attention = buffers + accumulators
-    if recomputed - mlp_saved + attention > recomputed:  # attention's backward is the peak
-        recomputed, held_attention = recomputed - mlp_saved, attention
-    else:  # the MLP's backward (all the block's tensors alive) is the peak
-        held_attention = 0.0
+    # the phases of a step (module docstring, "Phases"): the loss, or a block's backward at
+    # the larger of its two moments
+    loss_phase = {"activations": in_flight * kept + hidden, "loss": loss}
+    attention_moment["attention_buffers"] = buffers
+    moment = max(mlp_moment, attention_moment, key=lambda phase: sum(phase.values()))
     block_phase = {
-        "activations": in_flight * (kept + recomputed),
-        "backward_transient": transient,
-        "attention_buffers": held_attention,
+        **moment,
         "expert_dispatch": dispatch,
         "mixer_buffers": _mixer_buffers(spec, tokens) if m.mixer_layers else 0.0,
     }
