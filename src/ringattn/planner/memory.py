@@ -71,7 +71,9 @@ GIB = 1024**3
 def _block_activation_elems(spec: PlanSpec) -> float:
     """Elements autograd keeps per token for one block (see the module docstring)."""
     m, tp = spec.model, spec.tp
-    width = 6 * m.dim / tp  # each norm's input, normed and output; sequence-parallel: split by tp
+    # each of the two norms: its input in float32 (a copy unless float32 already), its normed
+    # and output in the compute dtype; sequence-parallel norms: split by tp as well
+    width = 2 * (4 / spec.elem_bytes + 2) * m.dim / tp
     attention = (3 * m.q_dim + 2 * m.kv_dim) / tp + (m.n_heads / tp) * 4 / spec.elem_bytes
     mlp = m.top_k * (m.expert_hidden or m.hidden_dim) if m.experts else m.hidden_dim
     mixer = 0.0
@@ -180,7 +182,8 @@ def memory_bytes(spec: PlanSpec) -> dict:
         held = min(layers, 2) if spec.offload_activations and not spec.hw.is_cpu else layers
         kept = held * tokens * dim * e
         # the block being differentiated, recomputed from its checkpoint (its input, in `kept`)
-        own = (block - mlp - dim) * tokens * e
+        own = (block - mlp - (dim if e == 4 else 0)) * tokens * e  # float32: it is the first
+        # norm's input; else the norm keeps a float32 copy of it
         mlp_kept = 0.0  # recomputed below, a tile at a time when tiled
     else:
         kept, own = layers * kept_block, 0.0  # the block's own tensors are among the kept
@@ -191,19 +194,20 @@ def memory_bytes(spec: PlanSpec) -> dict:
     # in flight: the block output's gradient, and the tiled MLP's input gradient it fills
     mlp_live = -one * tokens * e if mlp_kept else 3 * one * tile_rows * e
     mlp_moment = {
-        "activations": in_flight * (kept + own) + mlp_live,
+        "activations": in_flight * (kept + own + mlp_live),
         "backward_transient": (3 * one * tile_rows + dim * tokens) * e
         + (dim * tokens * e if spec.tiled_mlp else 0.0),
     }
     # moment 2, attention's backward: the MLP's tensors, the second norm's and the output
     # projection's input are freed; the first norm's normed and output, q, k, v, out and lse
     # stay; in flight: the residual's gradient and attention's dout
-    freed = (3 * dim + q_dim) * tokens * e + mlp_kept  # x_mid, normed, ffn input; wo's input
+    freed = ((4 / e + 2) * dim + q_dim) * tokens * e + mlp_kept  # the second norm's; wo's input
     attention_moment = {
-        "activations": in_flight * (kept + own) - freed,
+        "activations": in_flight * (kept + own - freed),
         "backward_transient": (dim + q_dim) * tokens * e,
     }
-    hidden = 4 * tokens * dim * e  # the final norm's input, normed and output; their gradient
+    # the final norm's float32 input, normed and output, and the gradient the loss fills
+    hidden = (4 / e + 3) * tokens * dim * e
     # attention's buffers in its backward: the strategy's (K/V in flight, dK/dV partials), the
     # float32 dq accumulator and one block's dq, dk, dv from the kernel
     hq, hkv, d, w = m.n_heads / spec.tp, m.n_kv_heads / spec.tp, m.d_head, spec.cp
@@ -229,11 +233,12 @@ def memory_bytes(spec: PlanSpec) -> dict:
     # backward, models/loss.py); whole: the logits, their log-softmax and its gradient; both:
     # the output projection's weight gradient, summed over the chunks
     logits = (1 if spec.loss_chunk > 0 else 3) * loss_rows * m.vocab_size / spec.tp * 4
+    logits += loss_rows * m.vocab_size / spec.tp * e if e != 4 else 0.0  # before the cast
     loss = logits + m.vocab_size * m.dim / spec.tp * e
     dispatch = 4 * tokens * m.top_k * m.dim * e if m.experts and spec.ep > 1 else 0.0
     # the phases of a step (module docstring, "Phases"): the loss, or a block's backward at
     # the larger of its two moments
-    loss_phase = {"activations": in_flight * kept + hidden, "loss": loss}
+    loss_phase = {"activations": in_flight * (kept + hidden), "loss": loss}
     attention_moment["attention_buffers"] = buffers
     moment = max(mlp_moment, attention_moment, key=lambda phase: sum(phase.values()))
     block_phase = {
