@@ -253,7 +253,8 @@ def speed_table(args: argparse.Namespace, argv: list[str] | None) -> None:
     from ringattn.runtime.launch import launch
 
     load_before = os.getloadavg()
-    out = launch(rank_speed, 2, args.seq_len, args.layers, args.tile, args.pairs)[0]
+    # stall_s: on a loaded machine a rank's heartbeat thread can starve for seconds
+    out = launch(rank_speed, 2, args.seq_len, args.layers, args.tile, args.pairs, stall_s=600)[0]
     untiled, tiled = statistics.median(out["untiled_s"]), statistics.median(out["tiled_s"])
     ratios = [t / u for t, u in zip(out["tiled_s"], out["untiled_s"], strict=True)]
     print(f"\nS = {args.seq_len}, W = 2, {args.layers} layers, checkpointing + chunked loss; "

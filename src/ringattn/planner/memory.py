@@ -8,45 +8,51 @@
                             block's experts are gathered only for this rank's 1/ep of them
     expert dispatch         --ep: the top_k rows of every token sent and received, forward
                             (hidden in, expert out) and their gradients in backward
-    activations             what autograd keeps per block and token (counted in the trainer's
-                            model with saved-tensor hooks: 11.7 KB per token per block for `small`
-                            in float32, this count gives 10.3 KB + the per-model tensors):
-                              RMSNorm input and output, 2 x dim each
+    activations             what autograd keeps per block and token (the profiler's live
+                            tensors on CPU, scripts/bench/long_seq.py --breakdown):
+                              each RMSNorm: its input in float32 (in bf16 a copy: both ours
+                              and transformers' norm compute in float32), normed and output
                               rotated q, k, v; attention out and lse; the (B, S, H*D) copy for wo
                               w1 and w3 outputs, silu, their product: 4 x hidden
                             with activation checkpointing only each block's input (dim), plus
-                            one block's worth while it is recomputed
-    backward transient      gradients in flight inside the block being differentiated: the
-                            block output's and its residual branch's (2 x dim per token)
-    attention buffers       per strategy (docs/strategies.md): ring 2 K/V + 2 float32 dK/dV,
-                            allgather W K/V + W dK/dV, ulysses ~2 (Q + K/V), plus the float32
-                            out/dq accumulators
-    loss                    a chunk of float32 logits (and their gradient) of the chunked loss
+                            the block being recomputed
+    backward transient      gradients in flight inside the block being differentiated (below)
+    attention buffers       attention's backward: per strategy (docs/strategies.md) ring 2 K/V
+                            + 2 float32 dK/dV, allgather W K/V + W dK/dV, ulysses ~2 (Q + K/V);
+                            the float32 dq accumulator; one block's dq, dk, dv from the kernel
+                            (on CPU with GQA the kernel's expanded K/V and dK/dV as well)
+    loss                    one chunk of float32 logits (the hand-written backward of
+                            models/loss.py changes it in place; whole logits: 3 copies) and the
+                            output projection's weight gradient, summed over the chunks
     mixer buffers           hybrids, the mixer layer being run: its chunk states (float32, one
                             per chunk of its rows, and their gradients in backward); state
                             passing adds the W x runs gathered summaries; gather adds the
                             gathered input and its full-length gradient; heads adds those and
                             the full-length output gradient (the summed output's is S x hidden)
 
-Phases: a step's tensors peak twice, and the two peaks are not alive together, so the total is
-the larger of them, not their sum (the kinds are those of the larger one; the other's are 0):
+Phases: a step's tensors peak at different times, never alive together, so the total is the
+largest of them, not their sum (the kinds are those of the largest; the others' are 0):
 
-    loss phase    the kept activations (checkpoints, or every block's without checkpointing),
-                  the embedding and the final norm's input and output, a chunk of logits
-    block phase   the kept activations, the block being differentiated (recomputed under
-                  checkpointing), its gradients in flight, expert dispatch, mixer buffers,
-                  and the larger of two moments inside it: the MLP's backward (every tensor
-                  of the block alive) or attention's (the MLP's intermediates freed, attention's
-                  buffers alive); the tiled MLP moves the peak to the second
+    loss phase       the kept activations (checkpoints, or every block's without
+                     checkpointing), the final norm's float32 input, normed and output, the
+                     hidden gradient the loss fills, a chunk of logits, the head's gradient
+    MLP's backward   the kept activations, the block being differentiated (recomputed under
+                     checkpointing) with three of the MLP's intermediates (the product is freed
+                     once w2's backward has run) and three gradients of their width, for the
+                     MLP's rows at a time (a tile's under the tiled MLP); the block output's
+                     gradient (and the tiled MLP's input gradient, filled tile by tile)
+    attention's      the kept activations and the block without its MLP, second norm and wo
+    backward         input (freed by then); in flight the residual's gradient and attention's
+                     dout; attention's buffers
+    (both block moments add expert dispatch and mixer buffers)
 
-By the time backward reaches the last block, the loss chunks and the final norm have been
-differentiated and their tensors freed; before it, no block has been recomputed. Measured on
-CPU (scripts/bench/long_seq.py, profiler peak): at SmolLM2-135M's shape with the trainer's
-1,344-row loss chunk, the tiled MLP changes nothing (722 MiB both, 16k tokens, W = 2): the
-peak is the loss's, so summing the phases over-priced that step by 79-125 %. With a 256-row
-loss chunk the block's backward is the peak: 408 MiB (372 above the checkpoints) untiled and
-327 tiled, where one block's saved tensors are 330 and 162 and attention's buffers 120: the
-earlier count of the gradients in flight as a second block's worth over-priced it by 47-100 %.
+Measured on CPU (scripts/bench/long_seq.py --breakdown, SmolLM2-135M's shape, 16k tokens, W = 2,
+256-row loss chunk): untiled the MLP's backward is the peak, 500 MiB (498 priced); tiled,
+attention's, 319 (312 priced), where attention's buffers are 160 MiB (156 priced). Before, the
+model counted two tensors per norm (three are kept), four of the MLP's width in its backward
+(six are alive), the second norm's tensors and wo's input in attention's backward (freed by
+then), no weight gradient in the loss phase, and three chunks of logits (one, since the
+hand-written backward): -20 % untiled, +51 % at 32k tiled.
 
 Hybrid activations: a mixer layer keeps its own tensors (work.MixerShape.activation_elems) in
 place of attention's; under the gather scheme it ran on all S rows, so it keeps W times as many,
