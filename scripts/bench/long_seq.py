@@ -3,7 +3,9 @@ lever, beside the planner's memory model; and the tiled MLP's step time, interle
 
     python scripts/bench/long_seq.py --seq-len 16384     # writes results/long_seq_memory_cpu.json
     python scripts/bench/long_seq.py --seq-len 32768 --layers 1 --levers ckpt,tiled,offload
+    python scripts/bench/long_seq.py --seq-len 16384 --loss-chunk 256 --breakdown  # what is alive
     python scripts/bench/long_seq.py --speed --seq-len 16384 --layers 1 --pairs 3
+                                                     # writes results/long_seq_speed_cpu.json
 
 The model is our decoder at SmolLM2-135M's shape (dim 576, 9 heads, 3 kv heads, SwiGLU 1536,
 vocabulary 49,152) with --layers blocks (SmolLM2 has 30; the depth is cut so that a run stays
@@ -12,11 +14,13 @@ within minutes on a shared 2-core machine), W = 2 gloo ranks of one thread, ring
 Memory: in each rank, for each lever set (LEVERS), a fresh model whose gradients are allocated
 beforehand (zeros), so that the model states (parameters, gradients) are in place; then one
 forward + backward under the profiler (bench.common.PeakMemory: allocation and free events
-summed in time order). The peak is what the step adds above the model states: activations,
-the recompute's working set, ring buffers, logits. "Checkpoints alone" is layers x S/W x dim x
-4 bytes. With checkpointing, what a step adds is the checkpoints plus one block's working set
-(the block being recomputed), which does not grow with depth; so the figure at SmolLM2's 30
-layers is extrapolated as 30 x checkpoint + (measured - L x checkpoint), and labelled so.
+summed in time order; with --breakdown, bench/breakdown.py also lists the tensors alive at the
+peak by the op and autograd node that allocated them). The peak is what the step adds above the
+model states: activations, the recompute's working set, ring buffers, logits. "Checkpoints
+alone" is layers x S/W x dim x 4 bytes. With checkpointing, what a step adds is the checkpoints
+plus one block's working set (the block being recomputed), which does not grow with depth; so
+the figure at SmolLM2's 30 layers is extrapolated as 30 x checkpoint + (measured - L x
+checkpoint), and labelled so.
 On CPU, offload copies the checkpoints into other CPU memory: it saves nothing here (the row
 shows that); the saving is a GPU's.
 
@@ -244,8 +248,9 @@ def memory_table(args: argparse.Namespace, argv: list[str] | None) -> None:
     record.write(args.json, __file__, argv, {
         "seq_len": args.seq_len, "world_size": 2, "layers": args.layers, "shape": SHAPE,
         "loss_chunk": args.loss_chunk,
-        "method": "profiler peak of tensor bytes over one forward + backward, above the "
-                  "parameters and preallocated gradients (bench.common.PeakMemory), largest rank",
+        "method": "profiler peak of tensor bytes over one forward + backward (the raw "
+                  "allocation and free events in time order), above the parameters and "
+                  "preallocated gradients (bench.common.PeakMemory), largest rank",
         "rows": rows, "load_after": load})  # fmt: skip
 
 
