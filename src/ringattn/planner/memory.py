@@ -52,7 +52,8 @@ attention's, 319 (312 priced), where attention's buffers are 160 MiB (156 priced
 model counted two tensors per norm (three are kept), four of the MLP's width in its backward
 (six are alive), the second norm's tensors and wo's input in attention's backward (freed by
 then), no weight gradient in the loss phase, and three chunks of logits (one, since the
-hand-written backward): -20 % untiled, +51 % at 32k tiled.
+hand-written backward): -20 % untiled at 16k. (The "+51 %" reported at 32k tiled was mostly
+the bench's old peak reading, which netted each op's frees against its allocations.)
 
 Hybrid activations: a mixer layer keeps its own tensors (work.MixerShape.activation_elems) in
 place of attention's; under the gather scheme it ran on all S rows, so it keeps W times as many,
