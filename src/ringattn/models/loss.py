@@ -42,6 +42,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 __all__ = ["AUTO", "IGNORE", "LOGITS_BUDGET", "auto_chunk", "chunked_cross_entropy", "fusable",
@@ -68,13 +69,13 @@ def fusable(output: nn.Module) -> bool:
     """Whether `output` is a plain bias-free nn.Linear on local tensors that the hand-written
     backward may stand for: no hooks (tensor parallelism, hooks of other libraries) and no
     DTensor weight; not while torch.compile traces (the checkpointed chunks trace)."""
+    if torch.compiler.is_compiling():  # first: nothing below is traced
+        return False
     if type(output) is not nn.Linear or output.bias is not None:
         return False
     if output._forward_hooks or output._forward_pre_hooks or output._backward_hooks:
         return False
-    from torch.distributed.tensor import DTensor
-
-    return not isinstance(output.weight, DTensor) and not torch.compiler.is_compiling()
+    return not isinstance(output.weight, DTensor)
 
 
 def _chunk_forward(
