@@ -3,7 +3,9 @@ lever, beside the planner's memory model; and the tiled MLP's step time, interle
 
     python scripts/bench/long_seq.py --seq-len 16384     # writes results/long_seq_memory_cpu.json
     python scripts/bench/long_seq.py --seq-len 32768 --layers 1 --levers ckpt,tiled,offload
+    python scripts/bench/long_seq.py --seq-len 16384 --loss-chunk 256 --breakdown  # what is alive
     python scripts/bench/long_seq.py --speed --seq-len 16384 --layers 1 --pairs 3
+                                                     # writes results/long_seq_speed_cpu.json
 
 The model is our decoder at SmolLM2-135M's shape (dim 576, 9 heads, 3 kv heads, SwiGLU 1536,
 vocabulary 49,152) with --layers blocks (SmolLM2 has 30; the depth is cut so that a run stays
@@ -12,11 +14,13 @@ within minutes on a shared 2-core machine), W = 2 gloo ranks of one thread, ring
 Memory: in each rank, for each lever set (LEVERS), a fresh model whose gradients are allocated
 beforehand (zeros), so that the model states (parameters, gradients) are in place; then one
 forward + backward under the profiler (bench.common.PeakMemory: allocation and free events
-summed in time order). The peak is what the step adds above the model states: activations,
-the recompute's working set, ring buffers, logits. "Checkpoints alone" is layers x S/W x dim x
-4 bytes. With checkpointing, what a step adds is the checkpoints plus one block's working set
-(the block being recomputed), which does not grow with depth; so the figure at SmolLM2's 30
-layers is extrapolated as 30 x checkpoint + (measured - L x checkpoint), and labelled so.
+summed in time order; with --breakdown, bench/breakdown.py also lists the tensors alive at the
+peak by the op and autograd node that allocated them). The peak is what the step adds above the
+model states: activations, the recompute's working set, ring buffers, logits. "Checkpoints
+alone" is layers x S/W x dim x 4 bytes. With checkpointing, what a step adds is the checkpoints
+plus one block's working set (the block being recomputed), which does not grow with depth; so
+the figure at SmolLM2's 30 layers is extrapolated as 30 x checkpoint + (measured - L x
+checkpoint), and labelled so.
 On CPU, offload copies the checkpoints into other CPU memory: it saves nothing here (the row
 shows that); the saving is a GPU's.
 
@@ -89,8 +93,10 @@ def _step(model: torch.nn.Module, batch, seq_len: int) -> None:
     (loss / seq_len).backward()
 
 
-def rank_memory(seq_len: int, layers: int, names: list[str], chunk: int) -> dict:
-    """Each lever set's peak tensor MiB above the model states, on this rank."""
+def rank_memory(seq_len: int, layers: int, names: list[str], chunk: int, breakdown: bool) -> dict:
+    """Each lever set's peak tensor MiB above the model states, on this rank; with `breakdown`,
+    what is alive at the peak (bench/breakdown.py)."""
+    from ringattn.bench.breakdown import Breakdown
     from ringattn.bench.common import PeakMemory
     from ringattn.runtime.launch import init_distributed
 
@@ -103,10 +109,13 @@ def rank_memory(seq_len: int, layers: int, names: list[str], chunk: int) -> dict
         for p in model.parameters():  # the gradients are model states: in place before the step
             p.grad = torch.zeros_like(p)
         start = time.perf_counter()
-        with PeakMemory(torch.device("cpu")) as peak:
+        meter = Breakdown(seq_len // 2) if breakdown else PeakMemory(torch.device("cpu"))
+        with meter:
             _step(model, batch, seq_len)
-        out[name] = {"peak_mb": peak.mb, "seconds": time.perf_counter() - start,
+        out[name] = {"peak_mb": meter.mb, "seconds": time.perf_counter() - start,
                      "params": sum(p.numel() for p in model.parameters())}  # fmt: skip
+        if breakdown:
+            out[name]["peak_at"], out[name]["alive_at_peak"] = meter.at, meter.live
         del model
         gc.collect()
     return out
@@ -190,7 +199,9 @@ def memory_table(args: argparse.Namespace, argv: list[str] | None) -> None:
     unknown = [n for n in names if n not in LEVERS]
     if unknown:
         raise ValueError(f"--levers {unknown}: choose from {', '.join(LEVERS)}")
-    per_rank = launch(rank_memory, 2, args.seq_len, args.layers, names, args.loss_chunk)
+    # stall_s: the profiler's processing at the end of a long step holds the GIL for a while
+    per_rank = launch(rank_memory, 2, args.seq_len, args.layers, names, args.loss_chunk,
+                      args.breakdown, stall_s=600)  # fmt: skip
     tokens = args.seq_len // 2
     ckpt_mb = tokens * SHAPE["dim"] * 4 / 2**20  # one layer's checkpoint per rank, float32
     rows = []
@@ -209,6 +220,10 @@ def memory_table(args: argparse.Namespace, argv: list[str] | None) -> None:
             work = peak - args.layers * ckpt_mb
             row["extrapolated_30_layers_vs_checkpoints"] = (
                 SMOLLM2_LAYERS * ckpt_mb + work) / (SMOLLM2_LAYERS * ckpt_mb)  # fmt: skip
+        if args.breakdown:  # the largest rank's
+            top = max(per_rank, key=lambda r: per_rank[r][name]["peak_mb"])
+            row["peak_at"] = per_rank[top][name]["peak_at"]
+            row["alive_at_peak"] = per_rank[top][name]["alive_at_peak"]
         rows.append(row)
     chunk = "auto" if args.loss_chunk < 0 else args.loss_chunk
     print(f"\nS = {args.seq_len}, W = 2, {args.layers} layers of SmolLM2-135M's shape, loss "
@@ -221,14 +236,21 @@ def memory_table(args: argparse.Namespace, argv: list[str] | None) -> None:
         print(f"{r['label']:<30} {r['peak_mb']:>7.0f} {r['predicted_mb']:>8.0f} "
               f"{r['planner_error']:>+6.0%} {r['vs_checkpoints']:>8.2f} "
               f"{f'{at30:.2f} (extrapolated)' if at30 else '-':>21}")  # fmt: skip
+    for r in rows if args.breakdown else ():
+        print(f"\n{r['label']}: alive at the peak ({' / '.join(r['peak_at'])}), per token in "
+              f"floats of {tokens} local tokens")  # fmt: skip
+        for g in r["alive_at_peak"]:
+            print(f"  {g['mb']:8.1f} MiB x{g['count']:<3} {g['per_token']:>8} per token  "
+                  f"{g['node'] or 'forward'} / {g['op']}")  # fmt: skip
     load = os.getloadavg()
     print(f"checkpoints alone: {args.layers} x {ckpt_mb:.1f} MiB; load average after: "
           f"{load[0]:.1f}")  # fmt: skip
     record.write(args.json, __file__, argv, {
         "seq_len": args.seq_len, "world_size": 2, "layers": args.layers, "shape": SHAPE,
         "loss_chunk": args.loss_chunk,
-        "method": "profiler peak of tensor bytes over one forward + backward, above the "
-                  "parameters and preallocated gradients (bench.common.PeakMemory), largest rank",
+        "method": "profiler peak of tensor bytes over one forward + backward (the raw "
+                  "allocation and free events in time order), above the parameters and "
+                  "preallocated gradients (bench.common.PeakMemory), largest rank",
         "rows": rows, "load_after": load})  # fmt: skip
 
 
@@ -236,7 +258,8 @@ def speed_table(args: argparse.Namespace, argv: list[str] | None) -> None:
     from ringattn.runtime.launch import launch
 
     load_before = os.getloadavg()
-    out = launch(rank_speed, 2, args.seq_len, args.layers, args.tile, args.pairs)[0]
+    # stall_s: on a loaded machine a rank's heartbeat thread can starve for seconds
+    out = launch(rank_speed, 2, args.seq_len, args.layers, args.tile, args.pairs, stall_s=600)[0]
     untiled, tiled = statistics.median(out["untiled_s"]), statistics.median(out["tiled_s"])
     ratios = [t / u for t, u in zip(out["tiled_s"], out["untiled_s"], strict=True)]
     print(f"\nS = {args.seq_len}, W = 2, {args.layers} layers, checkpointing + chunked loss; "
@@ -266,10 +289,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--speed", action="store_true", help="time tiled vs untiled, interleaved")
     p.add_argument("--tile", type=int, default=1024, help="--speed: tokens per MLP tile")
     p.add_argument("--pairs", type=int, default=3, help="--speed: timed pairs after a warm-up")
-    p.add_argument("--json", default="results/long_seq_memory_cpu.json")
+    p.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="memory: list what is alive at each peak, by op (bench/breakdown.py)",
+    )
+    p.add_argument("--json", default=None, help="default: results/long_seq_memory_cpu.json, "
+                   "with --speed results/long_seq_speed_cpu.json")  # fmt: skip
     p.add_argument("--repredict", default=None, metavar="JSON",
                    help="recompute the planner's columns of a memory result, and exit")  # fmt: skip
     args = p.parse_args(argv)
+    if args.json is None:
+        args.json = f"results/long_seq_{'speed' if args.speed else 'memory'}_cpu.json"
     if args.repredict:
         repredict(args.repredict)
         return 0

@@ -77,8 +77,13 @@ class PeakMemory:
     """Context manager: the peak of tensor bytes the region adds, in MiB (`.mb`; MEMORY_METHOD).
 
     On a CPU the resident set size (meter.py) cannot see a region's peak once earlier calls have
-    grown the heap, so the profiler's allocation and free events are summed in time order instead
-    (the profiler slows the region: time it separately).
+    grown the heap, so the profiler's allocation and free events ("[memory]", each with its own
+    time and signed size) are summed in time order instead (the profiler slows the region: time
+    it separately). Not the ops' `self_cpu_memory_usage`: that nets each op's allocations and
+    frees and is placed at the op's start, so a free inside a long op (an autograd node that
+    recomputes a chunk) counted before the allocations it follows: the peak of a chunked loss's
+    backward (checkpointed chunks, tests/test_linear_loss.py's case) read 3.1 MiB where the
+    events give 4.1.
     """
 
     def __init__(self, device: torch.device):
@@ -104,8 +109,9 @@ class PeakMemory:
         self._prof.__exit__(*exc)
         self._quiet.__exit__(*exc)
         live = peak = 0
-        for event in sorted(self._prof.events(), key=lambda e: e.time_range.start):
-            live += event.self_cpu_memory_usage  # + allocated, - freed ("[memory]" events)
+        memory = (e for e in self._prof.profiler.kineto_results.events() if e.name() == "[memory]")
+        for event in sorted(memory, key=lambda e: e.start_ns()):
+            live += event.nbytes()  # + allocated, - freed
             peak = max(peak, live)
         self.mb = peak / 2**20
 

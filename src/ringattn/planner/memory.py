@@ -8,45 +8,52 @@
                             block's experts are gathered only for this rank's 1/ep of them
     expert dispatch         --ep: the top_k rows of every token sent and received, forward
                             (hidden in, expert out) and their gradients in backward
-    activations             what autograd keeps per block and token (counted in the trainer's
-                            model with saved-tensor hooks: 11.7 KB per token per block for `small`
-                            in float32, this count gives 10.3 KB + the per-model tensors):
-                              RMSNorm input and output, 2 x dim each
+    activations             what autograd keeps per block and token (the profiler's live
+                            tensors on CPU, scripts/bench/long_seq.py --breakdown):
+                              each RMSNorm: its input in float32 (in bf16 a copy: both ours
+                              and transformers' norm compute in float32), normed and output
                               rotated q, k, v; attention out and lse; the (B, S, H*D) copy for wo
                               w1 and w3 outputs, silu, their product: 4 x hidden
                             with activation checkpointing only each block's input (dim), plus
-                            one block's worth while it is recomputed
-    backward transient      gradients in flight inside the block being differentiated: the
-                            block output's and its residual branch's (2 x dim per token)
-    attention buffers       per strategy (docs/strategies.md): ring 2 K/V + 2 float32 dK/dV,
-                            allgather W K/V + W dK/dV, ulysses ~2 (Q + K/V), plus the float32
-                            out/dq accumulators
-    loss                    a chunk of float32 logits (and their gradient) of the chunked loss
+                            the block being recomputed
+    backward transient      gradients in flight inside the block being differentiated (below)
+    attention buffers       attention's backward: per strategy (docs/strategies.md) ring 2 K/V
+                            + 2 float32 dK/dV, allgather W K/V + W dK/dV, ulysses ~2 (Q + K/V);
+                            the float32 dq accumulator; one block's dq, dk, dv from the kernel
+                            (on CPU with GQA the kernel's expanded K/V and dK/dV as well)
+    loss                    one chunk of float32 logits (the hand-written backward of
+                            models/loss.py changes it in place; whole logits: 3 copies) and the
+                            output projection's weight gradient, summed over the chunks
     mixer buffers           hybrids, the mixer layer being run: its chunk states (float32, one
                             per chunk of its rows, and their gradients in backward); state
                             passing adds the W x runs gathered summaries; gather adds the
                             gathered input and its full-length gradient; heads adds those and
                             the full-length output gradient (the summed output's is S x hidden)
 
-Phases: a step's tensors peak twice, and the two peaks are not alive together, so the total is
-the larger of them, not their sum (the kinds are those of the larger one; the other's are 0):
+Phases: a step's tensors peak at different times, never alive together, so the total is the
+largest of them, not their sum (the kinds are those of the largest; the others' are 0):
 
-    loss phase    the kept activations (checkpoints, or every block's without checkpointing),
-                  the embedding and the final norm's input and output, a chunk of logits
-    block phase   the kept activations, the block being differentiated (recomputed under
-                  checkpointing), its gradients in flight, expert dispatch, mixer buffers,
-                  and the larger of two moments inside it: the MLP's backward (every tensor
-                  of the block alive) or attention's (the MLP's intermediates freed, attention's
-                  buffers alive); the tiled MLP moves the peak to the second
+    loss phase       the kept activations (checkpoints, or every block's without
+                     checkpointing), the final norm's float32 input, normed and output, the
+                     hidden gradient the loss fills, a chunk of logits, the head's gradient
+    MLP's backward   the kept activations, the block being differentiated (recomputed under
+                     checkpointing) with three of the MLP's intermediates (the product is freed
+                     once w2's backward has run) and three gradients of their width, for the
+                     MLP's rows at a time (a tile's under the tiled MLP); the block output's
+                     gradient (and the tiled MLP's input gradient, filled tile by tile)
+    attention's      the kept activations and the block without its MLP, second norm and wo
+    backward         input (freed by then); in flight the residual's gradient and attention's
+                     dout; attention's buffers
+    (both block moments add expert dispatch and mixer buffers)
 
-By the time backward reaches the last block, the loss chunks and the final norm have been
-differentiated and their tensors freed; before it, no block has been recomputed. Measured on
-CPU (scripts/bench/long_seq.py, profiler peak): at SmolLM2-135M's shape with the trainer's
-1,344-row loss chunk, the tiled MLP changes nothing (722 MiB both, 16k tokens, W = 2): the
-peak is the loss's, so summing the phases over-priced that step by 79-125 %. With a 256-row
-loss chunk the block's backward is the peak: 408 MiB (372 above the checkpoints) untiled and
-327 tiled, where one block's saved tensors are 330 and 162 and attention's buffers 120: the
-earlier count of the gradients in flight as a second block's worth over-priced it by 47-100 %.
+Measured on CPU (scripts/bench/long_seq.py --breakdown, SmolLM2-135M's shape, 16k tokens, W = 2,
+256-row loss chunk): untiled the MLP's backward is the peak, 500 MiB (498 priced); tiled,
+attention's, 319 (312 priced), where attention's buffers are 160 MiB (156 priced). Before, the
+model counted two tensors per norm (three are kept), four of the MLP's width in its backward
+(six are alive), the second norm's tensors and wo's input in attention's backward (freed by
+then), no weight gradient in the loss phase, and three chunks of logits (one, since the
+hand-written backward): -20 % untiled at 16k. (The "+51 %" reported at 32k tiled was mostly
+the bench's old peak reading, which netted each op's frees against its allocations.)
 
 Hybrid activations: a mixer layer keeps its own tensors (work.MixerShape.activation_elems) in
 place of attention's; under the gather scheme it ran on all S rows, so it keeps W times as many,
@@ -71,7 +78,9 @@ GIB = 1024**3
 def _block_activation_elems(spec: PlanSpec) -> float:
     """Elements autograd keeps per token for one block (see the module docstring)."""
     m, tp = spec.model, spec.tp
-    width = 4 * m.dim / tp  # sequence-parallel norms: split by tp as well
+    # each of the two norms: its input in float32 (a copy unless float32 already), its normed
+    # and output in the compute dtype; sequence-parallel norms: split by tp as well
+    width = 2 * (4 / spec.elem_bytes + 2) * m.dim / tp
     attention = (3 * m.q_dim + 2 * m.kv_dim) / tp + (m.n_heads / tp) * 4 / spec.elem_bytes
     mlp = m.top_k * (m.expert_hidden or m.hidden_dim) if m.experts else m.hidden_dim
     mixer = 0.0
@@ -165,10 +174,12 @@ def memory_bytes(spec: PlanSpec) -> dict:
     if shards > 1 and not spec.offload_states:  # offloaded: the layers in use are `params`
         fsdp = 2 * layer_local * (e + 4) + vocab_params / spec.tp * e
     tokens = spec.micro_batch * (spec.seq_len // spec.cp)
+    dim = m.dim / spec.tp
     block, mlp = _block_activation_elems(spec), _mlp_elems(spec)
-    # one block's working set (recomputed, differentiated): the tiled MLP's only for one tile
+    one = mlp / 4  # one of the MLP's four intermediates, per row
+    q_dim = m.n_heads / spec.tp * m.d_head
+    # the MLP's rows at a time: a tile's under the tiled MLP (recomputed in its backward)
     tile_rows = min(tokens, spec.tiled_mlp) if spec.tiled_mlp else tokens
-    per_block = ((block - mlp) * tokens + mlp * tile_rows) * e
     # what each block keeps without checkpointing: tiled, the MLP keeps only its (normed) input
     kept_block = (block - mlp) * e * tokens if spec.tiled_mlp else block * e * tokens
     in_flight = kept_microbatches(spec.pp_schedule, spec.pp, spec.pipe_microbatches, spec.virtual)
@@ -176,19 +187,40 @@ def memory_bytes(spec: PlanSpec) -> dict:
         # offloaded: the checkpoint in use and the one being prefetched stay on the device (on
         # cpu the host is the device: the copies live in the same memory, nothing is saved)
         held = min(layers, 2) if spec.offload_activations and not spec.hw.is_cpu else layers
-        kept, recomputed = held * tokens * m.dim / spec.tp * e, per_block
+        kept = held * tokens * dim * e
+        # the block being differentiated, recomputed from its checkpoint (its input, in `kept`)
+        own = (block - mlp - (dim if e == 4 else 0)) * tokens * e  # float32: it is the first
+        # norm's input; else the norm keeps a float32 copy of it
+        mlp_kept = 0.0  # recomputed below, a tile at a time when tiled
     else:
-        kept, recomputed = layers * kept_block, 0.0
-    # the MLP's intermediates are freed before attention's backward starts (module docstring)
-    mlp_saved = mlp * tile_rows * e if spec.activation_checkpointing else 0.0
-    hidden = 3 * tokens * m.dim / spec.tp * e  # the embedding, the final norm's input and output
-    transient = 2 * tokens * m.dim / spec.tp * e  # the block output's and its branch's gradients
-    # attention buffers of the layer being run
+        kept, own = layers * kept_block, 0.0  # the block's own tensors are among the kept
+        mlp_kept = 0.0 if spec.tiled_mlp else mlp * tokens * e
+    # moment 1, the MLP's backward: three of its four intermediates (the product is freed once
+    # w2's backward has run) and three gradients of that width, for the rows at a time
+    # (without checkpointing, untiled, they are among the kept: only the product is freed);
+    # in flight: the block output's gradient, and the tiled MLP's input gradient it fills
+    mlp_live = -one * tokens * e if mlp_kept else 3 * one * tile_rows * e
+    mlp_moment = {
+        "activations": in_flight * (kept + own + mlp_live),
+        "backward_transient": (3 * one * tile_rows + dim * tokens) * e
+        + (dim * tokens * e if spec.tiled_mlp else 0.0),
+    }
+    # moment 2, attention's backward: the MLP's tensors, the second norm's and the output
+    # projection's input are freed; the first norm's normed and output, q, k, v, out and lse
+    # stay; in flight: the residual's gradient and attention's dout
+    freed = ((4 / e + 2) * dim + q_dim) * tokens * e + mlp_kept  # the second norm's; wo's input
+    attention_moment = {
+        "activations": in_flight * (kept + own - freed),
+        "backward_transient": (dim + q_dim) * tokens * e,
+    }
+    # the final norm's float32 input, normed and output, and the gradient the loss fills
+    hidden = (4 / e + 3) * tokens * dim * e
+    # attention's buffers in its backward: the strategy's (K/V in flight, dK/dV partials), the
+    # float32 dq accumulator and one block's dq, dk, dv from the kernel
     hq, hkv, d, w = m.n_heads / spec.tp, m.n_kv_heads / spec.tp, m.d_head, spec.cp
     q_bytes = tokens * hq * d * e
     kv_bytes = 2 * tokens * hkv * d * e
     kv32 = kv_bytes * 4 / e
-    accumulators = 2 * q_bytes * 4 / e
     if w == 1:
         buffers = 0.0
     elif spec.strategy == "ring":
@@ -200,22 +232,24 @@ def memory_bytes(spec: PlanSpec) -> dict:
     else:
         u = spec.ulysses
         buffers = 2 * (q_bytes + kv_bytes) + 2 * u * kv_bytes + 2 * u * kv32
-    if spec.hw.is_cpu and hq != hkv:  # cpu_flash expands GQA K/V for its backward
-        buffers += 2 * tokens * hq * d * 4
+    buffers += q_bytes * 4 / e + q_bytes + kv_bytes  # dq (float32), a block's dq, dk, dv
+    if spec.hw.is_cpu and hq != hkv:  # cpu_flash expands GQA K/V (and so dK/dV) for its backward
+        buffers += 2 * tokens * hq * d * 4 + 2 * (q_bytes - kv_bytes / 2) * 4 / e
     loss_rows = min(tokens, spec.loss_chunk) if spec.loss_chunk > 0 else tokens
-    loss = 3 * loss_rows * m.vocab_size / spec.tp * 4
+    # chunked: one chunk of float32 logits at a time (changed in place by the hand-written
+    # backward, models/loss.py); whole: the logits, their log-softmax and its gradient; both:
+    # the output projection's weight gradient, summed over the chunks
+    logits = (1 if spec.loss_chunk > 0 else 3) * loss_rows * m.vocab_size / spec.tp * 4
+    logits += loss_rows * m.vocab_size / spec.tp * e if e != 4 else 0.0  # before the cast
+    loss = logits + m.vocab_size * m.dim / spec.tp * e
     dispatch = 4 * tokens * m.top_k * m.dim * e if m.experts and spec.ep > 1 else 0.0
-    # the two peaks of a step (module docstring, "Phases"): the loss, or a block's backward
+    # the phases of a step (module docstring, "Phases"): the loss, or a block's backward at
+    # the larger of its two moments
     loss_phase = {"activations": in_flight * (kept + hidden), "loss": loss}
-    attention = buffers + accumulators
-    if recomputed - mlp_saved + attention > recomputed:  # attention's backward is the peak
-        recomputed, held_attention = recomputed - mlp_saved, attention
-    else:  # the MLP's backward (all the block's tensors alive) is the peak
-        held_attention = 0.0
+    attention_moment["attention_buffers"] = buffers
+    moment = max(mlp_moment, attention_moment, key=lambda phase: sum(phase.values()))
     block_phase = {
-        "activations": in_flight * (kept + recomputed),
-        "backward_transient": transient,
-        "attention_buffers": held_attention,
+        **moment,
         "expert_dispatch": dispatch,
         "mixer_buffers": _mixer_buffers(spec, tokens) if m.mixer_layers else 0.0,
     }
