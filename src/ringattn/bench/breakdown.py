@@ -36,19 +36,14 @@ class Breakdown:
         self.mb, self.at, self.live = 0.0, ("", ""), []
 
     def __enter__(self) -> Self:
-        from torch.profiler import ProfilerActivity, profile
+        from ringattn.bench.common import memory_profile
 
-        from ringattn.bench.common import _quiet_stderr
-
-        self._quiet = _quiet_stderr()
-        self._quiet.__enter__()
-        self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-        self._prof.__enter__()
+        self._recording = memory_profile()
+        self._prof = self._recording.__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._prof.__exit__(*exc)
-        self._quiet.__exit__(*exc)
+        self._recording.__exit__(*exc)
         fd, path = tempfile.mkstemp(suffix=".json")
         os.close(fd)
         try:

@@ -18,7 +18,7 @@ import shlex
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict
 
 import torch
@@ -93,12 +93,8 @@ class PeakMemory:
         if self.device.type == "cuda":
             self._meter = Meter(self.device).__enter__()
         else:
-            from torch.profiler import ProfilerActivity, profile
-
-            self._quiet = _quiet_stderr()
-            self._quiet.__enter__()
-            self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-            self._prof.__enter__()
+            self._recording = memory_profile()
+            self._prof = self._recording.__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -106,8 +102,7 @@ class PeakMemory:
             self._meter.__exit__(*exc)
             self.mb = self._meter.peak_mb
             return
-        self._prof.__exit__(*exc)
-        self._quiet.__exit__(*exc)
+        self._recording.__exit__(*exc)
         live = peak = 0
         memory = (e for e in self._prof.profiler.kineto_results.events() if e.name() == "[memory]")
         for event in sorted(memory, key=lambda e: e.start_ns()):
@@ -121,6 +116,16 @@ def peak_mb(fn: Callable[[], object], device: torch.device) -> float:
     with PeakMemory(device) as peak:
         fn()
     return peak.mb
+
+
+@contextlib.contextmanager
+def memory_profile() -> Iterator[object]:
+    """torch's profiler recording every allocation and free on the CPU, its own log lines
+    (written to fd 2 at start and stop) dropped; yields the profile."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with _quiet_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        yield prof
 
 
 @contextlib.contextmanager
