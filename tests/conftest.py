@@ -43,8 +43,9 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[_LOCK] = lock  # held (open) until this process ends
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    schedule.longest_first(items)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if hasattr(config, "workerinput"):  # a pytest-xdist worker: long files first (schedule.py)
+        schedule.longest_first(items)
 
 
 @pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, called only under -n

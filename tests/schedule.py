@@ -1,14 +1,14 @@
-"""The order test modules run in, and how `pytest -n 2` (the README's command) splits them.
+"""How `pytest -n N` (pytest-xdist) splits the suite, for machines with cores to spare.
 
-Under pytest-xdist each worker runs whole files (`by_file`): a module's fixtures (a Slurm
-cluster, two network namespaces, a server, a tmpfs) are built once, on one worker, and never
-on two at once, which they could not share; a file's tests also share its worker's pools.
+The README's command runs in one process: on the 2-core VM two workers were slower, not faster
+(measured 2026-12-07, docs/testing.md "Timings"), because two multi-rank tests at once put 4-8
+gloo ranks on 2 cores and every collective waits for a descheduled peer.
 
-Files go out longest first (`LONGEST_FIRST`, then the rest in name order), the
-longest-processing-time rule: the long files, which spend much of their time waiting (Slurm's
-requeue, the two hosts' stall timeout, pip, compilation), start while the other worker has
-short files to fill their waits with; a long file started last would run as the suite's tail
-on one core. The same order holds without `-n`, so both runs meet the same states.
+Under xdist each worker runs whole files (`by_file`): a module's fixtures (a Slurm cluster,
+two network namespaces, a server, a tmpfs) are built once, on one worker, and never on two at
+once, which they could not share; a file's tests also share its worker's pools. Files go out
+longest first (`LONGEST_FIRST`, then the rest in name order), the longest-processing-time rule:
+a long file started last would run as the suite's tail alone. Without -n the order is pytest's.
 """
 
 from __future__ import annotations
