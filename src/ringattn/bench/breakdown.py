@@ -23,6 +23,8 @@ import tempfile
 
 from typing_extensions import Self
 
+from ringattn.bench.common import memory_profile
+
 __all__ = ["Breakdown"]
 
 
@@ -36,8 +38,6 @@ class Breakdown:
         self.mb, self.at, self.live = 0.0, ("", ""), []
 
     def __enter__(self) -> Self:
-        from ringattn.bench.common import memory_profile
-
         self._recording = memory_profile()
         self._prof = self._recording.__enter__()
         return self
