@@ -25,6 +25,7 @@ if _TESTS_DIR not in sys.path:
     sys.path.insert(0, _TESTS_DIR)
 
 import basetemp
+import bytecode
 import schedule
 from harness import WorkerPool
 
@@ -33,10 +34,12 @@ _LOCK = pytest.StashKey[IO]()
 
 def pytest_configure(config: pytest.Config) -> None:
     """This run's own --basetemp (tests/basetemp.py), unless one was given; pytest-xdist's
-    workers inherit their controller's, and each computes on one thread (`schedule.one_thread`)."""
+    workers inherit their controller's, and each computes on one thread (`schedule.one_thread`).
+    The sources' bytecode is written first, for every process the tests start (bytecode.py)."""
     if hasattr(config, "workerinput"):
         schedule.one_thread()
         return
+    bytecode.compile_tree(os.path.join(os.path.dirname(_TESTS_DIR), "src"), _TESTS_DIR)
     if config.option.basetemp:
         return
     config.option.basetemp, lock = basetemp.claim()

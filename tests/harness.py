@@ -211,10 +211,21 @@ class WorkerPool:
         return f"WorkerPool(world_size={self.world_size}, closed={self.closed})"
 
     def run(
-        self, fn: Callable[..., Any] | str, *args: Any, timeout: float | None = None, **kwargs: Any
+        self,
+        fn: Callable[..., Any] | str,
+        *args: Any,
+        timeout: float | None = None,
+        straggler_s: float | None = None,
+        **kwargs: Any,
     ) -> list[Any]:
-        """Run fn(rank, world_size, *args, **kwargs) on every rank; return the results by rank."""
-        return [payload for _, payload in self._submit(fn, args, kwargs, timeout)]
+        """Run fn(rank, world_size, *args, **kwargs) on every rank; return the results by rank.
+
+        `straggler_s`: once one rank has answered, the others get at most this long more (a
+        test that expects some ranks to stay stuck ends on progress, not on `timeout`)."""
+        return [
+            payload
+            for _, payload in self._submit(fn, args, kwargs, timeout, straggler_s=straggler_s)
+        ]
 
     def run_expect_error(
         self,
@@ -257,6 +268,7 @@ class WorkerPool:
         kwargs: dict,
         timeout: float | None,
         check: bool = True,
+        straggler_s: float | None = None,
     ) -> list[tuple[bool, Any]]:
         if self.closed:
             raise RuntimeError(f"{self!r} is shut down; get a fresh pool from the `pools` fixture")
@@ -264,12 +276,15 @@ class WorkerPool:
         task = pickle.dumps((ref, args, kwargs))  # unpicklable args fail here, not in a worker
         for q in self._tasks:
             q.put(task)
-        return self._collect(ref, self.task_timeout_s if timeout is None else timeout, check)
+        timeout = self.task_timeout_s if timeout is None else timeout
+        return self._collect(ref, timeout, check, straggler_s)
 
-    def _collect(self, what: str, timeout: float, check: bool) -> list[tuple[bool, Any]]:
+    def _collect(
+        self, what: str, timeout: float, check: bool, straggler_s: float | None = None
+    ) -> list[tuple[bool, Any]]:
         """One (ok, payload) reply per rank, in rank order; raise if check and any rank raised."""
         try:
-            replies = self._gather(what, timeout)
+            replies = self._gather(what, timeout, straggler_s)
         except BaseException:  # deadline, dead rank, Ctrl-C: replies may still be in flight
             self.shutdown(timeout=0)
             raise
@@ -278,12 +293,17 @@ class WorkerPool:
             raise AssertionError(self._report(what, [f"ranks {sorted(failed)} raised"], replies))
         return [replies[r] for r in range(self.world_size)]
 
-    def _gather(self, what: str, timeout: float) -> dict[int, tuple[bool, Any]]:
+    def _gather(
+        self, what: str, timeout: float, straggler_s: float | None = None
+    ) -> dict[int, tuple[bool, Any]]:
         replies: dict[int, tuple[bool, Any]] = {}
-        deadline = time.monotonic() + timeout
+        deadline, limit = time.monotonic() + timeout, f"{timeout:g} s"
         while len(replies) < self.world_size:
             try:
                 rank, ok, payload = pickle.loads(self._results.get(timeout=0.05))
+                soon = time.monotonic() + (straggler_s or 0.0)
+                if not replies and straggler_s is not None and soon < deadline:
+                    deadline, limit = soon, f"{straggler_s:g} s of rank {rank}'s answer"
                 replies[rank] = (ok, payload)
                 continue
             except queue.Empty:
@@ -294,7 +314,7 @@ class WorkerPool:
             if dead or time.monotonic() > deadline:
                 lines = [f"rank {r} exited with code {code}" for r, code in dead.items()]
                 if not dead:
-                    lines.append(f"ranks {missing} did not answer within {timeout:g} s")
+                    lines.append(f"ranks {missing} did not answer within {limit}")
                 lines.append("the pool was shut down; the next pools(W) call spawns a fresh one")
                 raise AssertionError(self._report(what, lines, replies))
         return replies

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -113,6 +114,18 @@ def test_hang_hits_deadline_and_pool_is_replaced(pools):
         pool.run(_whoami)
     fresh = pools(2)
     assert fresh is not pool and fresh.run(_whoami) == [(0, 2, ""), (1, 2, "")]
+
+
+@pytest.mark.slow
+def test_a_straggler_ends_the_run_soon_after_the_first_answer(pools):
+    """straggler_s: rank 1 answers at once, rank 0 never; the run ends straggler_s after rank
+    1's answer, long before its timeout, and the pool is replaced."""
+    pool = pools(2)
+    pool.run(_whoami)
+    start = time.monotonic()
+    with pytest.raises(AssertionError, match=r"ranks \[0\] did not answer within 1 s of rank 1"):
+        pool.run(_rank0_waits_forever, timeout=120, straggler_s=1.0)
+    assert time.monotonic() - start < 60 and pool.closed
 
 
 def test_startup_deadline_is_a_clear_error():

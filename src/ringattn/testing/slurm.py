@@ -6,10 +6,10 @@
 
 Everything lives in one temporary folder: the munge key and socket, slurm.conf (one node named
 after this host at 127.0.0.1 with `cpus` CPUs, one partition, ports of its own so that a
-system Slurm is left alone; credentials that expire in 10 s, because a requeued job becomes
+system Slurm is left alone; credentials that expire in 5 s, because a requeued job becomes
 eligible only once its old credential expired, 120 s by default; a main scheduling pass every
 second, because an eligible requeued job otherwise waits for the next pass, 60 s by default:
-together a requeue took 56 s of idle waiting, now about 11), the controller's state, the node's
+together a requeue took 56 s of idle waiting, now about 6), the controller's state, the node's
 spool and the logs. Clients (sbatch, scancel, scontrol) find the cluster through SLURM_CONF,
 which `env()` sets. Processes are tracked by parentage (proctrack/linuxproc, no cgroups:
 containers rarely delegate them).
@@ -103,7 +103,7 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket={socket_path},cred_expire=10
+AuthInfo=socket={socket_path},cred_expire=5
 StateSaveLocation={d}/state
 SlurmdSpoolDir={d}/spool
 SlurmctldPidFile={d}/slurmctld.pid
