@@ -151,7 +151,9 @@ def test_pipeline_schedules_bubbles_and_memory(capsys):
     assert default["step_time_s"] > gpipe["step_time_s"]  # bubble 3/1 vs 3/8 of the work
     act = {n: p["breakdown"]["memory_gib"]["activations"] for n, p in
            (("gpipe", gpipe), ("1f1b", f1b), ("inter", inter))}  # fmt: skip
-    assert act["gpipe"] == pytest.approx(2 * act["1f1b"])  # 8 vs min(8, 4) microbatches
+    # 8 vs min(8, 4) microbatches' kept activations; what the microbatch at work holds beyond
+    # them (the final norm's tensors, a block's backward) is counted once, not per microbatch
+    assert 0 < 2 * act["1f1b"] - act["gpipe"] < 0.05 * act["gpipe"]
     assert act["1f1b"] < act["inter"] < 1.25 * act["1f1b"]  # x (1 + 3 / 16)
     assert "interleaved pipeline schedule" in inter["train_note"]
     for extra, why in ((["--pp-schedule", "1f1b", "--microbatches", "2"], "microbatches >= --pp"),

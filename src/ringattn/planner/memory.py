@@ -62,7 +62,10 @@ many as one shard's, plus the gathered input. Attention and mixer parts are weig
 layers' shares.
 
 With pp the first stage keeps the activations of schedule.kept(...) microbatches: all m with
-GPipe, min(m, pp) with 1F1B, a little more interleaved.
+GPipe, min(m, pp) with 1F1B, a little more interleaved. Only what each microbatch keeps until
+its backward is multiplied: the block being differentiated (recomputed from its checkpoint, or
+its tensors freed as its backward runs), the MLP's backward working set and the final norm's
+tensors belong to one microbatch at a time.
 """
 
 from __future__ import annotations
@@ -201,7 +204,7 @@ def memory_bytes(spec: PlanSpec) -> dict:
     # in flight: the block output's gradient, and the tiled MLP's input gradient it fills
     mlp_live = -one * tokens * e if mlp_kept else 3 * one * tile_rows * e
     mlp_moment = {
-        "activations": in_flight * (kept + own + mlp_live),
+        "activations": in_flight * kept + own + mlp_live,
         "backward_transient": (3 * one * tile_rows + dim * tokens) * e
         + (dim * tokens * e if spec.tiled_mlp else 0.0),
     }
@@ -210,7 +213,7 @@ def memory_bytes(spec: PlanSpec) -> dict:
     # stay; in flight: the residual's gradient and attention's dout
     freed = ((4 / e + 2) * dim + q_dim) * tokens * e + mlp_kept  # the second norm's; wo's input
     attention_moment = {
-        "activations": in_flight * (kept + own - freed),
+        "activations": in_flight * kept + own - freed,
         "backward_transient": (dim + q_dim) * tokens * e,
     }
     # the final norm's float32 input, normed and output, and the gradient the loss fills
@@ -245,7 +248,7 @@ def memory_bytes(spec: PlanSpec) -> dict:
     dispatch = 4 * tokens * m.top_k * m.dim * e if m.experts and spec.ep > 1 else 0.0
     # the phases of a step (module docstring, "Phases"): the loss, or a block's backward at
     # the larger of its two moments
-    loss_phase = {"activations": in_flight * (kept + hidden), "loss": loss}
+    loss_phase = {"activations": in_flight * kept + hidden, "loss": loss}
     attention_moment["attention_buffers"] = buffers
     moment = max(mlp_moment, attention_moment, key=lambda phase: sum(phase.values()))
     block_phase = {
