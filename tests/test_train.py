@@ -178,9 +178,10 @@ def test_resume_refuses_another_runs_checkpoint(pools, tmp_path):
 
 
 @pytest.mark.slow
-def test_rank_failure_is_named_and_the_same_command_resumes(tmp_path, capfd):
+def test_rank_failure_is_named_and_the_same_command_resumes(pools, tmp_path, capfd):
     """A rank SIGKILLed mid-run ends the launch fast with its rank named; rerunning the same
-    command resumes from the last complete checkpoint and finishes like an uninterrupted run."""
+    command resumes from the last complete checkpoint and finishes like an uninterrupted run (on
+    2 ranks of a worker pool: the same training code, without a third launch)."""
     args = ["train", "--nproc", "2", "--model", "tiny", "--dim", "32", "--seq-len", "64",
             "--keys", "3", "--copies", "2", "--steps", "4", "--warmup", "1", "--lr", "1e-2",
             "--checkpoint-every", "2", "--quiet"]  # fmt: skip
@@ -193,16 +194,17 @@ def test_rank_failure_is_named_and_the_same_command_resumes(tmp_path, capfd):
     assert "rank 1 (exit code -9): killed by signal 9 (SIGKILL)" in err
     assert "step-00000002; run the same command again to resume" in err
     assert main([*args, "--out-dir", str(tmp_path / "run")]) == 0
-    assert main([*args, "--out-dir", str(tmp_path / "ref")]) == 0
-
-    def losses(name):
-        records = read_log(str(tmp_path / name / "train_log.jsonl"))
-        return {r["step"]: r["loss"] for r in records if "loss" in r}
-
-    starts = [r for r in read_log(str(tmp_path / "run" / "train_log.jsonl")) if "event" in r]
+    reference = {"model": "tiny", "dim": 32, "seq_len": 64, "keys": 3, "copies": 2, "steps": 4,
+                 "warmup": 1, "lr": 1e-2, "checkpoint_every": 2, "quiet": True, "cp": 2,
+                 "out_dir": str(tmp_path / "ref")}  # fmt: skip
+    history = pools(2).run("workers_cluster:train_outcome", reference)[0]["history"]
+    records = read_log(str(tmp_path / "run" / "train_log.jsonl"))
+    starts = [r for r in records if "event" in r]
     assert [r["step"] for r in starts if r["event"] == "start"] == [0, 2]
-    assert losses("run") == losses("ref")
-    assert sorted(losses("run")) == [1, 2, 3, 4]
+    losses = {r["step"]: r["loss"] for r in records if "loss" in r}
+    assert sorted(losses) == [1, 2, 3, 4]
+    torch.testing.assert_close([losses[s] for s in sorted(losses)],
+                               [r["loss"] for r in history], rtol=1e-6, atol=0)  # fmt: skip
 
 
 def test_generate_from_checkpoint(tmp_path, capfd):
